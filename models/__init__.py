@@ -1,0 +1,1 @@
+"""Model definitions (installed as ``titan_mok.models``)."""

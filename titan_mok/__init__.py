@@ -1,0 +1,1 @@
+"""titan-mok: MoK-style deterministic MoE training on TorchTitan."""
