@@ -1,0 +1,120 @@
+"""Checks a job's configuration before any process-group work.
+
+TorchTitan would fail late (or silently accept) on several mistakes; these
+checks name the key and what is allowed. Used by `titan_mok.train` through
+`MokConfigManager`.
+"""
+
+import dataclasses
+import os
+import types
+import typing
+from typing import Any, Literal
+
+import torch
+
+from torchtitan.config import ConfigManager
+
+from titan_mok import registry
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _type_name(annotation) -> str:
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _value_matches(value, annotation) -> bool:
+    origin = typing.get_origin(annotation)
+    if annotation is typing.Any:
+        return True
+    if origin is Literal:
+        return value in typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_value_matches(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if origin in (list, tuple):
+        (item,) = typing.get_args(annotation)[:1] or (typing.Any,)
+        return isinstance(value, (list, tuple)) and all(_value_matches(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(annotation, type):
+        return isinstance(value, annotation)
+    return True  # an annotation we do not model: leave it to TorchTitan
+
+
+def _allowed_text(annotation) -> str:
+    if typing.get_origin(annotation) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    return f"a value of type {_type_name(annotation)}"
+
+
+def check_toml(config_cls, toml: dict[str, Any]) -> None:
+    """Unknown sections, unknown keys and wrongly typed values in a TOML dict."""
+    sections = {f.name: f for f in dataclasses.fields(config_cls)}
+    for section, table in toml.items():
+        if section not in sections:
+            raise ConfigError(f"unknown section [{section}]; known sections: {', '.join(sorted(sections))}")
+        section_cls = sections[section].type
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] must be a table, got {table!r}")
+        hints = typing.get_type_hints(section_cls)
+        for key, value in table.items():
+            if key not in hints:
+                raise ConfigError(f"[{section}] unknown key {key!r}; known keys: {', '.join(sorted(hints))}")
+            if not _value_matches(value, hints[key]):
+                raise ConfigError(f"[{section}] {key} = {value!r}: expected {_allowed_text(hints[key])}")
+
+
+def check_job(job_config, world_size: int) -> None:
+    """Model, flavor, parallel degrees and [mok] values."""
+    name, flavor = job_config.model.name, job_config.model.flavor
+    if name not in registry.MODELS:
+        raise ConfigError(f"[model] name = {name!r}: choose one of {list(registry.MODELS)}")
+    flavors = registry.flavors(name)
+    if flavor not in flavors:
+        raise ConfigError(f"[model] flavor = {flavor!r} for {name}: choose one of {list(flavors)}")
+
+    par = job_config.parallelism
+    ep = par.expert_parallel_degree
+    if ep < 1:
+        raise ConfigError(f"[parallelism] expert_parallel_degree = {ep}: must be >= 1")
+    if world_size % ep:
+        raise ConfigError(f"[parallelism] expert_parallel_degree = {ep} does not divide the world size {world_size}")
+    num_experts = flavors[flavor].moe_args.num_experts
+    if num_experts % ep:
+        raise ConfigError(
+            f"[parallelism] expert_parallel_degree = {ep} does not divide {name} {flavor}'s {num_experts} experts"
+        )
+    ac = job_config.activation_checkpoint
+    if ep > 1 and ac.mode == "selective" and ac.selective_ac_option == "op":
+        # torch bug: op-level SAC with EP>1 fails (`_record_function_enter_new ... not found in storage`).
+        raise ConfigError(
+            "[activation_checkpoint] mode = 'selective' with selective_ac_option = 'op' fails with "
+            "expert_parallel_degree > 1; use mode = 'full', 'none', or a layer-count selective_ac_option"
+        )
+    if job_config.mok.kernels == "triton" and not torch.cuda.is_available():
+        raise ConfigError("[mok] kernels = 'triton' needs a CUDA GPU; use 'reference' or 'auto' on CPU")
+
+
+class MokConfigManager(ConfigManager):
+    """TorchTitan's ConfigManager, with titan-mok's checks run first."""
+
+    def _maybe_load_toml(self, args):
+        toml = super()._maybe_load_toml(args)
+        if toml is not None:
+            config_cls = self._maybe_add_custom_config(args, toml)
+            check_toml(config_cls, toml)
+        return toml
+
+    def parse_args(self, args: list[str]):
+        config = super().parse_args(args)
+        check_job(config, int(os.environ.get("WORLD_SIZE", "1")))
+        return config

@@ -1,0 +1,31 @@
+"""Registers titan-mok's models as TorchTitan TrainSpecs (user specs win in
+`get_train_spec`). Each name is a package `titan_mok.models.<name>` with a
+`get_train_spec()` and a `<name>_configs` dict of flavors."""
+
+import importlib
+
+from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
+
+MODELS = (
+    "kimi_k2_7_code",
+)
+
+
+def model_module(name: str):
+    if name not in MODELS:
+        raise ValueError(f"[model] name = {name!r} is not a titan-mok model; choose one of {list(MODELS)}")
+    return importlib.import_module(f"titan_mok.models.{name}")
+
+
+def flavors(name: str) -> dict:
+    """The flavor → model args dict of a registered model."""
+    return getattr(model_module(name), f"{name}_configs")
+
+
+def register_all() -> None:
+    """Idempotent: registering twice would make TorchTitan raise."""
+    for name in MODELS:
+        try:
+            get_train_spec(name)
+        except ValueError:
+            register_train_spec(name, model_module(name).get_train_spec())
