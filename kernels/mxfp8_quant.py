@@ -1,0 +1,148 @@
+"""MXFP8 quantization in Triton, along rows and along columns, beside its reference.
+
+The reference (the definition) is ``titan_mok.mxfp8.to_mxfp8``; ``mxfp8_quantize`` must
+equal it bit for bit. ``mx_quantize_block`` is the per-block rule as a ``@triton.jit``
+function, so GEMM kernels quantize activations on load with the very same code.
+
+Legend: P outer dims, D the blocked dim (multiple of 32), Q inner dims (elements after D).
+Blocks along rows: x viewed as [P, D] (Q == 1, D contiguous). Blocks along columns: x viewed
+as [P, D, Q] with Q > 1 (e.g. a weight [E, I, H] blocked along I, or activations [R, H]
+blocked along the token axis R).
+"""
+
+import triton
+import triton.language as tl
+import torch
+
+from titan_mok.mxfp8 import BLOCK, SCALE_DTYPE, MXTensor, _check_blockable, to_mxfp8
+
+ref_mxfp8_quantize = to_mxfp8
+
+# Tile shapes: 16-byte bf16 loads along the contiguous dim, ~4K elements per program.
+_ROWS_BM, _ROWS_BK = 32, 128
+_COLS_BD, _COLS_BQ = 32, 128
+
+
+@triton.jit
+def mx_scale_exponent(amax):
+    """e = ceil(log2(amax / 448)) exactly, clamped to [-127, 127], from fp32 amax >= 0 bits.
+
+    amax = (1 + m) 2^k and 448 = 1.75 2^8, so e = k - 8, plus 1 when m > 0.75;
+    zero and subnormal amax (k = -127) clamp to the smallest scale.
+    """
+    bits = amax.to(tl.int32, bitcast=True)
+    exp_field = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    e = exp_field - 135 + (mant > 0x600000).to(tl.int32)
+    e = tl.where(exp_field == 0, -127, e)
+    return tl.minimum(tl.maximum(e, -127), 127)
+
+
+@triton.jit
+def mx_exp2(e):
+    """2^e as fp32 from its bits, for int32 e in [-126, 127] (normal range)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mx_quantize_block(x, AXIS: tl.constexpr):
+    """Quantize fp32 tile ``x`` whose dim ``AXIS`` has size 32 (one block along it).
+
+    Returns (q float8e4nv like x, e int32 with AXIS kept as size 1, bad: block holds NaN/Inf).
+    Bad blocks: the caller stores scale 0xFF and elements 0x7F (``mx_store_bits``).
+    """
+    nonfinite = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) == 0xFF
+    bad = tl.max(nonfinite.to(tl.int32), axis=AXIS, keep_dims=True) > 0
+    amax = tl.max(tl.where(nonfinite, 0.0, tl.abs(x)), axis=AXIS, keep_dims=True)
+    e = mx_scale_exponent(amax)
+    # 2^-e: e <= 120 for finite fp32 amax, so -e >= -120 is normal; e = -127 gives 2^127.
+    q = x * mx_exp2(-e)
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    return mx_round_to_e4m3_grid(q).to(tl.float8e4nv), e, bad
+
+
+@triton.jit
+def mx_round_to_e4m3_grid(q):
+    """Round fp32 |q| <= 448 to the nearest-even E4M3 value, staying in fp32.
+
+    Adding and subtracting c = 2^(s + 23) rounds (RNE, by the fp32 add) to a multiple of
+    2^s, E4M3's spacing at |q|: 2^(k - 3) in binade 2^k, 2^-9 below 2^-6 (subnormals).
+    The final cast to float8 is then exact, so the result does not hang on how a backend
+    rounds that cast (Triton's CPU interpreter truncates fp8 subnormals).
+    """
+    bits = q.to(tl.int32, bitcast=True)
+    k = ((bits >> 23) & 0xFF) - 127
+    c = mx_exp2(tl.maximum(k, -6) - 3 + 23)
+    r = (tl.abs(q) + c) - c
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mx_store_bits(q, e, bad):
+    """(element bits uint8, scale bits uint8) with the NaN rule applied."""
+    q_bits = tl.where(bad, 0x7F, q.to(tl.uint8, bitcast=True).to(tl.int32)).to(tl.uint8)
+    s_bits = tl.where(bad, 0xFF, e + 127).to(tl.uint8)
+    return q_bits, s_bits
+
+
+@triton.jit
+def _mx_quant_rows_kernel(
+    x_ptr, q_ptr, s_ptr,  # x [P, D] row-major, q [P, D] uint8, s [P, D/32] uint8
+    P, D,
+    BM: tl.constexpr, BK: tl.constexpr,
+):
+    o_p = tl.program_id(0) * BM + tl.arange(0, BM)
+    o_d = tl.program_id(1) * BK + tl.arange(0, BK)
+    o_s = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)
+    m = (o_p[:, None] < P) & (o_d[None, :] < D)
+    x = tl.load(x_ptr + o_p[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    q, e, bad = mx_quantize_block(tl.reshape(x, (BM, BK // 32, 32)), 2)
+    q_bits, s_bits = mx_store_bits(q, e, bad)
+    tl.store(q_ptr + o_p[:, None] * D + o_d[None, :], tl.reshape(q_bits, (BM, BK)), mask=m)
+    m_s = (o_p[:, None] < P) & (o_s[None, :] < D // 32)
+    tl.store(s_ptr + o_p[:, None] * (D // 32) + o_s[None, :], tl.reshape(s_bits, (BM, BK // 32)), mask=m_s)
+
+
+@triton.jit
+def _mx_quant_cols_kernel(
+    x_ptr, q_ptr, s_ptr,  # x [P, D, Q] contiguous, q [P, D, Q] uint8, s [P, D/32, Q] uint8
+    D, Q,
+    BD: tl.constexpr, BQ: tl.constexpr,
+):
+    i_p = tl.program_id(2).to(tl.int64)
+    o_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    o_s = tl.program_id(1) * (BD // 32) + tl.arange(0, BD // 32)
+    o_q = tl.program_id(0) * BQ + tl.arange(0, BQ)
+    m = (o_d[:, None] < D) & (o_q[None, :] < Q)
+    base = i_p * D * Q
+    x = tl.load(x_ptr + base + o_d[:, None] * Q + o_q[None, :], mask=m, other=0.0).to(tl.float32)
+    q, e, bad = mx_quantize_block(tl.reshape(x, (BD // 32, 32, BQ)), 1)
+    q_bits, s_bits = mx_store_bits(q, e, bad)
+    tl.store(q_ptr + base + o_d[:, None] * Q + o_q[None, :], tl.reshape(q_bits, (BD, BQ)), mask=m)
+    m_s = (o_s[:, None] < D // 32) & (o_q[None, :] < Q)
+    s_base = i_p * (D // 32) * Q
+    tl.store(s_ptr + s_base + o_s[:, None] * Q + o_q[None, :], tl.reshape(s_bits, (BD // 32, BQ)), mask=m_s)
+
+
+def mxfp8_quantize(x: torch.Tensor, dim: int = -1, name: str = "x") -> MXTensor:
+    """Triton twin of ``to_mxfp8``: blocks of 32 along ``dim``; bit-identical to it.
+
+    (1) checks the shape; (2) views x as [P, D] or [P, D, Q] (contiguous copy if needed);
+    (3) launches the rows kernel (dim innermost) or the columns kernel.
+    """
+    dim = _check_blockable(x, dim, name)
+    x = x.contiguous()
+    shape = x.shape
+    P, D = int(torch.Size(shape[:dim]).numel()), shape[dim]
+    Q = int(torch.Size(shape[dim + 1:]).numel())
+    q = torch.empty(shape, dtype=torch.uint8, device=x.device)
+    s_shape = shape[:dim] + (D // BLOCK,) + shape[dim + 1:]
+    s = torch.empty(s_shape, dtype=torch.uint8, device=x.device)
+    if x.numel() > 0:
+        if Q == 1:
+            grid = (triton.cdiv(P, _ROWS_BM), triton.cdiv(D, _ROWS_BK))
+            _mx_quant_rows_kernel[grid](x, q, s, P, D, BM=_ROWS_BM, BK=_ROWS_BK)
+        else:
+            grid = (triton.cdiv(Q, _COLS_BQ), triton.cdiv(D, _COLS_BD), P)
+            _mx_quant_cols_kernel[grid](x, q, s, D, Q, BD=_COLS_BD, BQ=_COLS_BQ)
+    return MXTensor(data=q.view(torch.float8_e4m3fn), scale=s.view(SCALE_DTYPE), dim=dim)

@@ -1,0 +1,70 @@
+"""Triton MXFP8 quantization (kernels/mxfp8_quant.py) equals the reference bit for bit.
+
+On CPU the kernels run in Triton's interpreter (small sizes); on a GPU at real sizes.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit decorates the kernels
+
+from titan_mok.kernels.mxfp8_quant import mxfp8_quantize, ref_mxfp8_quantize  # noqa: E402
+
+from tests.test_mxfp8 import _edge_blocks  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def assert_same_mx(name, tri, ref):
+    assert tri.dim == ref.dim, name
+    for part in ("data", "scale"):
+        a, b = getattr(tri, part).view(torch.uint8), getattr(ref, part).view(torch.uint8)
+        assert a.shape == b.shape, f"{name}.{part}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+        bad = (a != b).nonzero()
+        assert bad.numel() == 0, f"{name}.{part}: {bad.shape[0]} mismatches, first at {bad[0].tolist()}"
+
+
+def _edge_tensor(device) -> torch.Tensor:
+    """[64, 96] fp32 whose 32-blocks along either dim include every edge block."""
+    g = torch.Generator().manual_seed(0)
+    blocks = _edge_blocks()  # [nb, 32]
+    x = torch.randn(64 * 96, generator=g) * 100
+    x[: blocks.numel()] = blocks.flatten()
+    x = x.reshape(64, 96)
+    x = torch.cat([x[:32], x[:32].t()[:32].repeat(1, 3)])  # edge blocks along rows and columns
+    x[3, 7], x[40, 50], x[5, 90] = float("nan"), float("inf"), -float("inf")
+    return x.to(device)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_edge_values_2d(dim):
+    x = _edge_tensor(DEVICE)
+    assert_same_mx(f"edge dim={dim}", mxfp8_quantize(x, dim), ref_mxfp8_quantize(x, dim))
+
+
+@pytest.mark.parametrize("dim", [-1, 1, 0])
+def test_bf16_weights_3d(dim):
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(2, 64, 96, generator=g) * torch.logspace(-4, 4, 96)).to(torch.bfloat16).to(DEVICE)
+    if dim == 0:
+        w = w.reshape(64, 96, 2)  # blocked along a leading dim, Q = 192
+    assert_same_mx(f"w dim={dim}", mxfp8_quantize(w, dim), ref_mxfp8_quantize(w, dim))
+
+
+def test_bad_dim_size_names_the_tensor():
+    with pytest.raises(ValueError, match="w_down has size 48 along dim 1"):
+        mxfp8_quantize(torch.zeros(2, 48, 64, device=DEVICE), 1, name="w_down")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape,dim", [((4, 2048, 7168), -1), ((4, 2048, 7168), 1), ((5120, 7168), 0), ((5120, 3072), 1)])
+def test_real_sizes_gpu(shape, dim):
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(shape, device="cuda", generator=g) * torch.exp(torch.randn(shape, device="cuda", generator=g) * 4)
+    x = x.to(torch.bfloat16)
+    x.view(-1)[:: 997] = 0.0
+    assert_same_mx(f"{shape} dim={dim}", mxfp8_quantize(x, dim), ref_mxfp8_quantize(x, dim))
