@@ -1,0 +1,186 @@
+"""Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024), the linear-attention mixer of
+Qwen3.5: a pure-PyTorch chunked form (the training path, CPU and GPU) beside the
+token-by-token recurrence it must equal (``naive_recurrent_gated_delta_rule``).
+
+Legend: B batch, S sequence, H hidden, Hk query/key heads, Hv value heads,
+Dk key head dim, Dv value head dim, N chunks, C chunk length, W conv width.
+
+The recurrence per value head, with state ``S [Dk, Dv]`` and scalars ``g_t ≤ 0``
+(log decay) and ``beta_t ∈ (0, 1)`` (write strength)::
+
+    S_t = exp(g_t) · S_{t-1}
+    S_t = S_t + k_t ⊗ beta_t · (v_t − S_tᵀ k_t)        (the delta rule)
+    o_t = S_tᵀ q_t
+
+with q and k L2-normalised and q scaled by Dk^-0.5. Query/key head ``i`` serves
+value heads ``i·Hv/Hk … (i+1)·Hv/Hk − 1`` (grouped value attention), as in
+flash-linear-attention and the Qwen3.5 checkpoints.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _prepare_qkv(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv):
+    """fp32, heads first, q/k L2-normalised (eps 1e-6, as FLA), q scaled, q/k
+    heads repeated to the value heads. Returns tensors shaped [B, Hv, S, ·]."""
+    num_k_heads, num_v_heads = k_BSHkDk.shape[2], v_BSHvDv.shape[2]
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
+    group = num_v_heads // num_k_heads
+    q_BSHvDk = q_BSHkDk.float().repeat_interleave(group, dim=2)
+    k_BSHvDk = k_BSHkDk.float().repeat_interleave(group, dim=2)
+    q_BSHvDk = q_BSHvDk * torch.rsqrt((q_BSHvDk * q_BSHvDk).sum(-1, keepdim=True) + 1e-6)
+    k_BSHvDk = k_BSHvDk * torch.rsqrt((k_BSHvDk * k_BSHvDk).sum(-1, keepdim=True) + 1e-6)
+    q_BSHvDk = q_BSHvDk * q_BSHvDk.shape[-1] ** -0.5
+    # [B, S, Hv, ·] -> [B, Hv, S, ·]
+    return (
+        q_BSHvDk.transpose(1, 2),
+        k_BSHvDk.transpose(1, 2),
+        v_BSHvDv.float().transpose(1, 2),
+        g_BSHv.float().transpose(1, 2),
+        beta_BSHv.float().transpose(1, 2),
+    )
+
+
+def naive_recurrent_gated_delta_rule(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv):
+    """Reference: one token at a time, fp32. Returns o [B, S, Hv, Dv] in v's dtype."""
+    q, k, v, g, beta = _prepare_qkv(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv)
+    batch, heads, seq_len, dk = k.shape
+    state_BHvDkDv = v.new_zeros(batch, heads, dk, v.shape[-1])
+    outputs = []
+    for t in range(seq_len):
+        state_BHvDkDv = state_BHvDkDv * g[:, :, t].exp()[..., None, None]
+        read_BHvDv = torch.einsum("bhkv,bhk->bhv", state_BHvDkDv, k[:, :, t])
+        delta_BHvDv = (v[:, :, t] - read_BHvDv) * beta[:, :, t, None]
+        state_BHvDkDv = state_BHvDkDv + k[:, :, t, :, None] * delta_BHvDv[:, :, None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", state_BHvDkDv, q[:, :, t]))
+    return torch.stack(outputs, dim=1).to(v_BSHvDv.dtype)  # [B, S, Hv, Dv]
+
+
+def chunk_gated_delta_rule(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv, chunk_size: int = 64):
+    """Chunked form (the WY/UT representation of DeltaNet, with gating): inside a
+    chunk all tokens are handled by matrix products and one unit-lower-triangular
+    solve; only the [Dk, Dv] state crosses chunk boundaries. fp32 throughout.
+    Returns o [B, S, Hv, Dv] in v's dtype; equals the recurrence up to rounding."""
+    q, k, v, g, beta = _prepare_qkv(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv)
+    batch, heads, seq_len, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-seq_len) % chunk_size
+    # zero-padded tail tokens have beta = 0 and g = 0: they neither write nor decay
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n_chunks = (seq_len + pad) // chunk_size
+    # [B, Hv, S, ·] -> [B, Hv, N, C, ·]
+    q_BHNCDk, k_BHNCDk, v_BHNCDv = (x.reshape(batch, heads, n_chunks, chunk_size, -1) for x in (q, k, v))
+    beta_BHNC = beta.reshape(batch, heads, n_chunks, chunk_size)
+    gcum_BHNC = g.reshape(batch, heads, n_chunks, chunk_size).cumsum(-1)  # log decay since chunk start
+
+    # decay between positions j ≤ i of one chunk: exp(gcum_i − gcum_j), zero above the diagonal
+    causal_CC = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    decay_BHNCC = (gcum_BHNC[..., :, None] - gcum_BHNC[..., None, :]).masked_fill(~causal_CC, float("-inf")).exp()
+
+    # (I + A) with A_ij = beta_i (k_i · k_j) decay_ij for j < i; the solve reads only the
+    # strictly-lower part (unitriangular), so the diagonal of the product is ignored.
+    kbeta_BHNCDk = k_BHNCDk * beta_BHNC[..., None]
+    ut_BHNCC = (kbeta_BHNCDk @ k_BHNCDk.transpose(-1, -2)) * decay_BHNCC
+    # u: the values to write once the chunk's own earlier writes are accounted for;
+    # w: the keys (decayed to chunk start) through which the incoming state is read
+    u_BHNCDv = torch.linalg.solve_triangular(ut_BHNCC, v_BHNCDv * beta_BHNC[..., None], upper=False, unitriangular=True)
+    w_BHNCDk = torch.linalg.solve_triangular(
+        ut_BHNCC, kbeta_BHNCDk * gcum_BHNC.exp()[..., None], upper=False, unitriangular=True
+    )
+    attn_BHNCC = (q_BHNCDk @ k_BHNCDk.transpose(-1, -2)) * decay_BHNCC
+    q_decayed_BHNCDk = q_BHNCDk * gcum_BHNC.exp()[..., None]
+    k_to_end_BHNCDk = k_BHNCDk * (gcum_BHNC[..., -1:] - gcum_BHNC).exp()[..., None]
+    chunk_decay_BHN = gcum_BHNC[..., -1].exp()
+
+    state_BHDkDv = q.new_zeros(batch, heads, dk, dv)
+    outputs = []
+    for n in range(n_chunks):
+        v_new_BHCDv = u_BHNCDv[:, :, n] - w_BHNCDk[:, :, n] @ state_BHDkDv
+        outputs.append(q_decayed_BHNCDk[:, :, n] @ state_BHDkDv + attn_BHNCC[:, :, n] @ v_new_BHCDv)
+        state_BHDkDv = (
+            state_BHDkDv * chunk_decay_BHN[:, :, n, None, None] + k_to_end_BHNCDk[:, :, n].transpose(-1, -2) @ v_new_BHCDv
+        )
+    o_BHSDv = torch.cat(outputs, dim=2)[:, :, :seq_len]
+    return o_BHSDv.transpose(1, 2).to(v_BSHvDv.dtype)  # [B, S, Hv, Dv]
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the value head dim, then a SiLU output gate (weight init 1,
+    not zero-centred): ``w · rmsnorm(x) · silu(z)``."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x, z):
+        x_f = x.float()
+        x_f = x_f * torch.rsqrt(x_f.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x_f.to(x.dtype) * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention mixer: fused q/k/v projection → causal depthwise
+    conv (width W) + SiLU → L2-normalised q/k → gated delta rule → gated RMSNorm
+    → output projection. Decay ``g = −exp(A_log) · softplus(a + dt_bias)``,
+    write strength ``beta = sigmoid(b)``."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        conv_kernel: int,
+        norm_eps: float,
+        chunk_size: int,
+    ):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
+        self.key_dim, self.value_dim = num_k_heads * k_head_dim, num_v_heads * v_head_dim
+        self.chunk_size = chunk_size
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(dim, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(dim, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(dim, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(dim, num_v_heads, bias=False)
+        # depthwise causal conv weights [conv_dim, 1, W] (nn.Conv1d layout, as the checkpoints)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(v_head_dim, norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, dim, bias=False)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x_BSH.shape
+        qkv_BSC = self.in_proj_qkv(x_BSH)
+        # causal depthwise conv over the sequence: [B, S, C] -> [B, C, S], left-pad W-1
+        qkv_BCS = F.pad(qkv_BSC.transpose(1, 2), (self.conv1d.kernel_size[0] - 1, 0))
+        qkv_BSC = F.silu(F.conv1d(qkv_BCS, self.conv1d.weight, groups=qkv_BCS.shape[1])).transpose(1, 2)
+        q, k, v = qkv_BSC.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q_BSHkDk = q.reshape(batch, seq_len, self.num_k_heads, self.k_head_dim)
+        k_BSHkDk = k.reshape(batch, seq_len, self.num_k_heads, self.k_head_dim)
+        v_BSHvDv = v.reshape(batch, seq_len, self.num_v_heads, self.v_head_dim)
+        beta_BSHv = self.in_proj_b(x_BSH).sigmoid()
+        g_BSHv = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BSH).float() + self.dt_bias)
+        o_BSHvDv = chunk_gated_delta_rule(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv, self.chunk_size)
+        z_BSHvDv = self.in_proj_z(x_BSH).reshape(batch, seq_len, self.num_v_heads, self.v_head_dim)
+        o_BSHvDv = self.norm(o_BSHvDv, z_BSHvDv)
+        return self.out_proj(o_BSHvDv.reshape(batch, seq_len, self.value_dim))
+
+    def init_weights(self, init_std: float):
+        for linear in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.out_proj.weight, mean=0.0, std=init_std)
+        nn.init.kaiming_uniform_(self.conv1d.weight, a=5**0.5)
+        nn.init.ones_(self.dt_bias)
+        # A ~ U(1, 16) as flash-linear-attention's GatedDeltaNet
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        nn.init.ones_(self.norm.weight)
