@@ -26,7 +26,9 @@ class MoEArgs:
     use_expert_bias: bool = True
     """Aux-loss-free correction bias: chooses experts, never weights them."""
     load_balance_coeff: float | None = 1e-3
-    """Step size of the bias update (TorchTitan's optimizer hook); None disables it."""
+    """Step size of the bias update (TorchTitan's optimizer hook); None disables it.
+    Ignored (the hook sees None) when use_expert_bias is False. Hash-routed layers
+    keep it set: TorchTitan's hook stops updating every layer if one MoE layer has None."""
     num_expert_groups: int | None = None
     """Group-limited routing: E experts in this many groups (None: off)."""
     num_limited_groups: int | None = None
@@ -36,15 +38,29 @@ class MoEArgs:
     hash_vocab_size: int = 0
     """Rows of the hash table (the model's vocabulary) when hash_routing."""
     aux_loss_coef: float = 0.0
-    """Auxiliary load-balancing loss coefficient (Qwen3.5: 1e-3); 0 disables it."""
+    """Auxiliary load-balancing loss coefficient (Qwen3.5: 1e-3); 0 disables it.
+    Per layer: coef · E · Σ_e f_e · P_e over the layer's local tokens (f_e: share of
+    top-k picks, P_e: mean router probability). HF transformers pools f and P over
+    all layers before multiplying; this layer keeps it per layer (no cross-layer state)."""
 
     swiglu_limit: float | None = None
-    """Clamp of the routed experts' SwiGLU (DeepSeek-V4: 10); None: no clamp."""
+    """Clamp of the routed experts' SwiGLU (DeepSeek-V4: 10); None: no clamp.
+    As DeepSeek-V4 (HF transformers' DeepseekV4Experts): gate.clamp(max=limit),
+    up.clamp(-limit, limit), before silu(gate) · up."""
 
     shared_expert_dim: int = 0
     """Shared expert FFN size (0: no shared expert). Always BF16."""
     shared_expert_gate: bool = False
     """Sigmoid scalar gate on the shared expert's output (Qwen3.5)."""
+    shared_expert_swiglu_limit: float | None = None
+    """Same clamp on the shared expert (HF transformers' DeepseekV4MLP clamps the
+    shared expert with swiglu_limit too: set 10.0 for DeepSeek-V4); None: no clamp."""
+
+    max_rows_per_rank: int | None = None
+    """Capacity (rows) of each EP rank's receive buffer in the mok backend.
+    None: the worst case (every row of every rank), which can never overflow.
+    A smaller value saves memory; a batch that would overflow it raises an error
+    naming both sizes (dropless: rows are never dropped)."""
 
     # Set from the [mok] TOML section at build time (update_from_config).
     backend: Literal["mok", "torchtitan"] = "mok"

@@ -1,0 +1,75 @@
+"""Expert modules: the routed experts' weights and the shared expert.
+
+Legend: T tokens, R routed rows, H hidden, I expert FFN size, E experts,
+L experts held on this rank (E under no EP, E / ep under EP).
+"""
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torchtitan.models.utils import trunc_normal_
+
+from titan_mok.moe.expert_ffn import swiglu
+from titan_mok.moe.linear import row_invariant_linear
+
+
+class RoutedExperts(nn.Module):
+    """Weights of the E routed SwiGLU experts: ``w_gate, w_up [E, I, H]``, ``w_down [E, H, I]``.
+
+    Under expert parallelism the three are DTensors ``Shard(0)`` on the ``ep``
+    mesh and ``ep_mesh`` is that mesh (set by the EP strategy); the layer reads
+    the local shards with ``local_weights()``.
+    """
+
+    def __init__(self, dim: int, expert_dim: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w_gate = nn.Parameter(torch.empty(num_experts, expert_dim, dim))
+        self.w_up = nn.Parameter(torch.empty(num_experts, expert_dim, dim))
+        self.w_down = nn.Parameter(torch.empty(num_experts, dim, expert_dim))
+        self.ep_mesh = None
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w_gate_LIH, w_up_LIH, w_down_LHI) as plain tensors: this rank's experts."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w_gate, self.w_up, self.w_down))
+
+    def init_weights(self, init_std: float) -> None:
+        trunc_normal_(self.w_gate, mean=0.0, std=0.02)
+        trunc_normal_(self.w_up, mean=0.0, std=init_std)
+        trunc_normal_(self.w_down, mean=0.0, std=init_std)
+
+
+class SharedExpert(nn.Module):
+    """Always-on SwiGLU FFN, computed in the activations' dtype (BF16 in training).
+
+    Parameters: ``w_gate.weight [I, H]``, ``w_up.weight [I, H]``, ``w_down.weight [H, I]``,
+    and with ``output_gate``: ``output_gate.weight [1, H]`` (Qwen3.5's
+    ``shared_expert_gate``: output · sigmoid(x · output_gate)).
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, output_gate: bool, swiglu_limit: float | None):
+        super().__init__()
+        self.w_gate = nn.Linear(dim, hidden_dim, bias=False)
+        self.w_up = nn.Linear(dim, hidden_dim, bias=False)
+        self.w_down = nn.Linear(hidden_dim, dim, bias=False)
+        self.output_gate = nn.Linear(dim, 1, bias=False) if output_gate else None
+        self.swiglu_limit = swiglu_limit
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """Returns the shared output [T, H]: x's dtype, or fp32 when gated (the
+        combine adds it in fp32 and rounds once)."""
+        dtype = x_TH.dtype
+        gate_TI = row_invariant_linear(x_TH, self.w_gate.weight.to(dtype))
+        up_TI = row_invariant_linear(x_TH, self.w_up.weight.to(dtype))
+        y_TH = row_invariant_linear(swiglu(gate_TI, up_TI, self.swiglu_limit), self.w_down.weight.to(dtype))
+        if self.output_gate is None:
+            return y_TH
+        gate_logit_T1 = row_invariant_linear(x_TH.float(), self.output_gate.weight.float())
+        return y_TH.float() * torch.sigmoid(gate_logit_T1)
+
+    def init_weights(self, init_std: float) -> None:
+        trunc_normal_(self.w_gate.weight, mean=0.0, std=0.02)
+        for linear in (self.w_up, self.w_down):
+            trunc_normal_(linear.weight, mean=0.0, std=init_std)
+        if self.output_gate is not None:
+            trunc_normal_(self.output_gate.weight, mean=0.0, std=init_std)

@@ -1,0 +1,158 @@
+"""titan-mok's MoE layer: router → (routed experts ∥ shared expert) → combine.
+
+Legend: B batch, S sequence, T = B·S tokens, H hidden, I expert FFN size,
+E experts, L local experts, K top-k, R routed rows on this rank.
+
+One module for all four models (DESIGN §4). Parameters (state-dict names):
+``router.gate.weight [E, H]``, ``experts.w_gate / w_up [E, I, H]``,
+``experts.w_down [E, H, I]``, ``shared_expert.{w_gate, w_up}.weight [I_s, H]``,
+``shared_expert.w_down.weight [H, I_s]``, ``shared_expert.output_gate.weight [1, H]``
+(gated shared expert only). Buffers: ``expert_bias [E]`` fp32 (persistent),
+``tokens_per_expert [E]`` fp32 (TorchTitan's load-balancing hook reads and
+zeroes it), ``expert_load [E]`` fp32 (metrics read and zero it),
+``router.hash_table [V, K]`` int64 (hash-routed layers).
+"""
+
+import torch
+from torch import nn
+
+from titan_mok.moe.args import MoEArgs
+from titan_mok.moe.aux_loss import attach_aux_loss, load_balance_aux_loss
+from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch
+from titan_mok.moe.expert_ffn import ref_grouped_swiglu_ffn
+from titan_mok.moe.experts import RoutedExperts, SharedExpert
+from titan_mok.moe.router import TopKRouter
+
+
+def check_moe_args(args: MoEArgs, dim: int) -> None:
+    """Build-time validation; errors name the MoEArgs field and what is allowed."""
+    if dim <= 0 or args.expert_dim <= 0 or args.num_experts <= 0:
+        raise ValueError(
+            f"MoE dims must be positive: dim={dim}, expert_dim={args.expert_dim}, num_experts={args.num_experts}"
+        )
+    if not 1 <= args.top_k <= args.num_experts:
+        raise ValueError(f"MoEArgs.top_k = {args.top_k} must be in [1, num_experts = {args.num_experts}]")
+    if args.score_func not in ("sigmoid", "softmax", "sqrtsoftplus"):
+        raise ValueError(f"MoEArgs.score_func = {args.score_func!r}; choose 'sigmoid', 'softmax' or 'sqrtsoftplus'")
+    if args.num_expert_groups is not None:
+        groups, kept = args.num_expert_groups, args.num_limited_groups
+        if groups <= 0 or args.num_experts % groups or args.num_experts // groups < 2:
+            raise ValueError(
+                f"MoEArgs.num_expert_groups = {groups} must divide num_experts = {args.num_experts} "
+                "into groups of at least 2 experts"
+            )
+        if kept is None or not 1 <= kept <= groups:
+            raise ValueError(f"MoEArgs.num_limited_groups = {kept} must be in [1, num_expert_groups = {groups}]")
+        if args.top_k > kept * (args.num_experts // groups):
+            raise ValueError(
+                f"MoEArgs.top_k = {args.top_k} exceeds the {kept * (args.num_experts // groups)} experts "
+                f"in num_limited_groups = {kept} groups"
+            )
+    elif args.num_limited_groups is not None:
+        raise ValueError("MoEArgs.num_limited_groups is set but num_expert_groups is None; set both or neither")
+    if args.hash_routing and args.hash_vocab_size <= 0:
+        raise ValueError(f"MoEArgs.hash_vocab_size = {args.hash_vocab_size}: hash routing needs the vocabulary size")
+    if args.hash_routing and args.num_expert_groups is not None:
+        raise ValueError("MoEArgs.hash_routing and num_expert_groups exclude each other")
+    if args.load_balance_coeff is not None and args.load_balance_coeff <= 0:
+        raise ValueError(f"MoEArgs.load_balance_coeff = {args.load_balance_coeff} must be > 0 or None")
+    if args.aux_loss_coef < 0:
+        raise ValueError(f"MoEArgs.aux_loss_coef = {args.aux_loss_coef} must be >= 0")
+    for name in ("swiglu_limit", "shared_expert_swiglu_limit"):
+        limit = getattr(args, name)
+        if limit is not None and limit <= 0:
+            raise ValueError(f"MoEArgs.{name} = {limit} must be > 0 or None")
+    if args.shared_expert_dim < 0 or (args.shared_expert_gate and args.shared_expert_dim == 0):
+        raise ValueError(
+            f"MoEArgs.shared_expert_dim = {args.shared_expert_dim} must be >= 0, and > 0 when shared_expert_gate"
+        )
+    if args.max_rows_per_rank is not None and args.max_rows_per_rank <= 0:
+        raise ValueError(f"MoEArgs.max_rows_per_rank = {args.max_rows_per_rank} must be > 0 or None")
+    if args.backend not in ("mok", "torchtitan"):
+        raise ValueError(f"MoEArgs.backend = {args.backend!r}; choose 'mok' or 'torchtitan'")
+    if args.precision != "bf16" or args.kernels == "triton":
+        raise ValueError(
+            f"MoEArgs precision = {args.precision!r}, kernels = {args.kernels!r}: only precision 'bf16' with the "
+            "reference kernels is available until titan_mok.kernels.grouped_ffn lands"
+        )
+
+
+class MoE(nn.Module):
+    def __init__(self, args: MoEArgs, dim: int):
+        super().__init__()
+        check_moe_args(args, dim)
+        self.args = args
+        self.dim = dim
+        self.router = TopKRouter(args, dim)
+        self.experts = RoutedExperts(dim, args.expert_dim, args.num_experts)
+        self.shared_expert = (
+            SharedExpert(dim, args.shared_expert_dim, args.shared_expert_gate, args.shared_expert_swiglu_limit)
+            if args.shared_expert_dim > 0
+            else None
+        )
+        # TorchTitan's build_optimizers_with_moe_load_balancing reads these three.
+        self.load_balance_coeff = args.load_balance_coeff if args.use_expert_bias else None
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32), persistent=False)
+        self.register_buffer("expert_load", torch.zeros(args.num_experts, dtype=torch.float32), persistent=False)
+
+    def _check_inputs(self, x_BSH: torch.Tensor, token_ids_BS: torch.Tensor | None) -> None:
+        if x_BSH.dim() != 3 or x_BSH.shape[-1] != self.dim:
+            raise ValueError(f"MoE input x_BSH must be [batch, seq, {self.dim}], got shape {tuple(x_BSH.shape)}")
+        if x_BSH.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"MoE input x_BSH must be float32, bfloat16 or float16, got {x_BSH.dtype}")
+        if x_BSH.device != self.expert_bias.device:
+            raise ValueError(f"MoE input x_BSH is on {x_BSH.device} but the layer's buffers are on {self.expert_bias.device}")
+        if self.args.hash_routing:
+            if token_ids_BS is None:
+                raise ValueError("this MoE layer is hash-routed: forward needs token_ids_BS")
+            if token_ids_BS.shape != x_BSH.shape[:2] or token_ids_BS.dtype not in (torch.int32, torch.int64):
+                raise ValueError(
+                    f"token_ids_BS must be int32/int64 of shape {tuple(x_BSH.shape[:2])}, "
+                    f"got {token_ids_BS.dtype} {tuple(token_ids_BS.shape)}"
+                )
+            # NOTE: host sync (reference check).
+            if token_ids_BS.numel() and not 0 <= int(token_ids_BS.min()) <= int(token_ids_BS.max()) < self.args.hash_vocab_size:
+                raise ValueError(f"token_ids_BS must lie in [0, hash_vocab_size = {self.args.hash_vocab_size})")
+
+    def _routed_mok(self, x_TH, weights_TK, topk_idx_TK, shared_TH):
+        mesh = self.experts.ep_mesh
+        group = mesh.get_group() if mesh is not None and mesh.size() > 1 else None
+        handle = build_dispatch_handle(topk_idx_TK, self.args.num_experts, group, self.args.max_rows_per_rank)
+        x_RH = dispatch(x_TH, handle)
+        w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_TH.dtype) for w in self.experts.local_weights())
+        y_RH = ref_grouped_swiglu_ffn(
+            x_RH, handle.group_end, w_gate_LIH, w_up_LIH, w_down_LHI, swiglu_limit=self.args.swiglu_limit
+        )
+        return combine(y_RH, weights_TK, shared_TH, handle, x_TH.dtype)
+
+    def forward(self, x_BSH: torch.Tensor, token_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """x_BSH [B, S, H] → y_BSH [B, S, H] (same dtype); token_ids_BS only for hash routing."""
+        self._check_inputs(x_BSH, token_ids_BS)
+        batch, seq, dim = x_BSH.shape
+        x_TH = x_BSH.reshape(batch * seq, dim)
+        token_ids_T = token_ids_BS.reshape(-1) if self.args.hash_routing else None
+        expert_bias_E = self.expert_bias if self.args.use_expert_bias else None
+        weights_TK, topk_idx_TK, scores_TE = self.router(x_TH, expert_bias_E, token_ids_T)
+
+        with torch.no_grad():
+            picks_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.args.num_experts).float()
+            self.tokens_per_expert.add_(picks_E)
+            self.expert_load.add_(picks_E)
+
+        shared_TH = self.shared_expert(x_TH) if self.shared_expert is not None else None
+        y_TH = self._routed_mok(x_TH, weights_TK, topk_idx_TK, shared_TH)
+        if self.args.aux_loss_coef > 0 and torch.is_grad_enabled():
+            y_TH = attach_aux_loss(y_TH, load_balance_aux_loss(scores_TE, topk_idx_TK), self.args.aux_loss_coef)
+        return y_TH.view(batch, seq, dim)
+
+    @torch.no_grad()
+    def init_weights(self, init_std: float, buffer_device: torch.device) -> None:
+        self.router.init_weights(init_std, buffer_device)
+        self.experts.init_weights(init_std)
+        if self.shared_expert is not None:
+            self.shared_expert.init_weights(init_std)
+        with torch.device(buffer_device):
+            self.expert_bias = torch.zeros(self.args.num_experts, dtype=torch.float32)
+            self.tokens_per_expert = torch.zeros(self.args.num_experts, dtype=torch.float32)
+            self.expert_load = torch.zeros(self.args.num_experts, dtype=torch.float32)
