@@ -117,3 +117,207 @@ def test_parity_deepseek_v4(layer):
     gate_pre = F.linear(x, moe.experts.w_gate[0])
     assert (gate_pre > 1.0).any(), "the clamp must be exercised"
     torch.testing.assert_close(moe(x, token_ids), hf(x, token_ids), rtol=0, atol=1e-5)
+
+
+# ------------------------------------------- gradients vs plain autograd
+
+
+def _naive_moe(moe: MoE, x_BSH: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+    """The layer in plain autograd ops, token by token, for the given expert choice."""
+    args = moe.args
+    x_TH = x_BSH.reshape(-1, H)
+    logits_TE = F.linear(x_TH, moe.router.gate.weight)
+    scores_TE = {"sigmoid": torch.sigmoid, "softmax": lambda v: v.softmax(-1),
+                 "sqrtsoftplus": lambda v: F.softplus(v).sqrt()}[args.score_func](logits_TE)
+    weights_TK = scores_TE.gather(1, topk_idx_TK)
+    if args.route_norm:
+        weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+    weights_TK = weights_TK * args.route_scale
+
+    def ffn(x, w_gate, w_up, w_down, limit):
+        gate, up = F.linear(x, w_gate), F.linear(x, w_up)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return F.linear(F.silu(gate) * up, w_down)
+
+    rows = []
+    for t in range(x_TH.shape[0]):
+        y = sum(weights_TK[t, j] * ffn(x_TH[t], moe.experts.w_gate[e], moe.experts.w_up[e], moe.experts.w_down[e],
+                                      args.swiglu_limit) for j, e in enumerate(topk_idx_TK[t].tolist()))
+        rows.append(y)
+    y_TH = torch.stack(rows)
+    if moe.shared_expert is not None:
+        se = moe.shared_expert
+        shared = ffn(x_TH, se.w_gate.weight, se.w_up.weight, se.w_down.weight, args.shared_expert_swiglu_limit)
+        if se.output_gate is not None:
+            shared = shared * torch.sigmoid(F.linear(x_TH, se.output_gate.weight))
+        y_TH = y_TH + shared
+    loss_extra = 0.0
+    if args.aux_loss_coef > 0:
+        loss_extra = args.aux_loss_coef * load_balance_aux_loss(scores_TE, topk_idx_TK)
+    return y_TH.view_as(x_BSH), loss_extra
+
+
+def _grads(moe: MoE, x: torch.Tensor, loss_fn) -> dict[str, torch.Tensor]:
+    moe.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    loss_fn(x).backward()
+    return {"x": x.grad, **{n: p.grad for n, p in moe.named_parameters()}}
+
+
+CASES = {
+    "kimi_like": dict(route_scale=2.827),
+    "qwen_like": dict(score_func="softmax", use_expert_bias=False, aux_loss_coef=0.1, shared_expert_gate=True),
+    "v4_like": dict(score_func="sqrtsoftplus", swiglu_limit=1.0, shared_expert_swiglu_limit=1.0, route_scale=2.5),
+    "groups_no_shared": dict(num_expert_groups=4, num_limited_groups=2, shared_expert_dim=0, route_norm=False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_backward_match_plain_autograd(case):
+    moe = _moe(**CASES[case])
+    x = torch.randn(2, 9, H)
+    g = torch.randn(2, 9, H)
+    with torch.no_grad():
+        _, topk_idx_TK, _ = moe.router(x.reshape(-1, H), moe.expert_bias if moe.args.use_expert_bias else None, None)
+    ours = _grads(moe, x, lambda xx: (moe(xx) * g).sum())
+
+    def naive_loss(xx):
+        y, extra = _naive_moe(moe, xx, topk_idx_TK)
+        return (y * g).sum() + extra
+
+    ref = _grads(moe, x, naive_loss)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), _naive_moe(moe, x, topk_idx_TK)[0], rtol=0, atol=1e-5)
+    for name in ref:
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"grad {name}: {m}")
+
+
+# ------------------------------------------------- determinism (bitwise)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_same_seed_bitwise(dtype):
+    x = torch.randn(3, 11, H, dtype=dtype)
+    results = []
+    for _ in range(2):
+        moe = _moe(dtype, seed=3, **CASES["qwen_like"])
+        y = moe(x.requires_grad_(False))
+        results.append((y, _grads(moe, x, lambda xx: moe(xx).float().square().sum())))
+    assert torch.equal(results[0][0], results[1][0])
+    for name, grad in results[0][1].items():
+        assert torch.equal(grad, results[1][1][name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["kimi_like", "qwen_like", "v4_like"])
+@torch.no_grad()
+def test_token_output_independent_of_batch(case, dtype):
+    moe = _moe(dtype, **CASES[case])
+    x = torch.randn(4, 37, H, dtype=dtype)  # 148 tokens: several row tiles
+    token = x[2, 17]
+    alone = moe(token.view(1, 1, H))[0, 0]
+    in_batch = moe(x)[2, 17]
+    other = torch.randn(1, 70, H, dtype=dtype)
+    other[0, 3] = token
+    elsewhere = moe(other)[0, 3]
+    assert torch.equal(alone, in_batch)
+    assert torch.equal(alone, elsewhere)
+
+
+# ------------------------------------------------------ routing extremes
+
+
+@torch.no_grad()
+def test_all_tokens_one_expert_and_empty_experts():
+    moe = _moe(top_k=1)
+    moe.expert_bias.zero_()
+    moe.expert_bias[5] = 100.0  # sigmoid scores are < 1: the bias decides
+    x = torch.randn(2, 13, H)
+    _, topk_idx_TK, _ = moe.router(x.reshape(-1, H), moe.expert_bias, None)
+    assert (topk_idx_TK == 5).all()
+    torch.testing.assert_close(moe(x), _naive_moe(moe, x, topk_idx_TK)[0], rtol=0, atol=1e-5)
+    assert moe.tokens_per_expert[5] == 26 and moe.tokens_per_expert.sum() == 26
+
+
+@torch.no_grad()
+def test_ties_go_to_lower_expert_id():
+    moe = _moe(num_expert_groups=4, num_limited_groups=2)
+    moe.router.gate.weight.zero_()  # every score is sigmoid(0): all tied
+    moe.expert_bias.zero_()
+    x = torch.randn(1, 5, H)
+    _, topk_idx_TK, _ = moe.router(x.reshape(-1, H), moe.expert_bias, None)
+    assert topk_idx_TK.tolist() == [[0, 1, 2]] * 5
+    torch.testing.assert_close(moe(x), _naive_moe(moe, x, topk_idx_TK)[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 65])
+def test_token_counts_not_multiples(num_tokens):
+    moe = _moe(**CASES["v4_like"])
+    x = torch.randn(1, num_tokens, H, requires_grad=True)
+    with torch.no_grad():
+        _, topk_idx_TK, _ = moe.router(x.reshape(-1, H), moe.expert_bias, None)
+        torch.testing.assert_close(moe(x), _naive_moe(moe, x, topk_idx_TK)[0], rtol=0, atol=1e-5)
+    moe(x).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_load_counts_and_reset():
+    moe = _moe()
+    moe(torch.randn(2, 5, H))
+    assert moe.tokens_per_expert.sum() == 2 * 5 * K
+    assert torch.equal(moe.expert_load, moe.tokens_per_expert)
+
+
+# -------------------------------------------------------------- bad input
+
+
+def test_bad_inputs():
+    moe = _moe()
+    with pytest.raises(ValueError, match="x_BSH must be"):
+        moe(torch.randn(5, H))
+    with pytest.raises(ValueError, match="x_BSH must be"):
+        moe(torch.randn(1, 5, H + 1))
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        moe(torch.randn(1, 5, H, dtype=torch.float64))
+    with pytest.raises(ValueError, match="is on meta"):
+        moe(torch.randn(1, 5, H, device="meta"))
+    bad = torch.randn(1, 5, H)
+    bad[0, 2, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="NaN or Inf"):
+        moe(bad)
+    bad[0, 2, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match="NaN or Inf"):
+        moe(bad)
+
+
+def test_bad_args():
+    with pytest.raises(ValueError, match="top_k = 9"):
+        MoE(MoEArgs(num_experts=8, top_k=9), H)
+    with pytest.raises(ValueError, match="num_expert_groups = 3"):
+        MoE(MoEArgs(num_experts=8, num_expert_groups=3, num_limited_groups=1), H)
+    with pytest.raises(ValueError, match="num_limited_groups"):
+        MoE(MoEArgs(num_experts=8, num_limited_groups=1), H)
+    with pytest.raises(ValueError, match="hash_vocab_size"):
+        MoE(MoEArgs(hash_routing=True), H)
+    with pytest.raises(ValueError, match="precision"):
+        MoE(dataclasses.replace(MoEArgs(), kernels="triton"), H)
+    with pytest.raises(ValueError, match="score_func"):
+        MoE(MoEArgs(score_func="relu"), H)
+
+
+def test_hash_routing_token_ids_checked():
+    moe = _moe(score_func="sqrtsoftplus", hash_routing=True, hash_vocab_size=50)
+    x = torch.randn(1, 4, H)
+    with pytest.raises(ValueError, match="needs token_ids_BS"):
+        moe(x)
+    with pytest.raises(ValueError, match="hash_vocab_size = 50"):
+        moe(x, torch.tensor([[1, 2, 50, 3]]))
+    with pytest.raises(ValueError, match="must be int32/int64 of shape"):
+        moe(x, torch.tensor([[1, 2, 3]]))
+
+
+def test_overflow_is_an_error_not_a_drop():
+    moe = _moe(max_rows_per_rank=10)
+    with pytest.raises(RuntimeError, match="receives 15 rows but its buffer holds max_rows_per_rank = 10"):
+        moe(torch.randn(1, 5, H))

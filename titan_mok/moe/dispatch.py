@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titan_mok.moe.tiles import map_row_tiles
+
 
 @dataclass
 class DispatchHandle:
@@ -141,7 +143,7 @@ class _Combine(torch.autograd.Function):
         y_TKH, weights_TK = ctx.saved_tensors
         handle = ctx.handle
         dout32_TH = dout_TH.float()
-        dweights_TK = (dout32_TH.unsqueeze(1) * y_TKH.float()).sum(dim=-1)
+        dweights_TK = map_row_tiles(lambda dout, y: (dout.unsqueeze(1) * y.float()).sum(dim=-1), dout32_TH, y_TKH)
         dy_TKH = (weights_TK.unsqueeze(-1) * dout32_TH.unsqueeze(1)).to(y_TKH.dtype)
         dy_send_RH = dy_TKH.view(-1, dy_TKH.shape[-1])[handle.send_order]
         dy_recv_RH = _all_to_all(dy_send_RH, handle.recv_splits, handle.send_splits, handle.group)

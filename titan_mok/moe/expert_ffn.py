@@ -14,7 +14,7 @@ order, no atomics.
 import torch
 import torch.nn.functional as F
 
-from titan_mok.moe.linear import tiled_mm
+from titan_mok.moe.tiles import map_row_tiles, tiled_mm
 
 
 def _clamped(gate_RI: torch.Tensor, up_RI: torch.Tensor, limit: float | None):
@@ -30,6 +30,23 @@ def swiglu(gate_RI: torch.Tensor, up_RI: torch.Tensor, limit: float | None) -> t
     """silu(gate) · up in fp32 (clamped if limit), rounded once to the input dtype."""
     gate32_RI, up32_RI = _clamped(gate_RI, up_RI, limit)
     return (F.silu(gate32_RI) * up32_RI).to(gate_RI.dtype)
+
+
+def _tiled_swiglu(gate_RI: torch.Tensor, up_RI: torch.Tensor, limit: float | None) -> torch.Tensor:
+    return map_row_tiles(lambda gate, up: swiglu(gate, up, limit), gate_RI, up_RI)
+
+
+def _swiglu_backward(gate_RI, up_RI, dhidden_RI, limit: float | None):
+    """(dgate, dup) in the input dtype, computed in fp32; zero where the clamp clipped."""
+    gate32_RI, up32_RI = _clamped(gate_RI, up_RI, limit)
+    dh32_RI = dhidden_RI.float()
+    sig_RI = torch.sigmoid(gate32_RI)
+    dgate_RI = dh32_RI * up32_RI * sig_RI * (1 + gate32_RI * (1 - sig_RI))
+    dup_RI = dh32_RI * gate32_RI * sig_RI
+    if limit is not None:  # clamp passes the gradient only where it did not clip
+        dgate_RI = dgate_RI * (gate_RI.float() <= limit)
+        dup_RI = dup_RI * (up_RI.float().abs() <= limit)
+    return dgate_RI.to(gate_RI.dtype), dup_RI.to(up_RI.dtype)
 
 
 def _group_bounds_sync(group_end_L: torch.Tensor, num_rows: int) -> list[tuple[int, int]]:
@@ -57,7 +74,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
             x_rH = x_RH[start:end]
             gate_RI[start:end] = tiled_mm(x_rH, w_gate_LIH[e].t())
             up_RI[start:end] = tiled_mm(x_rH, w_up_LIH[e].t())
-            y_RH[start:end] = tiled_mm(swiglu(gate_RI[start:end], up_RI[start:end], limit), w_down_LHI[e].t())
+            hidden_rI = _tiled_swiglu(gate_RI[start:end], up_RI[start:end], limit)
+            y_RH[start:end] = tiled_mm(hidden_rI, w_down_LHI[e].t())
         ctx.save_for_backward(x_RH, gate_RI, up_RI, w_gate_LIH, w_up_LIH, w_down_LHI)
         ctx.bounds, ctx.limit = bounds, limit
         return y_RH
@@ -73,20 +91,14 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 continue
             x_rH, dy_rH = x_RH[start:end], dy_RH[start:end]
             gate_rI, up_rI = gate_RI[start:end], up_RI[start:end]
-            dh32_rI = tiled_mm(dy_rH, w_down_LHI[e]).float()
-            gate32_rI, up32_rI = _clamped(gate_rI, up_rI, ctx.limit)
-            sig_rI = torch.sigmoid(gate32_rI)
-            silu_rI = gate32_rI * sig_rI
-            dgate_rI = dh32_rI * up32_rI * sig_rI * (1 + gate32_rI * (1 - sig_rI))
-            dup_rI = dh32_rI * silu_rI
-            if ctx.limit is not None:  # clamp passes the gradient only where it did not clip
-                dgate_rI = dgate_rI * (gate_rI.float() <= ctx.limit)
-                dup_rI = dup_rI * (up_rI.float().abs() <= ctx.limit)
-            dgate_rI, dup_rI = dgate_rI.to(x_RH.dtype), dup_rI.to(x_RH.dtype)
+            dhidden_rI = tiled_mm(dy_rH, w_down_LHI[e])
+            dgate_rI, dup_rI = map_row_tiles(
+                lambda g, u, dh: _swiglu_backward(g, u, dh, ctx.limit), gate_rI, up_rI, dhidden_rI
+            )
             dx_RH[start:end] = (tiled_mm(dgate_rI, w_gate_LIH[e]).float() + tiled_mm(dup_rI, w_up_LIH[e]).float()).to(
                 x_RH.dtype
             )
-            dw_down_LHI[e] = torch.mm(dy_rH.t(), swiglu(gate_rI, up_rI, ctx.limit))
+            dw_down_LHI[e] = torch.mm(dy_rH.t(), _tiled_swiglu(gate_rI, up_rI, ctx.limit))
             dw_gate_LIH[e] = torch.mm(dgate_rI.t(), x_rH)
             dw_up_LIH[e] = torch.mm(dup_rI.t(), x_rH)
         return dx_RH, None, dw_gate_LIH, dw_up_LIH, dw_down_LHI, None

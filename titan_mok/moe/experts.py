@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.utils import trunc_normal_
 
 from titan_mok.moe.expert_ffn import swiglu
-from titan_mok.moe.linear import row_invariant_linear
+from titan_mok.moe.tiles import map_row_tiles, row_invariant_linear
 
 
 class RoutedExperts(nn.Module):
@@ -61,11 +61,12 @@ class SharedExpert(nn.Module):
         dtype = x_TH.dtype
         gate_TI = row_invariant_linear(x_TH, self.w_gate.weight.to(dtype))
         up_TI = row_invariant_linear(x_TH, self.w_up.weight.to(dtype))
-        y_TH = row_invariant_linear(swiglu(gate_TI, up_TI, self.swiglu_limit), self.w_down.weight.to(dtype))
+        hidden_TI = map_row_tiles(lambda gate, up: swiglu(gate, up, self.swiglu_limit), gate_TI, up_TI)
+        y_TH = row_invariant_linear(hidden_TI, self.w_down.weight.to(dtype))
         if self.output_gate is None:
             return y_TH
         gate_logit_T1 = row_invariant_linear(x_TH.float(), self.output_gate.weight.float())
-        return y_TH.float() * torch.sigmoid(gate_logit_T1)
+        return y_TH.float() * map_row_tiles(torch.sigmoid, gate_logit_T1)
 
     def init_weights(self, init_std: float) -> None:
         trunc_normal_(self.w_gate.weight, mean=0.0, std=0.02)

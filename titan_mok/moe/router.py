@@ -12,7 +12,7 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from titan_mok.moe.args import MoEArgs
-from titan_mok.moe.linear import row_invariant_linear
+from titan_mok.moe.tiles import map_row_tiles, row_invariant_linear
 
 ROUTE_NORM_EPS = 1e-20
 """Added to the top-k score sum before renormalising (as DeepSeek-V3/V4)."""
@@ -67,6 +67,23 @@ class TopKRouter(nn.Module):
         keep_TG.scatter_(1, stable_topk_indices(group_score_TG, self.num_limited_groups), True)
         return choice_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(num_tokens, -1)  # [T, E]
 
+    def _route_tile(self, logits_tE, expert_bias_E, token_ids_t):
+        scores_tE = self._scores(logits_tE)
+        if self.hash_routing:
+            topk_idx_tK = self.hash_table[token_ids_t]
+        else:
+            choice_tE = scores_tE.detach()
+            if expert_bias_E is not None:
+                choice_tE = choice_tE + expert_bias_E
+            if self.num_expert_groups is not None:
+                choice_tE = self._limit_groups(choice_tE)
+            topk_idx_tK = stable_topk_indices(choice_tE, self.top_k)
+        # The bias chooses experts but never weights them.
+        weights_tK = scores_tE.gather(1, topk_idx_tK)
+        if self.route_norm:
+            weights_tK = weights_tK / (weights_tK.sum(dim=-1, keepdim=True) + ROUTE_NORM_EPS)
+        return weights_tK * self.route_scale, topk_idx_tK, scores_tE
+
     def forward(
         self, x_TH: torch.Tensor, expert_bias_E: torch.Tensor | None, token_ids_T: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,23 +97,9 @@ class TopKRouter(nn.Module):
         # NOTE: host sync (reference check; the fused path validates on device).
         if not torch.isfinite(logits_TE).all():
             raise FloatingPointError("MoE router logits contain NaN or Inf: check the layer input and router.gate.weight")
-        scores_TE = self._scores(logits_TE)
-
         if self.hash_routing:
-            topk_idx_TK = self.hash_table[token_ids_T]
-        else:
-            choice_TE = scores_TE.detach()
-            if expert_bias_E is not None:
-                choice_TE = choice_TE + expert_bias_E
-            if self.num_expert_groups is not None:
-                choice_TE = self._limit_groups(choice_TE)
-            topk_idx_TK = stable_topk_indices(choice_TE, self.top_k)
-
-        # The bias chooses experts but never weights them.
-        weights_TK = scores_TE.gather(1, topk_idx_TK)
-        if self.route_norm:
-            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + ROUTE_NORM_EPS)
-        return weights_TK * self.route_scale, topk_idx_TK, scores_TE
+            return map_row_tiles(lambda logits, ids: self._route_tile(logits, None, ids), logits_TE, token_ids_T)
+        return map_row_tiles(lambda logits: self._route_tile(logits, expert_bias_E, None), logits_TE)
 
     def init_weights(self, init_std: float, buffer_device: torch.device) -> None:
         trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
