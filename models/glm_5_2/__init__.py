@@ -1,0 +1,112 @@
+"""GLM-5.2 (text): MLA + DeepSeek Sparse Attention with IndexShare, MoE, one MTP block.
+
+Shapes: shared/reference/model_shapes.json. Flavors:
+
+- ``debug``: tiny, trains on CPU (2 ranks, EP=2) in the test suite; a short
+  ``index_topk`` and IndexShare every 2nd layer so the sparse path is exercised.
+- ``h200``: per-layer shapes of the full model (H 6144, dense FFN 12288, expert
+  FFN 2048, top-8, 64 heads, MLA and indexer dims, vocab). Cut: 78 → 5 main layers
+  (the 3 dense ones, then 2 MoE; layers 3–4 reuse layer 2's top-k as in the full
+  model), 256 → 32 experts per MoE layer. Why: ~7.8 B parameters, whose fp32
+  weights + grads + AdamW states (16 B/param) take ~62 GB per GPU when sharded over
+  2×H200 (141 GB each), leaving room for activations at seq 4096.
+- ``full``: the published architecture (78 layers + MTP, 256 experts).
+"""
+
+from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
+from torchtitan.protocols.train_spec import TrainSpec
+
+from titan_mok.data import VOCAB_SIZE, build_char_tokenizer, build_task_dataloader
+from titan_mok.moe import MoEArgs
+from titan_mok.parallelize import parallelize_moe_model
+
+from .args import GLM52Args
+from .model import GLM52Model
+from .state_dict_adapter import GLM52StateDictAdapter
+
+__all__ = ["GLM52Args", "GLM52Model", "GLM52StateDictAdapter", "glm_5_2_configs", "get_train_spec"]
+
+
+def _glm_moe(num_experts: int, expert_dim: int) -> MoEArgs:
+    return MoEArgs(
+        num_experts=num_experts,
+        top_k=8 if num_experts >= 8 else 2,
+        expert_dim=expert_dim,
+        score_func="sigmoid",
+        route_norm=True,
+        route_scale=2.5,
+        use_expert_bias=True,
+        load_balance_coeff=1e-3,
+        shared_expert_dim=expert_dim,
+    )
+
+
+# Published GLM-5 per-layer shapes (model_shapes.json "glm_5_2").
+_GLM_LAYER = dict(
+    vocab_size=154880,
+    dim=6144,
+    n_dense_layers=3,
+    dense_inter_dim=12288,
+    norm_eps=1e-5,
+    n_heads=64,
+    q_lora_rank=2048,
+    kv_lora_rank=512,
+    qk_nope_head_dim=192,
+    qk_rope_head_dim=64,
+    v_head_dim=256,
+    rope_theta=8_000_000.0,
+    rope_interleaved=True,
+    index_n_heads=32,
+    index_head_dim=128,
+    index_topk=2048,
+    index_topk_freq=4,
+    index_skip_topk_offset=3,
+    n_mtp_layers=1,
+)
+
+glm_5_2_configs = {
+    "debug": GLM52Args(
+        vocab_size=VOCAB_SIZE,
+        dim=128,
+        n_layers=4,
+        n_dense_layers=1,
+        dense_inter_dim=384,
+        n_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=48,
+        qk_rope_head_dim=16,
+        v_head_dim=64,
+        rope_theta=8_000_000.0,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=32,
+        index_topk_freq=2,
+        index_skip_topk_offset=1,
+        n_mtp_layers=1,
+        mtp_loss_coef=0.3,
+        moe_args=MoEArgs(
+            num_experts=8, top_k=2, expert_dim=64, score_func="sigmoid", route_norm=True, route_scale=2.5,
+            use_expert_bias=True, load_balance_coeff=1e-3, shared_expert_dim=64,
+        ),
+    ),
+    "h200": GLM52Args(**_GLM_LAYER, n_layers=5, mtp_loss_coef=0.3, moe_args=_glm_moe(32, 2048)),
+    "full": GLM52Args(**_GLM_LAYER, n_layers=78, mtp_loss_coef=0.3, moe_args=_glm_moe(256, 2048)),
+}
+
+
+def get_train_spec() -> TrainSpec:
+    return TrainSpec(
+        model_cls=GLM52Model,
+        model_args=glm_5_2_configs,
+        parallelize_fn=parallelize_moe_model,
+        pipelining_fn=None,
+        build_optimizers_fn=build_optimizers_with_moe_load_balancing,
+        build_lr_schedulers_fn=build_lr_schedulers,
+        build_dataloader_fn=build_task_dataloader,
+        build_tokenizer_fn=build_char_tokenizer,
+        build_loss_fn=build_cross_entropy_loss,
+        state_dict_adapter=GLM52StateDictAdapter,
+    )

@@ -1,0 +1,91 @@
+"""DeepSeek Sparse Attention as GLM-5 uses it: MLA whose queries each attend to
+the top-k keys chosen by a lightning indexer; with IndexShare, only some layers
+run an indexer and the layers after them reuse its selection.
+
+Legend: B batch, S queries, T keys (= S), H hidden, Q q_lora_rank, R rotary
+dims, I indexer heads, J indexer head dim, K selected keys (min(index_topk, S)).
+
+The indexer is not trained by the language-model loss (it runs under no_grad,
+as in the reference implementation); DeepSeek-V3.2 trains it with a separate
+KL objective, which titan-mok does not implement.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.utils import trunc_normal_
+
+from titan_mok.models.common.mla import MLAttention
+from titan_mok.models.common.rope import apply_rope
+
+
+class LightningIndexer(nn.Module):
+    """index(s, t) = Σ_i w_i(s) · relu(q_i(s) · k(t) / √J); picks the top-K causal keys per query.
+
+    q comes from the attention's query latent, k from the hidden state (one head,
+    LayerNorm'd); the first R dims of each are rotated (interleaved layout)."""
+
+    def __init__(self, model_args):
+        super().__init__()
+        a = model_args
+        self.n_heads = a.index_n_heads
+        self.head_dim = a.index_head_dim
+        self.rope_dim = a.qk_rope_head_dim
+        self.topk = a.index_topk
+        self.rope_interleaved = a.rope_interleaved
+        self.wq_b = nn.Linear(a.q_lora_rank, a.index_n_heads * a.index_head_dim, bias=False)
+        self.wk = nn.Linear(a.dim, a.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(a.index_head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(a.dim, a.index_n_heads, bias=False)
+
+    @torch.no_grad()
+    def forward(self, x_BSH: torch.Tensor, q_latent_BSQ: torch.Tensor, rope_SR: torch.Tensor) -> torch.Tensor:
+        """Returns ``topk_idx_BSK`` (int64). Rows with fewer than K causal keys also
+        select some future keys; the attention mask drops them again."""
+        bsz, seqlen, _ = x_BSH.shape
+        rest = self.head_dim - self.rope_dim
+        q_BSIJ = self.wq_b(q_latent_BSQ).view(bsz, seqlen, -1, self.head_dim)  # [B, S, I, J]
+        q_rope_BSIR, q_rest_BSIx = q_BSIJ.split([self.rope_dim, rest], dim=-1)
+        k_BS1J = self.k_norm(self.wk(x_BSH)).unsqueeze(2)  # [B, T, 1, J]: one key head
+        k_rope_BS1R, k_rest_BS1x = k_BS1J.split([self.rope_dim, rest], dim=-1)
+        q_BSIJ = torch.cat([apply_rope(q_rope_BSIR, rope_SR, self.rope_interleaved), q_rest_BSIx], dim=-1)
+        k_BTJ = torch.cat([apply_rope(k_rope_BS1R, rope_SR, self.rope_interleaved), k_rest_BS1x], dim=-1).squeeze(2)
+
+        # [B, S, I, J] @ [B, 1, J, T] -> [B, S, I, T]
+        scores_BSIT = F.relu(torch.matmul(q_BSIJ.float(), k_BTJ.float().transpose(-1, -2).unsqueeze(1)) * self.head_dim**-0.5)
+        weights_BS1I = (self.weights_proj(x_BSH).float() * self.n_heads**-0.5).unsqueeze(-2)
+        index_BST = torch.matmul(weights_BS1I, scores_BSIT).squeeze(-2)  # [B, S, 1, T] -> [B, S, T]
+        future_ST = torch.ones(seqlen, seqlen, dtype=torch.bool, device=x_BSH.device).triu(1)
+        index_BST = index_BST.masked_fill(future_ST, float("-inf"))
+        return index_BST.topk(min(self.topk, seqlen), dim=-1).indices
+
+    def init_weights(self) -> None:
+        for linear in (self.wq_b, self.wk, self.weights_proj):
+            trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        self.k_norm.reset_parameters()
+
+
+class DSAttention(MLAttention):
+    """MLA + DSA. ``runs_indexer``: this layer computes its own top-k ("full" layer);
+    otherwise it reuses the selection handed to it by the previous layer ("shared")."""
+
+    def __init__(self, model_args, runs_indexer: bool):
+        super().__init__(model_args)
+        self.index_topk = model_args.index_topk
+        self.indexer = LightningIndexer(model_args) if runs_indexer else None
+
+    def forward(
+        self, x_BSH: torch.Tensor, rope_SR: torch.Tensor, topk_idx_BSK: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q_latent_BSQ = self.q_norm(self.wq_a(x_BSH))
+        if self.indexer is not None:
+            # NOTE: with S ≤ index_topk every causal key is selected, so DSA is exactly
+            # causal attention and the indexer is skipped (None = no extra restriction).
+            topk_idx_BSK = self.indexer(x_BSH, q_latent_BSQ, rope_SR) if x_BSH.shape[1] > self.index_topk else None
+        return self.attend(x_BSH, q_latent_BSQ, rope_SR, topk_idx_BSK), topk_idx_BSK
+
+    def init_weights(self, init_std: float) -> None:
+        super().init_weights(init_std)
+        if self.indexer is not None:
+            self.indexer.init_weights()

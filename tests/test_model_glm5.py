@@ -1,0 +1,169 @@
+"""GLM-5.2 against transformers' GlmMoeDsa (test-only reference): logits parity
+through the HF checkpoint format, exact state-dict round trips, MTP, flavors."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from titan_mok.models.common.params import count_params
+from titan_mok.models.glm_5_2 import GLM52Args, GLM52Model, GLM52StateDictAdapter, glm_5_2_configs
+from titan_mok.moe import MoEArgs
+
+transformers = pytest.importorskip("transformers")
+
+SHAPES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "model_shapes.json")
+
+
+def tiny_args(**overrides) -> GLM52Args:
+    fields = dict(
+        vocab_size=96, dim=64, n_layers=5, n_dense_layers=1, dense_inter_dim=96, norm_eps=1e-5,
+        n_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=20,
+        rope_theta=10000.0, rope_interleaved=True, max_seq_len=32,
+        index_n_heads=4, index_head_dim=16, index_topk=6, index_topk_freq=2, index_skip_topk_offset=1,
+        n_mtp_layers=0,
+        moe_args=MoEArgs(num_experts=8, top_k=3, expert_dim=32, score_func="sigmoid", route_norm=True,
+                         route_scale=2.5, use_expert_bias=True, shared_expert_dim=32),
+    )
+    fields.update(overrides)
+    return GLM52Args(**fields)
+
+
+def hf_config(a: GLM52Args):
+    return transformers.GlmMoeDsaConfig(
+        vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.dense_inter_dim,
+        moe_intermediate_size=a.moe_args.expert_dim, num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads, num_key_value_heads=a.n_heads, n_shared_experts=1,
+        n_routed_experts=a.moe_args.num_experts, num_experts_per_tok=a.moe_args.top_k,
+        routed_scaling_factor=a.moe_args.route_scale, kv_lora_rank=a.kv_lora_rank, q_lora_rank=a.q_lora_rank,
+        qk_rope_head_dim=a.qk_rope_head_dim, qk_nope_head_dim=a.qk_nope_head_dim, v_head_dim=a.v_head_dim,
+        n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=a.norm_eps, first_k_dense_replace=a.n_dense_layers,
+        rope_parameters={"rope_type": "default", "rope_theta": a.rope_theta}, max_position_embeddings=a.max_seq_len,
+        index_topk=a.index_topk, index_head_dim=a.index_head_dim, index_n_heads=a.index_n_heads,
+        indexer_types=["full" if a.runs_indexer(i) else "shared" for i in range(a.n_layers)],
+        tie_word_embeddings=False,
+    )
+
+
+def randomize_(module: torch.nn.Module, seed: int) -> None:
+    """Every parameter and the routers' correction biases: O(1)-scale random values."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+        for name, b in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def hf_checkpoint(a: GLM52Args, tmp_path, seed: int = 0):
+    torch.manual_seed(seed)
+    hf = transformers.GlmMoeDsaForCausalLM(hf_config(a)).float().eval()
+    hf.config._attn_implementation = "eager"
+    randomize_(hf, seed)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    files = sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
+    hf_sd = {}
+    for f in files:
+        hf_sd.update(load_file(os.path.join(tmp_path, f)))
+    return hf, hf_sd
+
+
+def load_ours(a: GLM52Args, hf_sd) -> GLM52Model:
+    model = GLM52Model(a)
+    model.init_weights(torch.device("cpu"))
+    model.load_state_dict(GLM52StateDictAdapter(a, None).from_hf(hf_sd), strict=True)
+    return model.eval()
+
+
+@pytest.mark.parametrize("seq_len", [5, 24], ids=["dense(S<=topk)", "sparse(S>topk)"])
+def test_logits_match_transformers(tmp_path, seq_len):
+    a = tiny_args()
+    hf, hf_sd = hf_checkpoint(a, tmp_path)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in hf_sd  # per-expert HF layout
+    ours = load_ours(a, hf_sd)
+    tokens = torch.randint(0, a.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(input_ids=tokens).logits
+        got = ours(tokens)
+    rel = (got - ref).norm() / ref.norm()
+    assert rel < 1e-5, f"relative logits error {rel:.2e}"
+
+
+def test_state_dict_round_trip_is_exact(tmp_path):
+    a = tiny_args(n_mtp_layers=1)
+    _, hf_sd = hf_checkpoint(tiny_args(), tmp_path)
+    # the MTP block (HF model.layers.{n_layers}.*) with its copies of embedding and head
+    model = GLM52Model(a)
+    model.init_weights(torch.device("cpu"))
+    mtp = f"model.layers.{a.n_layers}."
+    mtp_hf = {k: v for k, v in GLM52StateDictAdapter(a, None).to_hf(model.state_dict()).items() if k.startswith(mtp)}
+    assert {mtp + n for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                              "self_attn.indexer.wk.weight", "mlp.experts.0.gate_proj.weight")} <= set(mtp_hf)
+    hf_sd.update(mtp_hf)
+    copies = {mtp + "embed_tokens.weight": hf_sd["model.embed_tokens.weight"], mtp + "shared_head.head.weight": hf_sd["lm_head.weight"]}
+    adapter = GLM52StateDictAdapter(a, None)
+    ours = adapter.from_hf({**hf_sd, **copies})
+    assert set(ours) == set(model.state_dict())
+    save_file(adapter.to_hf(ours), tmp_path / "out.safetensors")
+    back = load_file(tmp_path / "out.safetensors")
+    assert set(back) == set(hf_sd)
+    assert all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
+
+
+def test_adapter_rejects_unknown_and_incomplete(tmp_path):
+    a = tiny_args()
+    _, hf_sd = hf_checkpoint(a, tmp_path)
+    adapter = GLM52StateDictAdapter(a, None)
+    with pytest.raises(KeyError, match="model.layers.0.self_attn.bogus"):
+        adapter.from_hf({**hf_sd, "model.layers.0.self_attn.bogus": torch.zeros(1)})
+    del hf_sd["model.layers.2.mlp.experts.3.up_proj.weight"]
+    with pytest.raises(KeyError, match="incomplete routed experts"):
+        adapter.from_hf(hf_sd)
+
+
+def test_mtp_trains_through_main_loss():
+    a = tiny_args(n_mtp_layers=1, mtp_loss_coef=0.5)
+    model = GLM52Model(a)
+    model.init_weights(torch.device("cpu"))
+    tokens = torch.randint(0, a.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    logits = model(tokens)
+    with torch.no_grad():
+        assert torch.equal(logits, model(tokens))  # the MTP head does not change the main logits
+    logits.float().logsumexp(-1).mean().backward()
+    mtp = model.layers[str(a.n_layers)]
+    assert mtp.eh_proj.weight.grad is not None and mtp.eh_proj.weight.grad.abs().sum() > 0
+    # with coefficient 0 the block is loadable but not run
+    frozen = GLM52Model(tiny_args(n_mtp_layers=1, mtp_loss_coef=0.0))
+    frozen.init_weights(torch.device("cpu"))
+    frozen(tokens).float().sum().backward()
+    assert frozen.layers[str(a.n_layers)].eh_proj.weight.grad is None
+
+
+def test_indexshare_schedule_matches_published_config():
+    with open(SHAPES) as f:
+        published = json.load(f)["glm_5_2"]
+    assert glm_5_2_configs["full"].indexer_layers == published["indexer_full_layers"]
+
+
+def test_flavors_are_faithful():
+    full, h200 = glm_5_2_configs["full"], glm_5_2_configs["h200"]
+    assert (full.n_layers, full.n_dense_layers, full.moe_args.num_experts, full.moe_args.top_k) == (78, 3, 256, 8)
+    assert (full.qk_head_dim, full.v_head_dim, full.n_mtp_layers) == (256, 256, 1)
+    for key in ("dim", "dense_inter_dim", "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "vocab_size"):
+        assert getattr(h200, key) == getattr(full, key), key
+    assert (h200.moe_args.expert_dim, h200.moe_args.top_k) == (2048, 8)
+    with torch.device("meta"):
+        model = GLM52Model(full)
+    main = count_params(model).total - count_params(model.layers[str(full.n_layers)]).total
+    # GLM-5's published 744 B has an indexer on every one of the 78 layers (DeepSeek-V3.2
+    # style); IndexShare (GLM-5.2) keeps 21 of them. The MTP block is not counted.
+    indexer = count_params(model.layers["0"].attention.indexer).total
+    dropped = full.n_layers - len(full.indexer_layers)
+    assert 743.5e9 < main + dropped * indexer < 744.5e9, (main, indexer)
