@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 
+from titan_mok.models.common.params import count_params
 from titan_mok.moe import MoEArgs
 
 
@@ -19,18 +20,6 @@ def apply_mok_config(moe_args: MoEArgs, job_config) -> None:
     moe_args.backend = job_config.mok.backend
     moe_args.precision = job_config.mok.precision
     moe_args.kernels = job_config.mok.kernels
-
-
-def moe_nparams(model: nn.Module, moe_args: MoEArgs) -> tuple[int, int]:
-    """(total, active-per-token) parameter counts of a model whose routed experts
-    live under ``*.moe.experts.*``: a token uses top_k of num_experts of those."""
-    total = routed = 0
-    for name, p in model.named_parameters():
-        total += p.numel()
-        if ".moe.experts." in name:
-            routed += p.numel()
-    active = total - routed + routed * moe_args.top_k // moe_args.num_experts
-    return total, active
 
 
 @dataclass
@@ -118,8 +107,6 @@ class Qwen35ModelArgs(BaseModelArgs):
 
     def get_nparams(self, model: nn.Module) -> tuple[int, int]:
         """(total, active per token) of the trunk, MTP modules excluded from active."""
-        total, active = moe_nparams(model, self.moe_args)
-        if getattr(model, "mtp", None) is None:
-            return total, active
-        _, mtp_active = moe_nparams(model.mtp, self.moe_args)
-        return total, active - mtp_active
+        counts = count_params(model)
+        mtp_active = count_params(model.mtp).active if getattr(model, "mtp", None) is not None else 0
+        return counts.total, counts.active - mtp_active

@@ -17,6 +17,7 @@ from torch import nn
 from torchtitan.protocols.model import ModelProtocol
 
 from titan_mok.models.common.norm import RMSNorm
+from titan_mok.models.common.rope import apply_rope, rope_cache
 from titan_mok.moe import MoE
 
 from .args import Qwen35ModelArgs
@@ -28,24 +29,15 @@ def zero_centred_norm(dim: int, eps: float) -> RMSNorm:
     return RMSNorm(dim, eps, zero_centered=True)
 
 
-def rope_cos_sin(args: Qwen35ModelArgs) -> torch.Tensor:
-    """cos and sin of the first R = head_dim·partial_rotary_factor dims, half-split
-    layout (rotate_half): returns [2, max_seq_len, R]."""
-    rotary_dim = args.rotary_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
-    angles_SR2 = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float), inv_freq)
-    angles_SR = torch.cat([angles_SR2, angles_SR2], dim=-1)
-    return torch.stack([angles_SR.cos(), angles_SR.sin()])
+def qwen_rope_cache(args: Qwen35ModelArgs) -> torch.Tensor:
+    """RoPE cache of the first R = head_dim·partial_rotary_factor dims: [max_seq_len, R]."""
+    return rope_cache(args.max_seq_len, args.rotary_dim, args.rope_theta)
 
 
-def apply_partial_rope(x_BSND: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:
-    """Rotate the first R dims of each head (half-split pairs), pass the rest through."""
-    rotary_dim = cos_SR.shape[-1]
-    x_rot, x_pass = x_BSND[..., :rotary_dim], x_BSND[..., rotary_dim:]
-    x1, x2 = x_rot.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = cos_SR[:, None, :].to(x_BSND.dtype), sin_SR[:, None, :].to(x_BSND.dtype)  # broadcast over heads
-    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+def apply_partial_rope(x_BSND: torch.Tensor, cache_SR: torch.Tensor) -> torch.Tensor:
+    """Rotate the first R dims of each head (half-split pairs, rotate_half), pass the rest through."""
+    rotary_dim = cache_SR.shape[-1]
+    return torch.cat([apply_rope(x_BSND[..., :rotary_dim], cache_SR, interleaved=False), x_BSND[..., rotary_dim:]], dim=-1)
 
 
 class GatedAttention(nn.Module):
@@ -63,13 +55,13 @@ class GatedAttention(nn.Module):
         self.q_norm = zero_centred_norm(args.head_dim, args.norm_eps)
         self.k_norm = zero_centred_norm(args.head_dim, args.norm_eps)
 
-    def forward(self, x_BSH: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSH: torch.Tensor, cache_SR: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x_BSH.shape
         # [B, S, Hq·2D] -> [B, S, Hq, 2D] -> query, gate [B, S, Hq, D]
         q_BSHqD, gate_BSHqD = self.wq(x_BSH).view(batch, seq_len, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q_BSHqD = apply_partial_rope(self.q_norm(q_BSHqD), cos_SR, sin_SR)
+        q_BSHqD = apply_partial_rope(self.q_norm(q_BSHqD), cache_SR)
         k_BSHkvD = self.wk(x_BSH).view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        k_BSHkvD = apply_partial_rope(self.k_norm(k_BSHkvD), cos_SR, sin_SR)
+        k_BSHkvD = apply_partial_rope(self.k_norm(k_BSHkvD), cache_SR)
         v_BSHkvD = self.wv(x_BSH).view(batch, seq_len, self.n_kv_heads, self.head_dim)
         o_BHqSD = F.scaled_dot_product_attention(
             q_BSHqD.transpose(1, 2), k_BSHkvD.transpose(1, 2), v_BSHkvD.transpose(1, 2), is_causal=True, enable_gqa=True
@@ -112,10 +104,10 @@ class TransformerBlock(nn.Module):
         self.moe = MoE(args.moe_args, args.dim)
         self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x_BSH: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSH: torch.Tensor, cache_SR: torch.Tensor) -> torch.Tensor:
         h_BSH = self.attention_norm(x_BSH)
         if self.full_attention:
-            x_BSH = x_BSH + self.attention(h_BSH, cos_SR, sin_SR)
+            x_BSH = x_BSH + self.attention(h_BSH, cache_SR)
         else:
             x_BSH = x_BSH + self.linear_attention(h_BSH)
         return x_BSH + self.moe(self.ffn_norm(x_BSH))
@@ -140,9 +132,9 @@ class MultiTokenPrediction(nn.Module):
         self.block = TransformerBlock(layer_id, args, full_attention=True)
         self.norm = zero_centred_norm(args.dim, args.norm_eps)
 
-    def forward(self, h_BSH, next_embed_BSH, cos_SR, sin_SR) -> torch.Tensor:
+    def forward(self, h_BSH, next_embed_BSH, cache_SR) -> torch.Tensor:
         x_BS2H = torch.cat([self.pre_fc_norm_embedding(next_embed_BSH), self.pre_fc_norm_hidden(h_BSH)], dim=-1)
-        return self.norm(self.block(self.fc(x_BS2H), cos_SR, sin_SR))
+        return self.norm(self.block(self.fc(x_BS2H), cache_SR))
 
     def init_weights(self, buffer_device: torch.device):
         for norm in (self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm):
@@ -156,7 +148,7 @@ class Qwen35Model(ModelProtocol):
         super().__init__(args)
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.register_buffer("rope_cache", rope_cos_sin(args), persistent=False)
+        self.register_buffer("rope_cache", qwen_rope_cache(args), persistent=False)
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(i, args, args.is_full_attention(i)) for i in range(args.n_layers)}
         )
@@ -169,10 +161,10 @@ class Qwen35Model(ModelProtocol):
         seq_len = tokens_BS.shape[1]
         if seq_len > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.args.max_seq_len}")
-        cos_SR, sin_SR = self.rope_cache[:, :seq_len]
+        cache_SR = self.rope_cache[:seq_len]
         h_BSH = self.tok_embeddings(tokens_BS)
         for layer in self.layers.values():
-            h_BSH = layer(h_BSH, cos_SR, sin_SR)
+            h_BSH = layer(h_BSH, cache_SR)
         return h_BSH
 
     def forward(self, tokens_BS: torch.Tensor, attention_masks=None) -> torch.Tensor:
@@ -185,13 +177,13 @@ class Qwen35Model(ModelProtocol):
         positions t and the tokens at t+1 (``next_tokens_BS``): predicts t+2."""
         if self.mtp is None:
             raise ValueError("this flavor has n_mtp_layers = 0: no MTP module")
-        cos_SR, sin_SR = self.rope_cache[:, : h_BSH.shape[1]]
-        return self.output(self.mtp(h_BSH, self.tok_embeddings(next_tokens_BS), cos_SR, sin_SR))
+        cache_SR = self.rope_cache[: h_BSH.shape[1]]
+        return self.output(self.mtp(h_BSH, self.tok_embeddings(next_tokens_BS), cache_SR))
 
     def init_weights(self, buffer_device: torch.device | None = None):
         buffer_device = buffer_device or self.rope_cache.device
         with torch.device(buffer_device):
-            self.rope_cache = rope_cos_sin(self.args)
+            self.rope_cache = qwen_rope_cache(self.args)
         nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             layer.init_weights(buffer_device)

@@ -44,10 +44,10 @@ BLOCK_NAMES = {
         )
     },
     "moe.router.gate.weight": "mlp.gate.weight",
-    "moe.shared_expert.w1.weight": "mlp.shared_expert.gate_proj.weight",
-    "moe.shared_expert.w2.weight": "mlp.shared_expert.down_proj.weight",
-    "moe.shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight",
-    "moe.shared_expert_gate.weight": "mlp.shared_expert_gate.weight",
+    "moe.shared_expert.w_gate.weight": "mlp.shared_expert.gate_proj.weight",
+    "moe.shared_expert.w_up.weight": "mlp.shared_expert.up_proj.weight",
+    "moe.shared_expert.w_down.weight": "mlp.shared_expert.down_proj.weight",
+    "moe.shared_expert.output_gate.weight": "mlp.shared_expert_gate.weight",
 }
 # stacked native expert weights -> per-expert HF leaf
 EXPERT_NAMES = {"moe.experts.w_gate": "gate_proj", "moe.experts.w_up": "up_proj", "moe.experts.w_down": "down_proj"}
@@ -67,7 +67,7 @@ BLOCK_PREFIXES = ((re.compile(r"^layers\.(\d+)\."), TEXT + r"layers.\1."), (re.c
 HF_BLOCK_PREFIXES = ((re.compile(r"^model\.language_model\.layers\.(\d+)\."), r"layers.\1."), (re.compile(r"^mtp\.layers\.0\."), "mtp.block."))
 
 
-def _split_prefix(key: str, prefixes) -> tuple[str, str] | None:
+def split_prefix(key: str, prefixes) -> tuple[str, str] | None:
     """(translated block prefix, block-relative rest) of ``key``, or None."""
     for pattern, replacement in prefixes:
         match = pattern.match(key)
@@ -76,10 +76,10 @@ def _split_prefix(key: str, prefixes) -> tuple[str, str] | None:
     return None
 
 
-def _full(name: str, tensor):
+def require_full(name: str, tensor):
     if isinstance(tensor, DTensor):
         raise NotImplementedError(
-            f"{name}: the Qwen3.5 adapter converts full tensors only (stacking experts of a sharded "
+            f"{name}: the state-dict adapters convert full tensors only (stacking experts of a sharded "
             "DTensor is not supported); gather the state dict first"
         )
     return tensor
@@ -98,7 +98,7 @@ class Qwen35StateDictAdapter(StateDictAdapter):
             if key in TOP_NAMES:
                 hf[TOP_NAMES[key]] = tensor
                 continue
-            split = _split_prefix(key, BLOCK_PREFIXES)
+            split = split_prefix(key, BLOCK_PREFIXES)
             if split is None:
                 raise KeyError(f"{key}: no Hugging Face name for this Qwen3.5 parameter")
             prefix, rest = split
@@ -106,7 +106,7 @@ class Qwen35StateDictAdapter(StateDictAdapter):
                 continue
             if rest in EXPERT_NAMES:
                 # [E, I, H] (or [E, H, I]) -> E tensors of [I, H] ([H, I])
-                for e, w in enumerate(_full(key, tensor).unbind(0)):
+                for e, w in enumerate(require_full(key, tensor).unbind(0)):
                     hf[f"{prefix}mlp.experts.{e}.{EXPERT_NAMES[rest]}.weight"] = w
             elif rest in BLOCK_NAMES:
                 hf[prefix + BLOCK_NAMES[rest]] = tensor
@@ -122,7 +122,7 @@ class Qwen35StateDictAdapter(StateDictAdapter):
             if key in self.hf_top_names:
                 native[self.hf_top_names[key]] = tensor
                 continue
-            split = _split_prefix(key, HF_BLOCK_PREFIXES)
+            split = split_prefix(key, HF_BLOCK_PREFIXES)
             if split is None:
                 raise KeyError(f"{key}: not a Qwen3.5 text checkpoint key")
             prefix, rest = split
