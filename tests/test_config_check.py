@@ -1,0 +1,87 @@
+"""Config errors are caught before any process group exists, naming the key."""
+
+import pytest
+
+from titan_mok import registry
+from titan_mok.config_check import ConfigError, MokConfigManager
+
+DEBUG = "train_configs/kimi_k2_7_code/debug.toml"
+
+
+@pytest.fixture(autouse=True)
+def _registered(monkeypatch):
+    registry.register_all()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+
+def parse(*args: str, config: str = DEBUG):
+    return MokConfigManager().parse_args(["--job.config_file", config, *args])
+
+
+def write_toml(tmp_path, extra: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(open(DEBUG).read() + "\n" + extra)
+    return str(path)
+
+
+def test_debug_config_parses():
+    config = parse()
+    assert config.mok.backend == "mok" and config.parallelism.expert_parallel_degree == 2
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("[kittens]\ncount = 3", r"unknown section \[kittens\]"),
+        ("[checkpoint]\nintervall = 3", r"\[checkpoint\] unknown key 'intervall'"),
+        ("[comm]\ninit_timeout_seconds = \"ten\"", r"\[comm\] init_timeout_seconds = 'ten': expected a value of type int"),
+    ],
+)
+def test_toml_errors_name_the_key(tmp_path, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(config=write_toml(tmp_path, extra))
+
+
+def test_wrong_literal_in_toml(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text(open(DEBUG).read().replace('precision = "bf16"', 'precision = "fp4"'))
+    with pytest.raises(ConfigError, match=r"\[mok\] precision = 'fp4': expected one of 'bf16', 'mxfp8'"):
+        parse(config=str(path))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model.name", "llama9"], r"\[model\] name = 'llama9': choose one of"),
+        (["--model.flavor", "huge"], r"\[model\] flavor = 'huge' for kimi_k2_7_code: choose one of"),
+        (["--parallelism.expert_parallel_degree", "3"], r"expert_parallel_degree = 3 does not divide the world size 2"),
+        (["--parallelism.expert_parallel_degree", "0"], r"expert_parallel_degree = 0: must be >= 1"),
+        (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+         r"selective_ac_option = 'op' fails"),
+        (["--mok.kernels", "triton"], r"\[mok\] kernels = 'triton' needs a CUDA GPU"),
+    ],
+)
+def test_job_errors_name_the_key(args, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(*args)
+
+
+def test_ep_must_divide_expert_count(monkeypatch):
+    experts = registry.flavors("kimi_k2_7_code")["debug"].moe_args.num_experts
+    ep = next(d for d in range(2, 64) if experts % d)
+    monkeypatch.setenv("WORLD_SIZE", str(ep))
+    with pytest.raises(ConfigError, match=f"expert_parallel_degree = {ep} does not divide kimi_k2_7_code debug's {experts} experts"):
+        parse("--parallelism.expert_parallel_degree", str(ep))
+
+
+def test_cli_choice_out_of_range_is_rejected():
+    # tyro checks Literal choices on the command line before our checks run.
+    with pytest.raises(SystemExit):
+        parse("--mok.backend", "deepep")
+
+
+def test_train_entry_reports_config_error():
+    from tests import torchrun
+
+    code, out = torchrun.run("titan_mok.train", DEBUG, "--model.flavor", "huge", nproc=1, check=False, timeout=120)
+    assert code != 0 and "config error: [model] flavor = 'huge'" in out

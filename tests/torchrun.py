@@ -1,0 +1,30 @@
+"""Runs titan_mok entries under a real multi-process `torchrun` (gloo on CPU)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+_STEP_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.naninf]+)")
+
+
+def run(module: str, config: str, *overrides: str, nproc: int = 2, timeout: int = 300, check: bool = True):
+    """`torchrun --nproc_per_node nproc -m module --config config overrides...` from the repo root."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--standalone", "-m", module, "--config", config,
+        "--metrics.disable_color_printing", *overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}")
+    return proc.returncode, output
+
+
+def losses(output: str) -> dict[int, float]:
+    """Step → loss as logged by TorchTitan (rank 0 and rank 1 log the same value)."""
+    return {int(step): float(loss) for step, loss in _STEP_LOSS.findall(output)}
