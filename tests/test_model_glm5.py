@@ -12,6 +12,8 @@ from titan_mok.models.common.params import count_params
 from titan_mok.models.glm_5_2 import GLM52Args, GLM52Model, GLM52StateDictAdapter, glm_5_2_configs
 from titan_mok.moe import MoEArgs
 
+from tests.test_model_kimi_glm_hf import randomize_, relative_error, save_and_load_hf
+
 transformers = pytest.importorskip("transformers")
 
 SHAPES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "model_shapes.json")
@@ -47,31 +49,12 @@ def hf_config(a: GLM52Args):
     )
 
 
-def randomize_(module: torch.nn.Module, seed: int) -> None:
-    """Every parameter and the routers' correction biases: O(1)-scale random values."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-        for name, b in module.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-
-
 def hf_checkpoint(a: GLM52Args, tmp_path, seed: int = 0):
     torch.manual_seed(seed)
     hf = transformers.GlmMoeDsaForCausalLM(hf_config(a)).float().eval()
     hf.config._attn_implementation = "eager"
     randomize_(hf, seed)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    files = sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
-    hf_sd = {}
-    for f in files:
-        hf_sd.update(load_file(os.path.join(tmp_path, f)))
-    return hf, hf_sd
+    return hf, save_and_load_hf(hf, tmp_path)
 
 
 def load_ours(a: GLM52Args, hf_sd) -> GLM52Model:
@@ -91,7 +74,7 @@ def test_logits_match_transformers(tmp_path, seq_len):
     with torch.no_grad():
         ref = hf(input_ids=tokens).logits
         got = ours(tokens)
-    rel = (got - ref).norm() / ref.norm()
+    rel = relative_error(got, ref)
     assert rel < 1e-5, f"relative logits error {rel:.2e}"
 
 

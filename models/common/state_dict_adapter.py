@@ -60,11 +60,26 @@ class MLAStateDictAdapter(MoEStateDictAdapter):
 
     def __init__(self, model_args, hf_assets_path: str | None):
         super().__init__(model_args, hf_assets_path)
+        # Multimodal checkpoints (Kimi-K2.5 style) keep the text model under this prefix.
+        hf_names = self.fqn_to_index_mapping or {}
+        self.hf_prefix = "language_model." if any(n.startswith("language_model.") for n in hf_names) else ""
         self.from_hf_block = {hf: ours for ours, hf in self.block_keys.items()}
         self.from_hf_expert = {hf: ours for ours, hf in EXPERT_KEYS.items()}
         self.from_hf_top = {hf: ours for ours, hf in TOP_KEYS.items()}
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        hf_state_dict = self._to_hf_unprefixed(state_dict)
+        return {self.hf_prefix + key: value for key, value in hf_state_dict.items()}
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        unprefixed = {}
+        for key, value in hf_state_dict.items():
+            if not key.startswith(self.hf_prefix):
+                raise KeyError(f"from_hf: HF key {key!r} lacks the checkpoint's prefix {self.hf_prefix!r}")
+            unprefixed[key[len(self.hf_prefix):]] = value
+        return self._from_hf_unprefixed(unprefixed)
+
+    def _to_hf_unprefixed(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         hf_state_dict = {}
         for key, value in state_dict.items():
             if key in TOP_KEYS:
@@ -91,7 +106,7 @@ class MLAStateDictAdapter(MoEStateDictAdapter):
                 raise KeyError(f"to_hf: no HF name for {key!r}")
         return hf_state_dict
 
-    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+    def _from_hf_unprefixed(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
         state_dict = {}
         experts_by_layer: dict[str, dict[str, dict[int, Any]]] = {}  # layer -> titan template -> expert -> 2-D
         for key, value in hf_state_dict.items():

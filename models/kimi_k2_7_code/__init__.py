@@ -1,97 +1,98 @@
-"""Kimi K2.7 Code (text): a DeepSeek-V3-style MLA + MoE decoder.
+"""Kimi K2.7 Code (text): a DeepSeek-V3-style MLA + MoE decoder with YaRN RoPE.
 
-Shapes: shared/reference/model_shapes.json. Flavors: `debug` trains on CPU in
-seconds, `h200` keeps the full hidden size, expert FFN size and top-k with
-fewer layers and experts, `full` is the published architecture.
+Shapes: shared/reference/model_shapes.json (the text_config, identical to
+Kimi-K2.5/K2.6). Flavors:
+
+- ``debug``: tiny (3 layers, 8 experts, top-2), trains on CPU (2 ranks, EP=2) in
+  the test suite.
+- ``h200``: every per-layer shape of the full model (H 7168, dense FFN 18432,
+  expert FFN 2048, top-8, shared expert 2048, 64 MLA heads and ranks, YaRN,
+  vocab 163840). Cut: 61 → 4 layers (the dense one, then 3 MoE) and 384 → 48
+  experts per MoE layer. Why: ~9.6 B parameters, whose fp32 weights + grads +
+  AdamW states (16 B/param) take ~77 GB per GPU when sharded over 2×H200 (141 GB
+  each), leaving room for activations and the fp32 logits of the 163840-token
+  vocabulary at seq 4096. (More experts would leave top-8 of E closer to the real
+  8/384 routing sparsity, but 64 already needs ~94 GB per GPU before activations.)
+- ``full``: the published architecture (61 layers, 384 experts).
 """
 
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
-from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
-from torchtitan.models.deepseek_v3.model.state_dict_adapter import DeepSeekV3StateDictAdapter
-from torchtitan.models.moe import MoEArgs
 from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_mok.data import VOCAB_SIZE, build_char_tokenizer, build_task_dataloader
+from titan_mok.models.common.rope import YaRN
+from titan_mok.moe import MoEArgs
 from titan_mok.parallelize import parallelize_moe_model
 
+from .args import KimiK27CodeArgs
+from .model import KimiK27CodeModel
+from .state_dict_adapter import KimiK27CodeStateDictAdapter
 
-def _kimi_moe(num_experts: int, top_k: int) -> MoEArgs:
+__all__ = ["KimiK27CodeArgs", "KimiK27CodeModel", "KimiK27CodeStateDictAdapter", "kimi_k2_7_code_configs", "get_train_spec"]
+
+
+def _kimi_moe(num_experts: int, top_k: int, expert_dim: int) -> MoEArgs:
     return MoEArgs(
         num_experts=num_experts,
-        num_shared_experts=1,
         top_k=top_k,
+        expert_dim=expert_dim,
         score_func="sigmoid",
         route_norm=True,
         route_scale=2.827,
-        score_before_experts=False,
+        use_expert_bias=True,  # aux-loss-free: bias chooses experts, nudged each step
         load_balance_coeff=1e-3,
+        shared_expert_dim=expert_dim,
     )
 
 
-_YARN = dict(rope_theta=50000.0, rope_factor=64, original_seq_len=4096, beta_fast=32, beta_slow=1, mscale=1.0)
+# rope_scaling of the published config
+_YARN = YaRN(factor=64, original_seq_len=4096, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+
+# Published Kimi K2.7 Code per-layer shapes.
+_KIMI_LAYER = dict(
+    vocab_size=163840,
+    dim=7168,
+    n_dense_layers=1,
+    dense_inter_dim=18432,
+    norm_eps=1e-5,
+    n_heads=64,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    rope_theta=50000.0,
+    rope_interleaved=True,
+    yarn=_YARN,
+)
 
 kimi_k2_7_code_configs = {
-    "debug": DeepSeekV3ModelArgs(
+    "debug": KimiK27CodeArgs(
         vocab_size=VOCAB_SIZE,
         dim=128,
-        inter_dim=384,
-        moe_inter_dim=64,
         n_layers=3,
         n_dense_layers=1,
+        dense_inter_dim=384,
         n_heads=4,
-        norm_eps=1e-5,
-        moe_args=_kimi_moe(num_experts=8, top_k=2),
         q_lora_rank=64,
         kv_lora_rank=32,
         qk_nope_head_dim=32,
         qk_rope_head_dim=16,
         v_head_dim=32,
-        **_YARN,
+        rope_theta=50000.0,
+        yarn=_YARN,
+        moe_args=_kimi_moe(num_experts=8, top_k=2, expert_dim=64),
     ),
-    # Full width per layer (H, I, top-k, MLA dims); 4 layers (1 dense) and 64
-    # experts so that weights + Adam state fit 2×H200 with room for activations.
-    "h200": DeepSeekV3ModelArgs(
-        vocab_size=163840,
-        dim=7168,
-        inter_dim=18432,
-        moe_inter_dim=2048,
-        n_layers=4,
-        n_dense_layers=1,
-        n_heads=64,
-        norm_eps=1e-5,
-        moe_args=_kimi_moe(num_experts=64, top_k=8),
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        **_YARN,
-    ),
-    "full": DeepSeekV3ModelArgs(
-        vocab_size=163840,
-        dim=7168,
-        inter_dim=18432,
-        moe_inter_dim=2048,
-        n_layers=61,
-        n_dense_layers=1,
-        n_heads=64,
-        norm_eps=1e-5,
-        moe_args=_kimi_moe(num_experts=384, top_k=8),
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        **_YARN,
-    ),
+    "h200": KimiK27CodeArgs(**_KIMI_LAYER, n_layers=4, moe_args=_kimi_moe(num_experts=48, top_k=8, expert_dim=2048)),
+    "full": KimiK27CodeArgs(**_KIMI_LAYER, n_layers=61, moe_args=_kimi_moe(num_experts=384, top_k=8, expert_dim=2048)),
 }
 
 
 def get_train_spec() -> TrainSpec:
     return TrainSpec(
-        model_cls=DeepSeekV3Model,
+        model_cls=KimiK27CodeModel,
         model_args=kimi_k2_7_code_configs,
         parallelize_fn=parallelize_moe_model,
         pipelining_fn=None,
@@ -100,5 +101,5 @@ def get_train_spec() -> TrainSpec:
         build_dataloader_fn=build_task_dataloader,
         build_tokenizer_fn=build_char_tokenizer,
         build_loss_fn=build_cross_entropy_loss,
-        state_dict_adapter=DeepSeekV3StateDictAdapter,
+        state_dict_adapter=KimiK27CodeStateDictAdapter,
     )

@@ -1,0 +1,12 @@
+"""Kimi K2.7 Code (text): the shared MLA decoder, MLA attention on every layer."""
+
+from titan_mok.models.common.decoder import MLADecoder
+
+from .args import KimiK27CodeArgs
+
+
+class KimiK27CodeModel(MLADecoder):
+    """Embedding → 61 × (MLA, dense FFN on layer 0 / MoE after) → RMSNorm → untied head."""
+
+    def __init__(self, model_args: KimiK27CodeArgs):
+        super().__init__(model_args)

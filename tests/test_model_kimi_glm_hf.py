@@ -1,0 +1,54 @@
+"""Helpers shared by the Kimi and GLM parity tests (transformers is the test-only
+reference), and the adapter behaviour common to both."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from titan_mok.models.common.state_dict_adapter import MLAStateDictAdapter
+from titan_mok.models.kimi_k2_7_code import kimi_k2_7_code_configs
+
+
+def randomize_(module: torch.nn.Module, seed: int) -> None:
+    """Every parameter and the routers' correction biases: O(1)-scale random values
+    (HF's init leaves norms at 1 and biases at 0, which would hide mapping errors)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+        for name, b in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def save_and_load_hf(hf_model, folder) -> dict[str, torch.Tensor]:
+    """The HF checkpoint format (per-expert tensors), as ``save_pretrained`` writes it."""
+    hf_model.save_pretrained(folder, safe_serialization=True)
+    hf_sd = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            hf_sd.update(load_file(os.path.join(folder, name)))
+    return hf_sd
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def test_multimodal_prefix_is_detected_from_the_index(tmp_path):
+    args = kimi_k2_7_code_configs["debug"]
+    weight_map = {"language_model.model.embed_tokens.weight": "model-00001.safetensors",
+                  "vision_tower.patch_embed.proj.weight": "model-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    adapter = MLAStateDictAdapter(args, str(tmp_path))
+    hf = adapter.to_hf({"tok_embeddings.weight": torch.ones(2), "layers.0.attention.wo.weight": torch.zeros(3)})
+    assert set(hf) == {"language_model.model.embed_tokens.weight", "language_model.model.layers.0.self_attn.o_proj.weight"}
+    assert set(adapter.from_hf(hf)) == {"tok_embeddings.weight", "layers.0.attention.wo.weight"}
+    with pytest.raises(KeyError, match="lacks the checkpoint's prefix"):
+        adapter.from_hf({"model.norm.weight": torch.ones(2)})
