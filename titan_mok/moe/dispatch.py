@@ -65,28 +65,42 @@ def _permute_back(rows_RH: torch.Tensor, order_R: torch.Tensor) -> torch.Tensor:
     return out_RH
 
 
+def _gather_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
+    """[P, E]: every ep rank's rows per expert (the schedule's input, DESIGN §5.1)."""
+    if group is None:
+        return counts_E.unsqueeze(0)
+    parts = [torch.empty_like(counts_E) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, counts_E, group=group)
+    return torch.stack(parts)
+
+
 def build_dispatch_handle(
     topk_idx_TK: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None, max_rows_per_rank: int | None
 ) -> DispatchHandle:
-    """The schedule. NOTE: host sync (the split sizes); the fused path sizes its
-    buffers for the worst case instead and reads the counts on device."""
+    """The schedule. Every rank sees every rank's counts, so an overflow raises the
+    same error on all ranks. NOTE: host sync (the split sizes); the fused path sizes
+    its buffers for the worst case instead and reads the counts on device."""
     num_tokens, top_k = topk_idx_TK.shape
-    ep_degree = 1 if group is None else dist.get_world_size(group)
+    ep_degree, ep_rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
     num_local = num_experts // ep_degree
     flat_idx_R = topk_idx_TK.reshape(-1)  # [T·K], slot id t·K + j
     send_order = torch.sort(flat_idx_R, stable=True).indices  # by (expert, token, slot)
-    send_counts_PL = torch.bincount(flat_idx_R, minlength=num_experts).view(ep_degree, num_local)
-    recv_counts_PL = _all_to_all(send_counts_PL, [1] * ep_degree, [1] * ep_degree, group)  # [source rank, local expert]
+    counts_PPL = _gather_counts(torch.bincount(flat_idx_R, minlength=num_experts), group).view(
+        ep_degree, ep_degree, num_local
+    )  # [source rank, destination rank, local expert]
+    recv_counts_PL = counts_PPL[:, ep_rank]  # [source rank, local expert]
 
-    send_splits = send_counts_PL.sum(dim=1).tolist()
-    recv_splits = recv_counts_PL.sum(dim=1).tolist()
-    num_recv = sum(recv_splits)
-    capacity = max_rows_per_rank if max_rows_per_rank is not None else ep_degree * num_tokens * top_k
-    if num_recv > capacity:
+    rows_per_rank = counts_PPL.sum(dim=(0, 2)).tolist()
+    capacity = max_rows_per_rank if max_rows_per_rank is not None else sum(rows_per_rank)
+    if max(rows_per_rank) > capacity:
+        worst = max(range(ep_degree), key=rows_per_rank.__getitem__)
         raise RuntimeError(
-            f"MoE dispatch overflow: this rank receives {num_recv} rows but its buffer holds "
+            f"MoE dispatch overflow: ep rank {worst} receives {rows_per_rank[worst]} rows but its buffer holds "
             f"max_rows_per_rank = {capacity}; raise MoEArgs.max_rows_per_rank (rows are never dropped)"
         )
+    send_splits = counts_PPL[ep_rank].sum(dim=1).tolist()
+    recv_splits = recv_counts_PL.sum(dim=1).tolist()
+    num_recv = rows_per_rank[ep_rank]
     # Received rows come by source rank, each source's rows by (local expert, token, slot);
     # a stable sort by local expert makes them (local expert, source rank, token, slot).
     local_ids = torch.arange(num_local, device=topk_idx_TK.device).repeat(ep_degree)  # [P·L]

@@ -14,6 +14,7 @@ zeroes it), ``expert_load [E]`` fp32 (metrics read and zero it),
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from titan_mok.moe.args import MoEArgs
@@ -111,13 +112,29 @@ class MoE(nn.Module):
                     f"token_ids_BS must be int32/int64 of shape {tuple(x_BSH.shape[:2])}, "
                     f"got {token_ids_BS.dtype} {tuple(token_ids_BS.shape)}"
                 )
-            # NOTE: host sync (reference check).
-            if token_ids_BS.numel() and not 0 <= int(token_ids_BS.min()) <= int(token_ids_BS.max()) < self.args.hash_vocab_size:
-                raise ValueError(f"token_ids_BS must lie in [0, hash_vocab_size = {self.args.hash_vocab_size})")
 
-    def _routed_mok(self, x_TH, weights_TK, topk_idx_TK, shared_TH):
+    def _ep_group(self) -> dist.ProcessGroup | None:
         mesh = self.experts.ep_mesh
-        group = mesh.get_group() if mesh is not None and mesh.size() > 1 else None
+        return mesh.get_group() if mesh is not None and mesh.size() > 1 else None
+
+    def _check_data_all_ranks(self, logits_TE, token_ids_T, group) -> None:
+        """NaN/Inf router logits or out-of-range token ids on any EP rank raise the same
+        error on every rank (one rank raising alone would leave the others waiting in
+        the dispatch collectives). NOTE: host sync, and an all-reduce under EP: the
+        reference's checks; the fused path checks on device."""
+        bad_ids = torch.zeros((), dtype=torch.bool, device=logits_TE.device)
+        if token_ids_T is not None:
+            bad_ids = ((token_ids_T < 0) | (token_ids_T >= self.args.hash_vocab_size)).any()
+        flags = torch.stack([~torch.isfinite(logits_TE).all(), bad_ids]).to(torch.int64)
+        if group is not None:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        nonfinite, bad_ids = flags.tolist()
+        if nonfinite:
+            raise FloatingPointError("MoE router logits contain NaN or Inf (on some EP rank): check the layer input")
+        if bad_ids:
+            raise ValueError(f"token_ids_BS must lie in [0, hash_vocab_size = {self.args.hash_vocab_size}) on every rank")
+
+    def _routed_mok(self, x_TH, weights_TK, topk_idx_TK, shared_TH, group):
         handle = build_dispatch_handle(topk_idx_TK, self.args.num_experts, group, self.args.max_rows_per_rank)
         x_RH = dispatch(x_TH, handle)
         w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_TH.dtype) for w in self.experts.local_weights())
@@ -133,7 +150,10 @@ class MoE(nn.Module):
         x_TH = x_BSH.reshape(batch * seq, dim)
         token_ids_T = token_ids_BS.reshape(-1) if self.args.hash_routing else None
         expert_bias_E = self.expert_bias if self.args.use_expert_bias else None
-        weights_TK, topk_idx_TK, scores_TE = self.router(x_TH, expert_bias_E, token_ids_T)
+        group = self._ep_group()
+        logits_TE = self.router.logits(x_TH)
+        self._check_data_all_ranks(logits_TE, token_ids_T, group)
+        weights_TK, topk_idx_TK, scores_TE = self.router(logits_TE, expert_bias_E, token_ids_T)
 
         with torch.no_grad():
             picks_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.args.num_experts).float()
@@ -141,7 +161,7 @@ class MoE(nn.Module):
             self.expert_load.add_(picks_E)
 
         shared_TH = self.shared_expert(x_TH) if self.shared_expert is not None else None
-        y_TH = self._routed_mok(x_TH, weights_TK, topk_idx_TK, shared_TH)
+        y_TH = self._routed_mok(x_TH, weights_TK, topk_idx_TK, shared_TH, group)
         if self.args.aux_loss_coef > 0 and torch.is_grad_enabled():
             y_TH = attach_aux_loss(y_TH, load_balance_aux_loss(scores_TE, topk_idx_TK), self.args.aux_loss_coef)
         return y_TH.view(batch, seq, dim)

@@ -84,8 +84,12 @@ class TopKRouter(nn.Module):
             weights_tK = weights_tK / (weights_tK.sum(dim=-1, keepdim=True) + ROUTE_NORM_EPS)
         return weights_tK * self.route_scale, topk_idx_tK, scores_tE
 
+    def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, E] in fp32."""
+        return row_invariant_linear(x_TH.float(), self.gate.weight.float())
+
     def forward(
-        self, x_TH: torch.Tensor, expert_bias_E: torch.Tensor | None, token_ids_T: torch.Tensor | None
+        self, logits_TE: torch.Tensor, expert_bias_E: torch.Tensor | None, token_ids_T: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """
         Returns:
@@ -93,10 +97,6 @@ class TopKRouter(nn.Module):
             topk_idx_TK: int64 expert ids, slot order (descending score; hash: table order).
             scores_TE: fp32 scores of every expert (the auxiliary loss reads them).
         """
-        logits_TE = row_invariant_linear(x_TH.float(), self.gate.weight.float())
-        # NOTE: host sync (reference check; the fused path validates on device).
-        if not torch.isfinite(logits_TE).all():
-            raise FloatingPointError("MoE router logits contain NaN or Inf: check the layer input and router.gate.weight")
         if self.hash_routing:
             return map_row_tiles(lambda logits, ids: self._route_tile(logits, None, ids), logits_TE, token_ids_T)
         return map_row_tiles(lambda logits: self._route_tile(logits, expert_bias_E, None), logits_TE)
