@@ -8,6 +8,9 @@ from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
 
 MODELS = (
     "kimi_k2_7_code",
+    "glm_5_2",
+    "qwen3_5_397b_a17b",
+    "deepseek_v4_pro",
 )
 
 
