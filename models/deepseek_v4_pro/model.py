@@ -81,7 +81,7 @@ class MultiTokenPrediction(nn.Module):
 class DeepSeekV4Model(ModelProtocol):
     def __init__(self, args: DeepSeekV4ModelArgs):
         super().__init__(args)
-        self.args = args
+        self.model_args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         plain, compressed = rope_caches(args)
         self.register_buffer("rope_plain", plain, persistent=False)
@@ -93,8 +93,8 @@ class DeepSeekV4Model(ModelProtocol):
         self.mtp = nn.ModuleDict({str(k): MultiTokenPrediction(args.n_layers + k, args) for k in range(args.n_mtp_layers)})
 
     def _angles(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if seq_len > self.args.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.args.max_seq_len}")
+        if seq_len > self.model_args.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.model_args.max_seq_len}")
         return self.rope_plain[:seq_len], self.rope_compressed[:seq_len]
 
     def trunk(self, tokens_BS: torch.Tensor) -> torch.Tensor:
@@ -102,7 +102,7 @@ class DeepSeekV4Model(ModelProtocol):
         rope = self._angles(tokens_BS.shape[1])
         h_BSH = self.tok_embeddings(tokens_BS)
         # every stream starts as the embedding: [B, S, H] -> [B, S, C, H]
-        x_BSCH = h_BSH[:, :, None].expand(-1, -1, self.args.hc_mult, -1)
+        x_BSCH = h_BSH[:, :, None].expand(-1, -1, self.model_args.hc_mult, -1)
         for layer in self.layers.values():
             x_BSCH = layer(x_BSCH, tokens_BS, rope)
         return x_BSCH
@@ -122,11 +122,11 @@ class DeepSeekV4Model(ModelProtocol):
     def init_weights(self, buffer_device: torch.device | None = None):
         buffer_device = buffer_device or self.rope_plain.device
         with torch.device(buffer_device):
-            self.rope_plain, self.rope_compressed = rope_caches(self.args)
+            self.rope_plain, self.rope_compressed = rope_caches(self.model_args)
         nn.init.normal_(self.tok_embeddings.weight)
         for module in (*self.layers.values(), *self.mtp.values()):
             module.init_weights(buffer_device)
         self.hc_head.init_weights()
         self.norm.reset_parameters()
-        std = self.args.dim**-0.5
+        std = self.model_args.dim**-0.5
         nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)

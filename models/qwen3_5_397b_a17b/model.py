@@ -146,7 +146,7 @@ class MultiTokenPrediction(nn.Module):
 class Qwen35Model(ModelProtocol):
     def __init__(self, args: Qwen35ModelArgs):
         super().__init__(args)
-        self.args = args
+        self.model_args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.register_buffer("rope_cache", qwen_rope_cache(args), persistent=False)
         self.layers = nn.ModuleDict(
@@ -159,8 +159,8 @@ class Qwen35Model(ModelProtocol):
     def trunk(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """Hidden states after the last block, before the final norm: [B, S, H]."""
         seq_len = tokens_BS.shape[1]
-        if seq_len > self.args.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.args.max_seq_len}")
+        if seq_len > self.model_args.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.model_args.max_seq_len}")
         cache_SR = self.rope_cache[:seq_len]
         h_BSH = self.tok_embeddings(tokens_BS)
         for layer in self.layers.values():
@@ -183,12 +183,12 @@ class Qwen35Model(ModelProtocol):
     def init_weights(self, buffer_device: torch.device | None = None):
         buffer_device = buffer_device or self.rope_cache.device
         with torch.device(buffer_device):
-            self.rope_cache = qwen_rope_cache(self.args)
+            self.rope_cache = qwen_rope_cache(self.model_args)
         nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             layer.init_weights(buffer_device)
         if self.mtp is not None:
             self.mtp.init_weights(buffer_device)
         self.norm.reset_parameters()
-        std = self.args.dim**-0.5
+        std = self.model_args.dim**-0.5
         nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
