@@ -45,6 +45,14 @@ def mx_exp2(e):
 
 
 @triton.jit
+def mx_scale_value(e):
+    """2^e as fp32 for int32 e in [-127, 127] (2^-127 is subnormal), NaN for e = 128 (E8M0 0xFF)."""
+    v = mx_exp2(tl.maximum(e, -126))
+    v = tl.where(e == -127, 5.877471754111438e-39, v)
+    return tl.where(e == 128, float("nan"), v)
+
+
+@triton.jit
 def mx_quantize_block(x, AXIS: tl.constexpr):
     """Quantize fp32 tile ``x`` whose dim ``AXIS`` has size 32 (one block along it).
 

@@ -1,0 +1,231 @@
+"""Routed-expert SwiGLU FFN on rows grouped by expert — seam #2 (SEAMS.md).
+
+Legend: R routed rows (grouped by expert), H hidden, I expert FFN size, E experts held here.
+
+    y_RH[r] = w_down[e] · h,  h = silu(min(g, L)) · clamp(u, -L, L),
+    g = w_gate[e] · x[r],  u = w_up[e] · x[r]       (e: the expert owning row r, L: swiglu_limit)
+
+Dataflow (both paths, both precisions): GEMMs accumulate in fp32; g and u are stored in the
+activation dtype and h is computed in fp32 from those stored values, then rounded to it; the
+backward uses the stored g, u, h. ``precision="mxfp8"`` quantizes every GEMM operand per
+DESIGN §6 along that GEMM's reduction dim: forward x, w_gate, w_up along H, h and w_down
+along I; dgrad dy and w_down along H, dgate/dup and w_gate/w_up along I; wgrad both operands
+along the token axis, per group (``kernels/grouped_gemm.py``). Master weights stay as given;
+the shared expert is not here (it stays bf16 in the MoE layer).
+
+Two paths compute the same function:
+- ``use_triton=False``: the reference, plain PyTorch on the exact operand values
+  (``ref_grouped_mm``/``ref_grouped_wgrad``: MXFP8 quantize → dequantize → fp32 GEMM).
+  NOTE: it loops over experts on the host (one device→host sync per call).
+- ``use_triton=True``: Triton grouped GEMMs (CUDA), no host sync, row-batch-invariant and
+  run-to-run deterministic. They equal the reference up to fp32 summation order (and the
+  rounding of results to bf16): tests/test_grouped_ffn.py states the tolerances.
+"""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from titan_mok.kernels.grouped_gemm import (
+    grouped_down_dgrad_swiglu,
+    grouped_gate_up_swiglu,
+    grouped_mm,
+    grouped_mm_sum,
+    grouped_wgrad,
+    ref_grouped_mm,
+    ref_grouped_wgrad,
+)
+from titan_mok.kernels.mxfp8_quant import mxfp8_quantize
+from titan_mok.moe.tiles import map_row_tiles
+from titan_mok.mxfp8 import MXTensor
+
+PRECISIONS = ("bf16", "mxfp8")
+
+
+def _clamped(gate_RI: torch.Tensor, up_RI: torch.Tensor, limit: float | None):
+    """fp32 gate, up with DeepSeek-V4's clamp: gate <= limit, |up| <= limit."""
+    gate_RI, up_RI = gate_RI.float(), up_RI.float()
+    if limit is not None:
+        gate_RI, up_RI = gate_RI.clamp(max=limit), up_RI.clamp(-limit, limit)
+    return gate_RI, up_RI
+
+
+def _swiglu_rows(gate_RI, up_RI, limit):
+    gate32_RI, up32_RI = _clamped(gate_RI, up_RI, limit)
+    return (F.silu(gate32_RI) * up32_RI).to(gate_RI.dtype)
+
+
+def ref_swiglu(gate_RI: torch.Tensor, up_RI: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """silu(clamped gate) · clamped up in fp32, rounded once to the inputs' dtype (row tiles: batch-invariant)."""
+    return map_row_tiles(lambda g, u: _swiglu_rows(g, u, limit), gate_RI, up_RI)
+
+
+def _swiglu_backward_rows(dh32_RI, gate_RI, up_RI, limit):
+    gate32_RI, up32_RI = _clamped(gate_RI, up_RI, limit)
+    sig_RI = torch.sigmoid(gate32_RI)
+    dgate_RI = dh32_RI * up32_RI * sig_RI * (1 + gate32_RI * (1 - sig_RI))
+    dup_RI = dh32_RI * gate32_RI * sig_RI
+    if limit is not None:
+        dgate_RI = torch.where(gate_RI.float() <= limit, dgate_RI, 0.0)
+        dup_RI = torch.where(up_RI.float().abs() <= limit, dup_RI, 0.0)
+    return dgate_RI.to(gate_RI.dtype), dup_RI.to(gate_RI.dtype)
+
+
+def ref_swiglu_backward(dh32_RI, gate_RI, up_RI, limit: float | None):
+    """(dgate, dup) in the inputs' dtype from fp32 dh; the clamp passes gradient only where it did not clip."""
+    return map_row_tiles(lambda d, g, u: _swiglu_backward_rows(d, g, u, limit), dh32_RI, gate_RI, up_RI)
+
+
+class _ReferenceOps:
+    """The definition: explicit fp32 GEMMs on (fake-)quantized operands, a loop over experts."""
+
+    @staticmethod
+    def forward(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit):
+        gate_RI = ref_grouped_mm(x_RH, group_end_E, w_gate_EIH, precision).to(x_RH.dtype)
+        up_RI = ref_grouped_mm(x_RH, group_end_E, w_up_EIH, precision).to(x_RH.dtype)
+        h_RI = ref_swiglu(gate_RI, up_RI, limit)
+        y_RH = ref_grouped_mm(h_RI, group_end_E, w_down_EHI, precision).to(x_RH.dtype)
+        return y_RH, gate_RI, up_RI, h_RI
+
+    @staticmethod
+    def backward(dy_RH, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, gate_RI, up_RI, h_RI, precision, limit):
+        dh32_RI = ref_grouped_mm(dy_RH, group_end_E, w_down_EHI.transpose(1, 2), precision)
+        dgate_RI, dup_RI = ref_swiglu_backward(dh32_RI, gate_RI, up_RI, limit)
+        dx_RH = (
+            ref_grouped_mm(dgate_RI, group_end_E, w_gate_EIH.transpose(1, 2), precision)
+            + ref_grouped_mm(dup_RI, group_end_E, w_up_EIH.transpose(1, 2), precision)
+        ).to(x_RH.dtype)
+        dw_gate_EIH = ref_grouped_wgrad(dgate_RI, x_RH, group_end_E, precision).to(w_gate_EIH.dtype)
+        dw_up_EIH = ref_grouped_wgrad(dup_RI, x_RH, group_end_E, precision).to(w_up_EIH.dtype)
+        dw_down_EHI = ref_grouped_wgrad(dy_RH, h_RI, group_end_E, precision).to(w_down_EHI.dtype)
+        return dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI
+
+
+def _weight_operand(w_EXY: torch.Tensor, precision: str, along: int, name: str):
+    """B operand [E, N, K] for grouped_mm: K = ``along`` (1 or 2) of the stored weight, MXFP8 blocked there."""
+    if precision == "mxfp8":
+        mx = mxfp8_quantize(w_EXY, along, name)
+        if along == 1:  # the GEMM reads the transposed view [E, Y, X]; blocks stay along X (now dim 2)
+            return MXTensor(mx.data.transpose(1, 2), mx.scale.transpose(1, 2), dim=2)
+        return mx
+    return w_EXY.transpose(1, 2) if along == 1 else w_EXY
+
+
+class _TritonOps:
+    """Triton grouped GEMMs (kernels/grouped_gemm.py); weights quantized in the layout each GEMM reads."""
+
+    @staticmethod
+    def forward(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit):
+        gate_RI, up_RI, h_RI = grouped_gate_up_swiglu(
+            x_RH,
+            group_end_E,
+            _weight_operand(w_gate_EIH, precision, 2, "w_gate_EIH"),
+            _weight_operand(w_up_EIH, precision, 2, "w_up_EIH"),
+            limit,
+        )
+        y_RH = grouped_mm(h_RI, group_end_E, _weight_operand(w_down_EHI, precision, 2, "w_down_EHI"))
+        return y_RH, gate_RI, up_RI, h_RI
+
+    @staticmethod
+    def backward(dy_RH, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, gate_RI, up_RI, h_RI, precision, limit):
+        dgate_RI, dup_RI = grouped_down_dgrad_swiglu(
+            dy_RH, group_end_E, _weight_operand(w_down_EHI, precision, 1, "w_down_EHI"), gate_RI, up_RI, limit
+        )
+        dx_RH = grouped_mm_sum(
+            dgate_RI,
+            dup_RI,
+            group_end_E,
+            _weight_operand(w_gate_EIH, precision, 1, "w_gate_EIH"),
+            _weight_operand(w_up_EIH, precision, 1, "w_up_EIH"),
+        )
+        dw_gate_EIH = grouped_wgrad(dgate_RI, x_RH, group_end_E, precision)
+        dw_up_EIH = grouped_wgrad(dup_RI, x_RH, group_end_E, precision)
+        dw_down_EHI = grouped_wgrad(dy_RH, h_RI, group_end_E, precision)
+        return dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI
+
+
+class _GroupedSwiGLUFFN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit, use_triton):
+        ops = _TritonOps if use_triton else _ReferenceOps
+        y_RH, gate_RI, up_RI, h_RI = ops.forward(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit)
+        ctx.save_for_backward(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, gate_RI, up_RI, h_RI)
+        ctx.ops, ctx.precision, ctx.limit = ops, precision, limit
+        return y_RH
+
+    @staticmethod
+    def backward(ctx, dy_RH):
+        x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, gate_RI, up_RI, h_RI = ctx.saved_tensors
+        grads = ctx.ops.backward(
+            dy_RH.contiguous(), x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, gate_RI, up_RI, h_RI,
+            ctx.precision, ctx.limit,
+        )
+        dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI = grads
+        return dx_RH, None, dw_gate_EIH, dw_up_EIH, dw_down_EHI, None, None, None
+
+
+def _check_inputs(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, use_triton):
+    if precision not in PRECISIONS:
+        raise ValueError(f"grouped_swiglu_ffn: precision must be one of {PRECISIONS}, got {precision!r}")
+    if x_RH.dim() != 2:
+        raise ValueError(f"grouped_swiglu_ffn: x_RH must be [rows, hidden], got shape {tuple(x_RH.shape)}")
+    num_experts, dim_i, dim_h = w_gate_EIH.shape
+    if w_gate_EIH.shape != (num_experts, dim_i, x_RH.shape[1]) or w_up_EIH.shape != w_gate_EIH.shape:
+        raise ValueError(
+            f"grouped_swiglu_ffn: w_gate_EIH {tuple(w_gate_EIH.shape)} and w_up_EIH {tuple(w_up_EIH.shape)} "
+            f"must both be [E, I, H] with H = {x_RH.shape[1]} (x_RH's hidden size)"
+        )
+    if w_down_EHI.shape != (num_experts, dim_h, dim_i):
+        raise ValueError(f"grouped_swiglu_ffn: w_down_EHI must be [E, H, I] = {(num_experts, dim_h, dim_i)}, "
+                         f"got {tuple(w_down_EHI.shape)}")
+    if group_end_E.shape != (num_experts,) or group_end_E.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"grouped_swiglu_ffn: group_end_E must be int32/int64 [{num_experts}], "
+                         f"got {group_end_E.dtype} {tuple(group_end_E.shape)}")
+    if not (x_RH.dtype == w_gate_EIH.dtype == w_up_EIH.dtype == w_down_EHI.dtype):
+        raise TypeError(f"grouped_swiglu_ffn: x_RH ({x_RH.dtype}) and the expert weights ({w_gate_EIH.dtype}, "
+                        f"{w_up_EIH.dtype}, {w_down_EHI.dtype}) must share one dtype")
+    if precision == "mxfp8" and (dim_h % 32 or dim_i % 32):
+        raise ValueError(f"grouped_swiglu_ffn: mxfp8 needs H ({dim_h}) and I ({dim_i}) to be multiples of 32")
+    if use_triton:
+        if x_RH.device.type != "cuda" and not _interpreting():
+            raise ValueError("grouped_swiglu_ffn: use_triton=True needs CUDA tensors (or TRITON_INTERPRET=1)")
+        if x_RH.dtype != torch.bfloat16:
+            raise TypeError(f"grouped_swiglu_ffn: the Triton path runs bfloat16 activations/weights, got {x_RH.dtype}")
+        if group_end_E.device != x_RH.device:
+            raise ValueError(f"grouped_swiglu_ffn: group_end_E is on {group_end_E.device}, x_RH on {x_RH.device}")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def grouped_swiglu_ffn(
+    x_RH: torch.Tensor,
+    group_end_E: torch.Tensor,
+    w_gate_EIH: torch.Tensor,
+    w_up_EIH: torch.Tensor,
+    w_down_EHI: torch.Tensor,
+    *,
+    precision: str = "bf16",
+    swiglu_limit: float | None = None,
+    use_triton: bool = False,
+) -> torch.Tensor:
+    """Routed experts' SwiGLU FFN on rows grouped by expert (module docstring); autograd-capable.
+
+    Args:
+        x_RH: [R, H] rows grouped by expert; rows at or past ``group_end_E[-1]`` are padding
+            (output and gradient zero).
+        group_end_E: [E] int32/int64 cumulative row counts, on x's device.
+        w_gate_EIH, w_up_EIH: [E, I, H]; w_down_EHI: [E, H, I]; same dtype as x_RH.
+        precision: "bf16" or "mxfp8" (all six GEMMs of forward and backward in MXFP8).
+        swiglu_limit: DeepSeek-V4's clamp (gate <= L, |up| <= L), None for none.
+        use_triton: Triton kernels (CUDA, bf16) instead of the PyTorch reference.
+
+    Returns:
+        y_RH [R, H] in x's dtype.
+    """
+    _check_inputs(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, use_triton)
+    return _GroupedSwiGLUFFN.apply(
+        x_RH.contiguous(), group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, swiglu_limit, use_triton
+    )

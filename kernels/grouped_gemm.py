@@ -1,0 +1,393 @@
+"""Grouped GEMMs for routed experts (Triton, Hopper), beside their PyTorch references.
+
+Legend: R rows grouped by expert, E experts (local), K reduction dim, N output features,
+H hidden, I expert FFN size.
+
+``group_end_E`` (int32/int64 [E], on the rows' device) holds cumulative row counts: expert e
+owns rows ``group_end[e-1]:group_end[e]``; rows at or past ``group_end[E-1]`` are padding
+(outputs zero, never read). No launcher syncs with the host.
+
+Two GEMM shapes cover the expert FFN's forward and backward:
+- ``grouped_mm``: ``c_RN[r] = a_RK[r] @ b_ENK[e(r)].T`` — forward (b = w_gate, w_up, w_down)
+  and dgrad (b = a weight's transposed view, any strides). Fused variants: gate/up with the
+  SwiGLU epilogue, down-dgrad with the SwiGLU-backward epilogue, and a two-term sum (dx).
+- ``grouped_wgrad``: ``c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e]``.
+
+Precision: bf16 operands, or MXFP8 (DESIGN §6): weights arrive as ``MXTensor`` blocked along
+K; activations are quantized on load in the kernel with the reference rule
+(``mx_quantize_block``), along K in grouped_mm and along the token axis in grouped_wgrad
+(blocks of 32 rows starting at each group's first row; a group's last block is zero-padded).
+Per-32 scales are applied in the kernel: by default each operand is dequantized in registers
+to bf16 (exact: an E4M3 value times a power of two) and multiplied on the bf16 tensor cores;
+``fp8_mma=True`` instead runs E4M3 MMAs per 32-wide K block and promotes each partial sum
+into the fp32 accumulator with its two scales (DeepGEMM-style). fp32 accumulation, one
+program per output tile, fixed K order: no split-K, no atomics, run-to-run deterministic.
+
+Row-batch invariance: tile shapes (``_MM_CONFIGS``) depend only on the kind of GEMM and the
+precision, never on the rows; every row goes through the same instruction sequence whatever
+its group's size or its position in a tile.
+
+Grid: tiles are enumerated expert by expert (tile prefix sums computed on the device), and
+within an expert in GROUP_M-row super-tiles, so the programs of one expert's N-tiles run side
+by side and each weight tile is read from HBM once per pass while an expert has <= BM rows
+(the MoE regime: tens of rows per expert).
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from titan_mok.kernels.mxfp8_quant import mx_quantize_block, mx_scale_value
+from titan_mok.moe.tiles import tiled_mm
+from titan_mok.mxfp8 import BLOCK, MXTensor, fake_quantize_mxfp8
+
+# Kinds of grouped_mm (the MODE constexpr).
+PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
+
+# Tile configs per (kind, precision): module-level so benchmarks can try others. They must
+# not depend on the number of rows (batch invariance). BK is 32 on the fp8-MMA path.
+_MM_CONFIGS = {
+    "bf16": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "mxfp8": dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
+    "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=4),
+}
+_WGRAD_CONFIGS = {
+    "bf16": dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3),
+    "mxfp8": dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3),
+}
+
+
+# Triton 3.6's CPU interpreter multiplies bf16 tiles as their raw uint16 bits in tl.dot: under
+# it, operands go to fp32 first (bf16 products are exact in fp32, so the result is the same).
+_DOT_F32 = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _group_bounds_sync(group_end_E: torch.Tensor, num_rows: int) -> list[tuple[int, int]]:
+    # NOTE: host sync: the references loop over experts on the host.
+    ends = group_end_E.tolist()
+    starts = [0] + ends[:-1]
+    if any(end < start for start, end in zip(starts, ends)) or (ends and not 0 <= ends[-1] <= num_rows):
+        raise ValueError(f"group_end_E must be non-decreasing within [0, {num_rows}] (the rows), got {ends}")
+    return list(zip(starts, ends))
+
+
+def _operand_fp32(t: torch.Tensor, precision: str, dim: int, name: str) -> torch.Tensor:
+    """The values a GEMM multiplies: t itself (bf16 path) or its MXFP8 fake-quantization."""
+    return fake_quantize_mxfp8(t, dim, name) if precision == "mxfp8" else t.float()
+
+
+def ref_grouped_mm(a_RK: torch.Tensor, group_end_E: torch.Tensor, b_ENK: torch.Tensor, precision: str) -> torch.Tensor:
+    """fp32 c_RN[r] = a_RK[r] @ b_ENK[e(r)].T on the exact operand values (MXFP8 along K)."""
+    a_RK = _operand_fp32(a_RK, precision, -1, "a_RK")
+    b_ENK = _operand_fp32(b_ENK, precision, -1, "b_ENK")
+    c_RN = a_RK.new_zeros(a_RK.shape[0], b_ENK.shape[1])
+    for e, (start, end) in enumerate(_group_bounds_sync(group_end_E, a_RK.shape[0])):
+        if end > start:
+            c_RN[start:end] = tiled_mm(a_RK[start:end], b_ENK[e].t())
+    return c_RN
+
+
+def ref_grouped_wgrad(a_RN: torch.Tensor, b_RK: torch.Tensor, group_end_E: torch.Tensor, precision: str) -> torch.Tensor:
+    """fp32 c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e]; MXFP8 blocks of 32 rows per group, zero-padded."""
+    c_ENK = a_RN.new_zeros(group_end_E.shape[0], a_RN.shape[1], b_RK.shape[1], dtype=torch.float32)
+    for e, (start, end) in enumerate(_group_bounds_sync(group_end_E, a_RN.shape[0])):
+        if end == start:
+            continue
+        pad = -(end - start) % BLOCK
+        a_rN = torch.nn.functional.pad(a_RN[start:end], (0, 0, 0, pad))  # [rows + pad, N]
+        b_rK = torch.nn.functional.pad(b_RK[start:end], (0, 0, 0, pad))  # [rows + pad, K]
+        c_ENK[e] = _operand_fp32(a_rN, precision, 0, "a_RN").t() @ _operand_fp32(b_rK, precision, 0, "b_RK")
+    return c_ENK
+
+
+# ----------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    """Tile t -> (expert, first row of the tile, end row of the expert, first column)."""
+    lo = t * 0
+    hi = lo + E
+    for _ in tl.static_range(LOG_E):  # binary search: the first e with tile_end[e] > t
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(tile_end_ptr + tl.minimum(mid, E - 1))
+        right = active & (v <= t)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & (v > t), mid, hi)
+    e = lo
+    tile_start = tl.load(tile_end_ptr + e - 1, mask=e > 0, other=0)
+    row_start = tl.load(group_end_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
+    row_end = tl.load(group_end_ptr + e).to(tl.int32)
+    local = t - tile_start
+    m_tiles = tl.cdiv(row_end - row_start, BM)
+    in_group = GROUP_M * tl.cdiv(N, BN)
+    first_m = (local // in_group) * GROUP_M
+    group_m = tl.minimum(m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (local % in_group) % group_m
+    pid_n = (local % in_group) // group_m
+    return e, row_start + pid_m * BM, row_end, pid_n * BN
+
+
+@triton.jit
+def _prep_a(a, MX: tl.constexpr, FP8_MMA: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """bf16 A tile [BM, BK] -> (MMA operand, per-32 scales [BM, BK/32, 1] or None)."""
+    if not MX:
+        return a, None
+    q, e, bad = mx_quantize_block(tl.reshape(a.to(tl.float32), (BM, BK // 32, 32)), 2)
+    s = mx_scale_value(tl.where(bad, 128, e))
+    if FP8_MMA:
+        return tl.reshape(q, (BM, BK)), s
+    return tl.reshape((q.to(tl.float32) * s).to(tl.bfloat16), (BM, BK)), s
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _mma(acc, a_op, a_s, b, s_ptrs, s_ok, MX: tl.constexpr, FP8_MMA: tl.constexpr, BM: tl.constexpr,
+         BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc += A @ B for one K step; B [BK, BN] bf16, or E4M3 with E8M0 bits at s_ptrs [BK/32, BN]."""
+    if not MX:
+        return _dot(a_op, b, acc, DOT_F32)
+    b_s = mx_scale_value(tl.load(s_ptrs, mask=s_ok, other=127).to(tl.int32) - 127)  # [BK/32, BN]
+    if FP8_MMA:  # BK == 32: one E4M3 MMA, then promotion with both scales
+        return acc + tl.dot(a_op, b) * (tl.reshape(a_s, (BM, 1)) * b_s)
+    b_blk = (tl.reshape(b, (BK // 32, 32, BN)).to(tl.float32) * tl.reshape(b_s, (BK // 32, 1, BN))).to(tl.bfloat16)
+    return _dot(a_op, tl.reshape(b_blk, (BK, BN)), acc, DOT_F32)
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 -> bf16, round to nearest even, spelled out in integer ops (Triton 3.6's CPU
+    interpreter truncates in .to(tl.bfloat16); on the GPU this is what cvt.rn does)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+
+
+@triton.jit
+def _swiglu_clamped(g, u, limit, HAS_LIMIT: tl.constexpr):
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return g, u
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    # pointers: A operands [R, K] row-major, B operands [E, N, K] (any strides), their E8M0 bits
+    a1_ptr, a2_ptr, b1_ptr, b2_ptr, s1_ptr, s2_ptr,
+    # outputs [R, N] row-major; g/u inputs [R, N] of the SwiGLU backward
+    c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+    group_end_ptr, tile_end_ptr,
+    # dimensions and strides
+    N, K, E,
+    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
+    limit,
+    # meta-parameters
+    MODE: tl.constexpr, MX: tl.constexpr, FP8_MMA: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    t = tl.program_id(0)
+    if t >= tl.load(tile_end_ptr + E - 1):
+        return  # the grid is an upper bound on the tiles
+    e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
+    rows = m0 + tl.arange(0, BM)
+    row_ok = rows < row_end
+    offs_n = n0 + tl.arange(0, BN)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BK)
+    offs_ks = tl.arange(0, BK // 32)
+    a_off = rows[:, None].to(tl.int64) * K + offs_k[None, :]  # [BM, BK]
+    b_off = e.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk  # [BK, BN]
+    s_off = e.to(tl.int64) * stride_se + offs_n[None, :] * stride_sn + offs_ks[:, None] * stride_sk  # [BK/32, BN]
+
+    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K, BK):
+        k_ok = offs_k < K - k
+        a = tl.load(a1_ptr + a_off + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a_op, a_s = _prep_a(a, MX, FP8_MMA, BM, BK)
+        b_ok = k_ok[:, None] & n_ok[None, :]
+        s_ok = (offs_ks[:, None] < (K - k) // 32) & n_ok[None, :]
+        s_k = s_off + (k // 32) * stride_sk
+        b1 = tl.load(b1_ptr + b_off + k * stride_bk, mask=b_ok, other=0.0)
+        acc1 = _mma(acc1, a_op, a_s, b1, s1_ptr + s_k, s_ok, MX, FP8_MMA, BM, BN, BK, DOT_F32)
+        if MODE == 1:  # SWIGLU: the second B (w_up) shares the A tile
+            b2 = tl.load(b2_ptr + b_off + k * stride_bk, mask=b_ok, other=0.0)
+            acc2 = _mma(acc2, a_op, a_s, b2, s2_ptr + s_k, s_ok, MX, FP8_MMA, BM, BN, BK, DOT_F32)
+    if MODE == 3:  # DUAL: acc1 += A2 @ B2, continuing the same fixed K order
+        for k in range(0, K, BK):
+            k_ok = offs_k < K - k
+            a = tl.load(a2_ptr + a_off + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a_op, a_s = _prep_a(a, MX, FP8_MMA, BM, BK)
+            s_ok = (offs_ks[:, None] < (K - k) // 32) & n_ok[None, :]
+            b2 = tl.load(b2_ptr + b_off + k * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc1 = _mma(acc1, a_op, a_s, b2, s2_ptr + s_off + (k // 32) * stride_sk, s_ok, MX, FP8_MMA, BM, BN, BK, DOT_F32)
+
+    c_off = rows[:, None].to(tl.int64) * N + offs_n[None, :]
+    c_ok = row_ok[:, None] & n_ok[None, :]
+    if MODE == 1:  # g, u stored in the activation dtype; h = silu(g) * u from the stored values
+        g = _bf16_rne(acc1)
+        u = _bf16_rne(acc2)
+        gc, uc = _swiglu_clamped(g.to(tl.float32), u.to(tl.float32), limit, HAS_LIMIT)
+        tl.store(c1_ptr + c_off, g, mask=c_ok)
+        tl.store(c2_ptr + c_off, u, mask=c_ok)
+        tl.store(c3_ptr + c_off, _bf16_rne((gc * tl.sigmoid(gc) * uc)), mask=c_ok)
+    elif MODE == 2:  # acc1 = dh; dg, du of h = silu(clamp(g)) * clamp(u)
+        g = tl.load(g_ptr + c_off, mask=c_ok, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + c_off, mask=c_ok, other=0.0).to(tl.float32)
+        gc, uc = _swiglu_clamped(g, u, limit, HAS_LIMIT)
+        sig = tl.sigmoid(gc)
+        dg = acc1 * uc * sig * (1 + gc * (1 - sig))
+        du = acc1 * gc * sig
+        if HAS_LIMIT:  # the clamp passes the gradient only where it did not clip
+            dg = tl.where(g <= limit, dg, 0.0)
+            du = tl.where(tl.abs(u) <= limit, du, 0.0)
+        tl.store(c1_ptr + c_off, _bf16_rne(dg), mask=c_ok)
+        tl.store(c2_ptr + c_off, _bf16_rne(du), mask=c_ok)
+    else:
+        tl.store(c1_ptr + c_off, _bf16_rne(acc1), mask=c_ok)
+
+
+@triton.jit
+def _fake_quant_rows(x, MX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """[BR, BC] tile -> MMA operand; MXFP8: blocks of 32 along the rows (the token axis)."""
+    if not MX:
+        return x
+    q, e, bad = mx_quantize_block(tl.reshape(x.to(tl.float32), (BR // 32, 32, BC)), 1)
+    s = mx_scale_value(tl.where(bad, 128, e))
+    return tl.reshape((q.to(tl.float32) * s).to(tl.bfloat16), (BR, BC))
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    a_ptr, b_ptr, c_ptr,  # a [R, N], b [R, K] row-major; c [E, N, K] contiguous
+    group_end_ptr,
+    N, K,
+    MX: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    e = tl.program_id(1)
+    k_tiles = tl.cdiv(K, BK)
+    offs_n = (tl.program_id(0) // k_tiles) * BN + tl.arange(0, BN)
+    offs_k = (tl.program_id(0) % k_tiles) * BK + tl.arange(0, BK)
+    n_ok = offs_n < N
+    k_ok = offs_k < K
+    row_start = tl.load(group_end_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
+    row_end = tl.load(group_end_ptr + e).to(tl.int32)
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for r in range(row_start, row_end, BR):  # blocks of 32 rows start at the group's first row
+        rows = r + tl.arange(0, BR)
+        r_ok = rows < row_end
+        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _dot(tl.trans(_fake_quant_rows(a, MX, BR, BN)), _fake_quant_rows(b, MX, BR, BK), acc, DOT_F32)
+    c_off = e.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :]
+    tl.store(c_ptr + c_off, _bf16_rne(acc), mask=n_ok[:, None] & k_ok[None, :])
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _b_operand(b, name: str):
+    """(data tensor [E, N, K] view, E8M0 bits [E, N, K/32] view or None) of a bf16 or MXFP8 B."""
+    if isinstance(b, MXTensor):
+        if b.dim != 2:
+            raise ValueError(f"{name}: an MXFP8 B operand must be blocked along K (dim 2 of [E, N, K]), got dim {b.dim}")
+        return b.data, b.scale.view(torch.uint8)
+    if b.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be bfloat16 or an MXTensor on the Triton path, got {b.dtype}")
+    return b, None
+
+
+def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_limit=None, fp8_mma=False):
+    b1_data, b1_s = _b_operand(b1, "b1")
+    b2_data, b2_s = _b_operand(b2, "b2") if b2 is not None else (b1_data, b1_s)
+    mx = b1_s is not None
+    cfg = _MM_CONFIGS["mxfp8_fp8_mma" if (mx and fp8_mma) else ("mxfp8" if mx else "bf16")]
+    num_experts, n, k = b1_data.shape
+    if a1.dtype != torch.bfloat16 or a1.shape[1] != k or not a1.is_contiguous():
+        raise ValueError(f"A operand must be contiguous bfloat16 [R, {k}], got {a1.dtype} {tuple(a1.shape)}")
+    if group_end_E.shape != (num_experts,):
+        raise ValueError(f"group_end_E must be [{num_experts}], got {tuple(group_end_E.shape)}")
+    bm, bn = cfg["BM"], cfg["BN"]
+    n_tiles = triton.cdiv(n, bn)
+    if num_experts == 0 or a1.shape[0] == 0:
+        return
+    counts_E = torch.diff(group_end_E, prepend=group_end_E.new_zeros(1))
+    tile_end_E = (torch.div(counts_E + bm - 1, bm, rounding_mode="floor") * n_tiles).cumsum(0).to(torch.int32)
+    grid = ((triton.cdiv(a1.shape[0], bm) + num_experts) * n_tiles,)  # upper bound, no host sync
+    s1, s2 = (b1_s, b2_s) if mx else (b1_data, b2_data)  # unused pointers when not MX
+    c1, c2, c3 = (list(outs) + [outs[0]] * 2)[:3]
+    g, u = gu if gu[0] is not None else (c1, c1)
+    _grouped_mm_kernel[grid](
+        a1, a2 if a2 is not None else a1, b1_data, b2_data, s1, s2, c1, c2, c3, g, u,
+        group_end_E, tile_end_E, n, k, num_experts,
+        *b1_data.stride(), *(s1.stride() if mx else (0, 0, 0)),
+        float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        MODE=mode, MX=mx, FP8_MMA=mx and fp8_mma, HAS_LIMIT=swiglu_limit is not None,
+        LOG_E=num_experts.bit_length(), DOT_F32=_DOT_F32, **cfg,
+    )
+
+
+def _new_rows(like: torch.Tensor, n: int, zero: bool) -> torch.Tensor:
+    """[R, n] output in like's dtype; zeroed where padding rows are visible to the caller."""
+    return (torch.zeros if zero else torch.empty)(like.shape[0], n, dtype=like.dtype, device=like.device)
+
+
+def grouped_mm(a_RK, group_end_E, b_ENK, *, fp8_mma: bool = False) -> torch.Tensor:
+    """c_RN[r] = a_RK[r] @ b_ENK[e(r)].T in bf16 (fp32 accumulation); b bf16 or MXTensor (dim 2)."""
+    c_RN = _new_rows(a_RK, _b_operand(b_ENK, "b_ENK")[0].shape[1], zero=True)
+    _launch_mm(PLAIN, a_RK, None, b_ENK, None, group_end_E, [c_RN], fp8_mma=fp8_mma)
+    return c_RN
+
+
+def grouped_mm_sum(a1_RK, a2_RK, group_end_E, b1_ENK, b2_ENK) -> torch.Tensor:
+    """c_RN = a1 @ b1[e].T + a2 @ b2[e].T in one fp32 accumulator (the input gradient of gate/up)."""
+    c_RN = _new_rows(a1_RK, _b_operand(b1_ENK, "b1_ENK")[0].shape[1], zero=True)
+    _launch_mm(DUAL, a1_RK, a2_RK, b1_ENK, b2_ENK, group_end_E, [c_RN])
+    return c_RN
+
+
+def grouped_gate_up_swiglu(x_RH, group_end_E, w_gate_EIH, w_up_EIH, swiglu_limit, *, fp8_mma: bool = False):
+    """(gate_RI, up_RI, h_RI): gate/up GEMMs sharing x, h = silu(clamp gate) * clamp up, all bf16."""
+    dim_i = _b_operand(w_gate_EIH, "w_gate_EIH")[0].shape[1]
+    gate_RI, up_RI, h_RI = (_new_rows(x_RH, dim_i, zero=False) for _ in range(3))
+    _launch_mm(SWIGLU, x_RH, None, w_gate_EIH, w_up_EIH, group_end_E, [gate_RI, up_RI, h_RI],
+               swiglu_limit=swiglu_limit, fp8_mma=fp8_mma)
+    return gate_RI, up_RI, h_RI
+
+
+def grouped_down_dgrad_swiglu(dy_RH, group_end_E, w_down_EIH, gate_RI, up_RI, swiglu_limit):
+    """(dgate_RI, dup_RI): dh = dy @ w_down[e] (w_down viewed [E, I, H]) through the SwiGLU backward."""
+    dim_i = gate_RI.shape[1]
+    dgate_RI, dup_RI = (_new_rows(dy_RH, dim_i, zero=False) for _ in range(2))
+    _launch_mm(SWIGLU_BWD, dy_RH, None, w_down_EIH, None, group_end_E, [dgate_RI, dup_RI], gu=(gate_RI, up_RI),
+               swiglu_limit=swiglu_limit)
+    return dgate_RI, dup_RI
+
+
+def grouped_wgrad(a_RN, b_RK, group_end_E, precision: str) -> torch.Tensor:
+    """bf16 c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e], each tile written once (fp32 accumulation)."""
+    for name, t in (("a_RN", a_RN), ("b_RK", b_RK)):
+        if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.dim() != 2:
+            raise ValueError(f"grouped_wgrad: {name} must be contiguous bfloat16 [R, *], got {t.dtype} {tuple(t.shape)}")
+    cfg = dict(_WGRAD_CONFIGS[precision])
+    num_experts, n, k = group_end_E.shape[0], a_RN.shape[1], b_RK.shape[1]
+    c_ENK = torch.empty(num_experts, n, k, dtype=torch.bfloat16, device=a_RN.device)
+    if num_experts:
+        grid = (triton.cdiv(n, cfg["BN"]) * triton.cdiv(k, cfg["BK"]), num_experts)
+        _grouped_wgrad_kernel[grid](a_RN, b_RK, c_ENK, group_end_E, n, k, MX=precision == "mxfp8", DOT_F32=_DOT_F32,
+                                    **cfg)
+    return c_ENK
