@@ -39,9 +39,9 @@ SCENARIOS = {
 EP_DEGREES = (1, 2, 4)
 
 
-def _layer(name: str) -> MoE:
+def _layer(name: str, backend: str = "mok") -> MoE:
     torch.manual_seed(1234)
-    moe = MoE(MoEArgs(num_experts=E, expert_dim=I, **SCENARIOS[name]), H)
+    moe = MoE(MoEArgs(num_experts=E, expert_dim=I, backend=backend, **SCENARIOS[name]), H)
     moe.init_weights(0.1, torch.device("cpu"))
     with torch.no_grad():
         for p in moe.parameters():
@@ -69,13 +69,14 @@ def _ep_mesh(ep: int):
     return init_device_mesh("cpu", (WORLD // ep, ep), mesh_dim_names=("dp", "ep"))["ep"]
 
 
-def _run_ep(name: str, ep_mesh, rank: int) -> dict:
+def _run_ep(name: str, ep_mesh, rank: int, backend: str = "mok") -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.distributed.expert_parallel import ExpertParallel
 
     from titan_mok.moe.expert_parallel import MokExpertParallel
 
-    moe = _layer(name)
-    parallelize_module(moe.experts, ep_mesh, MokExpertParallel())
+    moe = _layer(name, backend)
+    parallelize_module(moe.experts, ep_mesh, MokExpertParallel() if backend == "mok" else ExpertParallel())
     x, dy, token_ids = _local_batch(name, rank)
     x.requires_grad_(True)
     y = moe(x, token_ids)
@@ -143,6 +144,9 @@ def _bad_inputs(rank: int) -> dict:
 def _worker(rank: int, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    from titan_mok import cpu_compat
+
+    cpu_compat.apply()  # TorchTitan's EP permutation on CPU tensors
     dist.init_process_group(
         "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=WORLD,
         timeout=datetime.timedelta(seconds=120),
@@ -153,6 +157,8 @@ def _worker(rank: int, out_dir: str) -> None:
         for name in SCENARIOS:
             results[(name, ep)] = _run_ep(name, mesh, rank)
             results[(name, ep, "rerun")] = _run_ep(name, mesh, rank)
+            if ep > 1:
+                results[(name, ep, "torchtitan")] = _run_ep(name, mesh, rank, backend="torchtitan")
     results["bad"] = _bad_inputs(rank)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
@@ -201,6 +207,22 @@ def test_ep_matches_single_process(ep_results, name, ep):
                     scale = ref[pname].abs().max()
                     err = (got[pname] - ref[pname]).abs().max()
                     assert err <= 1e-5 * scale, f"{pname}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("ep", EP_DEGREES[1:])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_torchtitan_backend_ep_close_to_single_process(ep_results, name, ep):
+    """TorchTitan's all-to-all ExpertParallel + GroupedExperts (for-loop GEMMs on CPU):
+    the same math in a different order, so equal within fp32 rounding."""
+    for group_start in range(0, WORLD, ep):
+        ranks = list(range(group_start, group_start + ep))
+        ref = _reference(name, ranks)
+        start = 0
+        for rank, count in zip(ranks, ref["counts"]):
+            got = ep_results[rank][(name, ep, "torchtitan")]
+            torch.testing.assert_close(got["y"], ref["y"][:, start : start + count], rtol=0, atol=1e-5)
+            torch.testing.assert_close(got["dx"], ref["dx"][:, start : start + count], rtol=0, atol=1e-5)
+            start += count
 
 
 @pytest.mark.parametrize("ep", EP_DEGREES)

@@ -321,3 +321,22 @@ def test_overflow_is_an_error_not_a_drop():
     moe = _moe(max_rows_per_rank=10)
     with pytest.raises(RuntimeError, match="receives 15 rows but its buffer holds max_rows_per_rank = 10"):
         moe(torch.randn(1, 5, H))
+
+
+# ------------------------------------------------- backend = "torchtitan"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_torchtitan_backend_matches_mok(case):
+    mok = _moe(**CASES[case])
+    titan = _moe(backend="torchtitan", **CASES[case])
+    assert list(titan.state_dict()) == list(mok.state_dict())
+    titan.load_state_dict(mok.state_dict())
+    x = torch.randn(2, 9, H)
+    g = torch.randn(2, 9, H)
+    with torch.no_grad():
+        torch.testing.assert_close(titan(x), mok(x), rtol=0, atol=1e-5)
+    ours = _grads(mok, x, lambda xx: (mok(xx) * g).sum())
+    theirs = _grads(titan, x, lambda xx: (titan(xx) * g).sum())
+    for name in ours:
+        torch.testing.assert_close(theirs[name], ours[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"grad {name}: {m}")

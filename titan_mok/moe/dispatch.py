@@ -110,7 +110,7 @@ def build_dispatch_handle(
     return DispatchHandle(num_tokens, top_k, send_order, send_splits, recv_splits, recv_to_grouped, group_end, group)
 
 
-def _sum_slots_fp32(rows_TKH: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
+def weighted_slot_sum(rows_TKH: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
     """Σ_j (w[t,j] ·) rows[t,j] in fp32, in ascending slot order j."""
     acc_TH = None
     for j in range(rows_TKH.shape[1]):
@@ -119,6 +119,14 @@ def _sum_slots_fp32(rows_TKH: torch.Tensor, weights_TK: torch.Tensor | None) -> 
             term_TH = weights_TK[:, j : j + 1] * term_TH
         acc_TH = term_TH if acc_TH is None else acc_TH + term_TH
     return acc_TH
+
+
+def reduce_slots(y_TKH, weights_TK, shared_TH, out_dtype: torch.dtype) -> torch.Tensor:
+    """y[t] = Σ_j w[t,j] · y[t,j] (ascending j) + shared[t], in fp32, cast once."""
+    acc_TH = weighted_slot_sum(y_TKH, weights_TK)
+    if shared_TH is not None:
+        acc_TH = acc_TH + shared_TH.float()
+    return acc_TH.to(out_dtype)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -135,7 +143,7 @@ class _Dispatch(torch.autograd.Function):
         drows_recv_RH = _permute_back(drows_RH, handle.recv_to_grouped)
         drows_send_RH = _all_to_all(drows_recv_RH, handle.send_splits, handle.recv_splits, handle.group)
         dslots_TKH = _permute_back(drows_send_RH, handle.send_order).view(handle.num_tokens, handle.top_k, -1)
-        return _sum_slots_fp32(dslots_TKH, None).to(drows_RH.dtype), None
+        return weighted_slot_sum(dslots_TKH, None).to(drows_RH.dtype), None
 
 
 class _Combine(torch.autograd.Function):
@@ -144,13 +152,10 @@ class _Combine(torch.autograd.Function):
         y_recv_RH = _permute_back(y_RH, handle.recv_to_grouped)
         y_send_RH = _all_to_all(y_recv_RH, handle.send_splits, handle.recv_splits, handle.group)
         y_TKH = _permute_back(y_send_RH, handle.send_order).view(handle.num_tokens, handle.top_k, -1)
-        acc_TH = _sum_slots_fp32(y_TKH, weights_TK)
-        if shared_TH is not None:
-            acc_TH = acc_TH + shared_TH.float()
         ctx.save_for_backward(y_TKH, weights_TK)
         ctx.handle, ctx.has_shared = handle, shared_TH is not None
         ctx.shared_dtype = None if shared_TH is None else shared_TH.dtype
-        return acc_TH.to(out_dtype)
+        return reduce_slots(y_TKH, weights_TK, shared_TH, out_dtype)
 
     @staticmethod
     def backward(ctx, dout_TH: torch.Tensor):

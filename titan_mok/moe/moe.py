@@ -19,10 +19,11 @@ from torch import nn
 
 from titan_mok.moe.args import MoEArgs
 from titan_mok.moe.aux_loss import attach_aux_loss, load_balance_aux_loss
-from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch
+from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch, reduce_slots
 from titan_mok.moe.expert_ffn import ref_grouped_swiglu_ffn
 from titan_mok.moe.experts import RoutedExperts, SharedExpert
 from titan_mok.moe.router import TopKRouter
+from titan_mok.moe.torchtitan_backend import TorchTitanExperts, routed_torchtitan
 
 
 def check_moe_args(args: MoEArgs, dim: int) -> None:
@@ -85,7 +86,10 @@ class MoE(nn.Module):
         self.args = args
         self.dim = dim
         self.router = TopKRouter(args, dim)
-        self.experts = RoutedExperts(dim, args.expert_dim, args.num_experts)
+        if args.backend == "mok":
+            self.experts = RoutedExperts(dim, args.expert_dim, args.num_experts)
+        else:
+            self.experts = TorchTitanExperts(dim, args.expert_dim, args.num_experts, args.swiglu_limit)
         self.shared_expert = (
             SharedExpert(dim, args.shared_expert_dim, args.shared_expert_gate, args.shared_expert_swiglu_limit)
             if args.shared_expert_dim > 0
@@ -161,7 +165,11 @@ class MoE(nn.Module):
             self.expert_load.add_(picks_E)
 
         shared_TH = self.shared_expert(x_TH) if self.shared_expert is not None else None
-        y_TH = self._routed_mok(x_TH, weights_TK, topk_idx_TK, shared_TH, group)
+        if self.args.backend == "mok":
+            y_TH = self._routed_mok(x_TH, weights_TK, topk_idx_TK, shared_TH, group)
+        else:
+            y_TKH = routed_torchtitan(self.experts, x_TH, topk_idx_TK)
+            y_TH = reduce_slots(y_TKH, weights_TK, shared_TH, x_TH.dtype)
         if self.args.aux_loss_coef > 0 and torch.is_grad_enabled():
             y_TH = attach_aux_loss(y_TH, load_balance_aux_loss(scores_TE, topk_idx_TK), self.args.aux_loss_coef)
         return y_TH.view(batch, seq, dim)
