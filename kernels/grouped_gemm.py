@@ -40,7 +40,6 @@ import triton
 import triton.language as tl
 
 from titan_mok.kernels.mxfp8_quant import mx_quantize_block, mx_scale_value
-from titan_mok.moe.tiles import tiled_mm
 from titan_mok.mxfp8 import BLOCK, MXTensor, fake_quantize_mxfp8
 
 # Kinds of grouped_mm (the MODE constexpr).
@@ -83,6 +82,9 @@ def _operand_fp32(t: torch.Tensor, precision: str, dim: int, name: str) -> torch
 
 def ref_grouped_mm(a_RK: torch.Tensor, group_end_E: torch.Tensor, b_ENK: torch.Tensor, precision: str) -> torch.Tensor:
     """fp32 c_RN[r] = a_RK[r] @ b_ENK[e(r)].T on the exact operand values (MXFP8 along K)."""
+    # NOTE: imported here, not at the top: titan_mok.moe imports this module (an import cycle).
+    from titan_mok.moe.tiles import tiled_mm  # fixed row tiles: the reference is row-batch-invariant too
+
     a_RK = _operand_fp32(a_RK, precision, -1, "a_RK")
     b_ENK = _operand_fp32(b_ENK, precision, -1, "b_ENK")
     c_RN = a_RK.new_zeros(a_RK.shape[0], b_ENK.shape[1])
