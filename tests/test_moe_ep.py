@@ -35,13 +35,14 @@ SCENARIOS = {
     "groups_qwen_gate": dict(top_k=2, score_func="softmax", use_expert_bias=False, num_expert_groups=4,
                              num_limited_groups=2, shared_expert_dim=24, shared_expert_gate=True),
     "one_expert": dict(top_k=1, shared_expert_dim=0),
+    "mxfp8": dict(top_k=2, expert_dim=32, precision="mxfp8", shared_expert_dim=32),
 }
 EP_DEGREES = (1, 2, 4)
 
 
 def _layer(name: str, backend: str = "mok") -> MoE:
     torch.manual_seed(1234)
-    moe = MoE(MoEArgs(num_experts=E, expert_dim=I, backend=backend, **SCENARIOS[name]), H)
+    moe = MoE(MoEArgs(**{"num_experts": E, "expert_dim": I, "backend": backend, **SCENARIOS[name]}), H)
     moe.init_weights(0.1, torch.device("cpu"))
     with torch.no_grad():
         for p in moe.parameters():
@@ -157,7 +158,7 @@ def _worker(rank: int, out_dir: str) -> None:
         for name in SCENARIOS:
             results[(name, ep)] = _run_ep(name, mesh, rank)
             results[(name, ep, "rerun")] = _run_ep(name, mesh, rank)
-            if ep > 1:
+            if ep > 1 and name != "mxfp8":  # the torchtitan baseline is bf16 only
                 results[(name, ep, "torchtitan")] = _run_ep(name, mesh, rank, backend="torchtitan")
     results["bad"] = _bad_inputs(rank)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
@@ -200,6 +201,7 @@ def test_ep_matches_single_process(ep_results, name, ep):
             assert torch.equal(got["dx"], ref["dx"][:, tokens]), f"rank {rank}: input grad not bitwise equal"
             for pname in ("experts.w_gate", "experts.w_up", "experts.w_down"):
                 shard = ref[pname][ep_rank * num_local : (ep_rank + 1) * num_local]
+                assert shard.abs().sum() > 0 or name == "one_expert", f"{pname}: no gradient reached the experts"
                 assert torch.equal(got[pname], shard), f"rank {rank}: {pname} grad not bitwise equal"
             for pname in ref:
                 if pname.startswith(("router.", "shared_expert.")):
@@ -210,7 +212,7 @@ def test_ep_matches_single_process(ep_results, name, ep):
 
 
 @pytest.mark.parametrize("ep", EP_DEGREES[1:])
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", [name for name in SCENARIOS if name != "mxfp8"])
 def test_torchtitan_backend_ep_close_to_single_process(ep_results, name, ep):
     """TorchTitan's all-to-all ExpertParallel + GroupedExperts (for-loop GEMMs on CPU):
     the same math in a different order, so equal within fp32 rounding."""

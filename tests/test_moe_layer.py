@@ -2,8 +2,6 @@
 gradients against a plain-autograd reference, determinism, batch invariance,
 routing extremes, bad input."""
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -300,8 +298,13 @@ def test_bad_args():
         MoE(MoEArgs(num_experts=8, num_limited_groups=1), H)
     with pytest.raises(ValueError, match="hash_vocab_size"):
         MoE(MoEArgs(hash_routing=True), H)
-    with pytest.raises(ValueError, match="precision"):
-        MoE(dataclasses.replace(MoEArgs(), kernels="triton"), H)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="compute capability"):
+            MoE(MoEArgs(kernels="triton"), H)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        MoE(MoEArgs(precision="mxfp8", expert_dim=48), 64)
+    with pytest.raises(ValueError, match="TorchTitan's bf16 grouped GEMM baseline"):
+        MoE(MoEArgs(backend="torchtitan", precision="mxfp8"), 64)
     with pytest.raises(ValueError, match="score_func"):
         MoE(MoEArgs(score_func="relu"), H)
 
@@ -340,3 +343,21 @@ def test_torchtitan_backend_matches_mok(case):
     theirs = _grads(titan, x, lambda xx: (titan(xx) * g).sum())
     for name in ours:
         torch.testing.assert_close(theirs[name], ours[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"grad {name}: {m}")
+
+
+# ------------------------------------------------------- precision = mxfp8
+
+
+def test_mxfp8_close_to_bf16_and_batch_invariant():
+    bf16 = _moe(expert_dim=32, shared_expert_dim=32)
+    mx = _moe(expert_dim=32, shared_expert_dim=32, precision="mxfp8")
+    mx.load_state_dict(bf16.state_dict())
+    x = torch.randn(2, 9, H)
+    with torch.no_grad():
+        ref, got = bf16(x), mx(x)
+        rel = (got - ref).norm() / ref.norm()
+        assert 0 < rel < 0.1, f"MXFP8 relative error {rel:.3g}"
+        assert torch.equal(mx(x[1:, 4:5])[0, 0], got[1, 4])
+    x.requires_grad_(True)
+    mx(x).sum().backward()
+    assert torch.isfinite(x.grad).all() and mx.experts.w_down.grad.abs().sum() > 0

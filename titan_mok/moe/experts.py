@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtitan.models.utils import trunc_normal_
 
-from titan_mok.moe.expert_ffn import swiglu
+from titan_mok.kernels.grouped_ffn import ref_swiglu
 from titan_mok.moe.tiles import map_row_tiles, row_invariant_linear
 
 
@@ -61,8 +61,7 @@ class SharedExpert(nn.Module):
         dtype = x_TH.dtype
         gate_TI = row_invariant_linear(x_TH, self.w_gate.weight.to(dtype))
         up_TI = row_invariant_linear(x_TH, self.w_up.weight.to(dtype))
-        hidden_TI = map_row_tiles(lambda gate, up: swiglu(gate, up, self.swiglu_limit), gate_TI, up_TI)
-        y_TH = row_invariant_linear(hidden_TI, self.w_down.weight.to(dtype))
+        y_TH = row_invariant_linear(ref_swiglu(gate_TI, up_TI, self.swiglu_limit), self.w_down.weight.to(dtype))
         if self.output_gate is None:
             return y_TH
         gate_logit_T1 = row_invariant_linear(x_TH.float(), self.output_gate.weight.float())

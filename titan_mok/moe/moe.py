@@ -16,11 +16,13 @@ zeroes it), ``expert_load [E]`` fp32 (metrics read and zero it),
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchtitan.tools.utils import has_cuda_capability
+
+from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
 
 from titan_mok.moe.args import MoEArgs
 from titan_mok.moe.aux_loss import attach_aux_loss, load_balance_aux_loss
 from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch, reduce_slots
-from titan_mok.moe.expert_ffn import ref_grouped_swiglu_ffn
 from titan_mok.moe.experts import RoutedExperts, SharedExpert
 from titan_mok.moe.router import TopKRouter
 from titan_mok.moe.torchtitan_backend import TorchTitanExperts, routed_torchtitan
@@ -72,11 +74,21 @@ def check_moe_args(args: MoEArgs, dim: int) -> None:
         raise ValueError(f"MoEArgs.max_rows_per_rank = {args.max_rows_per_rank} must be > 0 or None")
     if args.backend not in ("mok", "torchtitan"):
         raise ValueError(f"MoEArgs.backend = {args.backend!r}; choose 'mok' or 'torchtitan'")
-    if args.precision != "bf16" or args.kernels == "triton":
+    if args.precision not in ("bf16", "mxfp8"):
+        raise ValueError(f"MoEArgs.precision = {args.precision!r}; choose 'bf16' or 'mxfp8'")
+    if args.precision == "mxfp8" and (dim % 32 or args.expert_dim % 32):
+        raise ValueError(f"MoEArgs.precision = 'mxfp8' needs dim ({dim}) and expert_dim ({args.expert_dim}) "
+                         "to be multiples of 32 (the MXFP8 block)")
+    if args.backend == "torchtitan" and (args.precision != "bf16" or args.kernels == "triton"):
         raise ValueError(
-            f"MoEArgs precision = {args.precision!r}, kernels = {args.kernels!r}: only precision 'bf16' with the "
-            "reference kernels is available until titan_mok.kernels.grouped_ffn lands"
+            "MoEArgs.backend = 'torchtitan' is TorchTitan's bf16 grouped GEMM baseline: it needs precision 'bf16' "
+            f"and kernels 'auto' or 'reference', got precision {args.precision!r}, kernels {args.kernels!r}"
         )
+    if args.kernels not in ("auto", "reference", "triton"):
+        raise ValueError(f"MoEArgs.kernels = {args.kernels!r}; choose 'auto', 'reference' or 'triton'")
+    if args.kernels == "triton" and not has_cuda_capability(9, 0):
+        raise ValueError("MoEArgs.kernels = 'triton' needs a CUDA GPU with compute capability >= 9.0; "
+                         "use 'reference' or 'auto'")
 
 
 class MoE(nn.Module):
@@ -85,6 +97,8 @@ class MoE(nn.Module):
         check_moe_args(args, dim)
         self.args = args
         self.dim = dim
+        # The routed experts' FFN (seam #2): Triton kernels on Hopper under "auto".
+        self.use_triton = args.kernels == "triton" or (args.kernels == "auto" and has_cuda_capability(9, 0))
         self.router = TopKRouter(args, dim)
         if args.backend == "mok":
             self.experts = RoutedExperts(dim, args.expert_dim, args.num_experts)
@@ -142,8 +156,9 @@ class MoE(nn.Module):
         handle = build_dispatch_handle(topk_idx_TK, self.args.num_experts, group, self.args.max_rows_per_rank)
         x_RH = dispatch(x_TH, handle)
         w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_TH.dtype) for w in self.experts.local_weights())
-        y_RH = ref_grouped_swiglu_ffn(
-            x_RH, handle.group_end, w_gate_LIH, w_up_LIH, w_down_LHI, swiglu_limit=self.args.swiglu_limit
+        y_RH = grouped_swiglu_ffn(
+            x_RH, handle.group_end, w_gate_LIH, w_up_LIH, w_down_LHI,
+            precision=self.args.precision, swiglu_limit=self.args.swiglu_limit, use_triton=self.use_triton,
         )
         return combine(y_RH, weights_TK, shared_TH, handle, x_TH.dtype)
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.tools.utils import has_cuda_capability
 
-from titan_mok.moe.expert_ffn import ref_grouped_swiglu_ffn
+from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
 
 # TorchTitan's parameter names → titan-mok's (the state dict is the same for both backends).
 _TT_TO_MOK = {"w1": "w_gate", "w3": "w_up", "w2": "w_down"}
@@ -40,15 +40,11 @@ class TorchTitanExperts(GroupedExperts):
     def forward(self, x_RH: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         if self.swiglu_limit is None:
             return super().forward(x_RH, num_tokens_per_expert)
-        # TorchTitan's grouped experts have no SwiGLU clamp (DeepSeek-V4): run the reference
-        # FFN on TorchTitan's layout (groups padded with zero rows; rows past the groups unused).
+        # TorchTitan's grouped experts have no SwiGLU clamp (DeepSeek-V4): the reference FFN
+        # (seam #2) on TorchTitan's layout (groups padded with zero rows, rows past the groups unused).
         group_end = torch.cumsum(num_tokens_per_expert, dim=0)
-        num_rows = int(group_end[-1])  # NOTE: host sync
-        y_RH = torch.zeros_like(x_RH)
-        y_RH[:num_rows] = ref_grouped_swiglu_ffn(
-            x_RH[:num_rows], group_end, *(w.to(x_RH.dtype) for w in self.local_weights()), swiglu_limit=self.swiglu_limit
-        )
-        return y_RH
+        weights = (w.to(x_RH.dtype) for w in self.local_weights())
+        return grouped_swiglu_ffn(x_RH, group_end, *weights, precision="bf16", swiglu_limit=self.swiglu_limit)
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w_gate, self.w_up, self.w_down))
