@@ -5,10 +5,19 @@ and an all-MoE stack whose first layers are hash-routed.
 Legend: B batch, S sequence, H hidden, C residual streams (hc_mult), V vocab.
 
 Checked against transformers' ``deepseek_v4`` (tests/test_model_deepseek_v4.py).
-transformers lacks the MTP module (it drops ``mtp.*``); ours follows the official
-inference code's MTPBlock: ``x = e_proj(enorm(embed(t+1))) + h_proj(hnorm(h))``
-on every stream, one full block (sliding-window attention, learned router), its
-own hyper-connection head and norm, then the shared output head.
+Where transformers and the official release differ, we follow the official one:
+- layer schedule: the official ``compress_ratios`` (HCA, HCA, then CSA/HCA
+  alternating from layer 2, CSA last); transformers' default ``layer_types``
+  starts the alternation one layer later (it is right when loading the official
+  config, which carries ``compress_ratios``);
+- checkpoint names: the official ones; transformers converts them on load, but
+  its ``save_pretrained`` does not restore them (``model.`` prefix, ``attn.norm``);
+- MTP: transformers lacks it (drops ``mtp.*``); ours follows the official
+  inference code's MTPBlock: ``x = e_proj(enorm(embed(t+1))) + h_proj(hnorm(h))``
+  on every stream, one full block (sliding-window attention, learned router), its
+  own hyper-connection head and norm, then the shared output head;
+- shared-expert SwiGLU clamp: the first release of the official inference code
+  did not clamp the shared expert, the updated one does (as transformers): we clamp.
 """
 
 import torch

@@ -10,10 +10,7 @@ Legend: E experts, I expert FFN size, H hidden.
 
 import re
 
-import torch
-from torchtitan.protocols.state_dict_adapter import StateDictAdapter
-
-from titan_mok.models.qwen3_5_397b_a17b.state_dict_adapter import require_full, split_prefix
+from titan_mok.models.qwen3_5_397b_a17b.state_dict_adapter import StackedExpertsAdapter, split_prefix
 
 from .args import DeepSeekV4ModelArgs
 
@@ -43,10 +40,9 @@ MTP_PREFIX = (re.compile(r"^mtp\.(\d+)\."), r"mtp.\1.")
 HF_EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
 
 
-class DeepSeekV4StateDictAdapter(StateDictAdapter):
+class DeepSeekV4StateDictAdapter(StackedExpertsAdapter):
     def __init__(self, model_args: DeepSeekV4ModelArgs, hf_assets_path: str | None):
         super().__init__(model_args, hf_assets_path)
-        self.num_experts = model_args.moe_args.num_experts
         self.hf_block_names = {hf: ours for ours, hf in BLOCK_NAMES.items()}
         self.hf_top_names = {hf: ours for ours, hf in TOP_NAMES.items()}
         self.hf_mtp_names = {hf: ours for ours, hf in MTP_NAMES.items()}
@@ -70,8 +66,7 @@ class DeepSeekV4StateDictAdapter(StateDictAdapter):
                 continue  # hash-routed layers have no correction bias
             if rest in EXPERT_NAMES:
                 # [E, I, H] (or [E, H, I]) -> E tensors of [I, H] ([H, I])
-                for e, w in enumerate(require_full(key, tensor).unbind(0)):
-                    hf[f"{prefix}ffn.experts.{e}.{EXPERT_NAMES[rest]}.weight"] = w
+                hf.update(self.experts_to_hf(prefix, rest, "{}ffn.experts.{}." + EXPERT_NAMES[rest] + ".weight", tensor))
             elif rest in BLOCK_NAMES:
                 hf[prefix + BLOCK_NAMES[rest]] = tensor
             elif rest.startswith(ATTENTION[0]):
@@ -81,7 +76,7 @@ class DeepSeekV4StateDictAdapter(StateDictAdapter):
         return hf
 
     def from_hf(self, hf_state_dict: dict) -> dict:
-        native, experts = {}, {}
+        native, pending = {}, {}
         hf_block_prefixes = ((re.compile(r"^layers\.(\d+)\."), r"layers.\1."),)
         for key, tensor in hf_state_dict.items():
             if key in self.hf_top_names:
@@ -94,7 +89,7 @@ class DeepSeekV4StateDictAdapter(StateDictAdapter):
             if prefix.startswith("mtp.") and rest in self.hf_mtp_names:
                 native[prefix[: -len("block.")] + self.hf_mtp_names[rest]] = tensor
             elif expert := HF_EXPERT.fullmatch(rest):
-                experts.setdefault((prefix, expert[2]), {})[int(expert[1])] = tensor
+                self.collect_expert(pending, prefix, self.hf_expert_names[expert[2]], int(expert[1]), tensor, native)
             elif rest == "ffn.gate.tid2eid":
                 native[prefix + "moe.router.hash_table"] = tensor.long()
             elif rest in self.hf_block_names:
@@ -103,8 +98,5 @@ class DeepSeekV4StateDictAdapter(StateDictAdapter):
                 native[prefix + ATTENTION[0] + rest[len(ATTENTION[1]) :]] = tensor
             else:
                 raise KeyError(f"{key}: not a DeepSeek-V4 checkpoint key")
-        for (prefix, leaf), per_expert in experts.items():
-            if sorted(per_expert) != list(range(self.num_experts)):
-                raise KeyError(f"{prefix}ffn.experts.*.{leaf}: expected experts 0..{self.num_experts - 1}, got {sorted(per_expert)}")
-            native[prefix + self.hf_expert_names[leaf]] = torch.stack([per_expert[e] for e in range(self.num_experts)])
+        self.check_complete(pending)
         return native

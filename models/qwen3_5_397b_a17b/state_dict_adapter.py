@@ -11,9 +11,8 @@ Legend: E experts, I expert FFN size, H hidden.
 
 import re
 
-import torch
 from torch.distributed.tensor import DTensor
-from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+from torchtitan.models.utils import MoEStateDictAdapter
 
 from .args import Qwen35ModelArgs
 
@@ -76,19 +75,43 @@ def split_prefix(key: str, prefixes) -> tuple[str, str] | None:
     return None
 
 
-def require_full(name: str, tensor):
-    if isinstance(tensor, DTensor):
-        raise NotImplementedError(
-            f"{name}: the state-dict adapters convert full tensors only (stacking experts of a sharded "
-            "DTensor is not supported); gather the state dict first"
-        )
-    return tensor
+class StackedExpertsAdapter(MoEStateDictAdapter):
+    """Splits stacked routed-expert tensors ``{prefix}{native leaf} [E, ·, ·]`` into one
+    HF tensor per expert and stacks them back, for plain tensors and for
+    EP/FSDP-sharded DTensors (this rank's experts only), with TorchTitan's
+    ``MoEStateDictAdapter`` helpers. A block ``prefix`` plays the helpers' layer id."""
+
+    def experts_to_hf(self, prefix: str, native_leaf: str, hf_template: str, value) -> dict:
+        """``hf_template`` has two ``{}``: the block prefix and the expert id."""
+        titan_template = "{}" + native_leaf
+        if isinstance(value, DTensor):
+            self.grouped_expert_weight_placements[titan_template] = value.placements
+            self.grouped_expert_weight_shape[titan_template] = value.shape
+            self.grouped_expert_weight_mesh[titan_template] = value.device_mesh
+            return self._get_local_experts_weights(hf_template, titan_template, prefix, value)
+        return {hf_template.format(prefix, e): w for e, w in enumerate(value.unbind(0))}
+
+    def collect_expert(self, pending: dict, prefix: str, native_leaf: str, expert: int, value, native: dict) -> None:
+        """Add one HF expert tensor; once the block's experts are all there, store the stack in ``native``."""
+        titan_template = "{}" + native_leaf
+        pending.setdefault(prefix, {}).setdefault(titan_template, {})[expert] = value
+        if titan_template in self.local_experts_indices:
+            stacked = self._concatenate_expert_weights_dtensor(pending, titan_template, prefix)
+        else:
+            stacked = self._concatenate_expert_weights(pending, titan_template, prefix, self.model_args.moe_args.num_experts)
+        if stacked is not None:
+            native[titan_template.format(prefix)] = stacked
+
+    @staticmethod
+    def check_complete(pending: dict) -> None:
+        incomplete = [f"{t.format(p)}: experts {sorted(e)}" for p, ts in pending.items() for t, e in ts.items()]
+        if incomplete:
+            raise KeyError(f"from_hf: incomplete routed experts (have only) {incomplete}")
 
 
-class Qwen35StateDictAdapter(StateDictAdapter):
+class Qwen35StateDictAdapter(StackedExpertsAdapter):
     def __init__(self, model_args: Qwen35ModelArgs, hf_assets_path: str | None):
         super().__init__(model_args, hf_assets_path)
-        self.num_experts = model_args.moe_args.num_experts
         self.hf_block_names = {hf: native for native, hf in BLOCK_NAMES.items()}
         self.hf_top_names = {hf: native for native, hf in TOP_NAMES.items()}
 
@@ -106,8 +129,7 @@ class Qwen35StateDictAdapter(StateDictAdapter):
                 continue
             if rest in EXPERT_NAMES:
                 # [E, I, H] (or [E, H, I]) -> E tensors of [I, H] ([H, I])
-                for e, w in enumerate(require_full(key, tensor).unbind(0)):
-                    hf[f"{prefix}mlp.experts.{e}.{EXPERT_NAMES[rest]}.weight"] = w
+                hf.update(self.experts_to_hf(prefix, rest, "{}mlp.experts.{}." + EXPERT_NAMES[rest] + ".weight", tensor))
             elif rest in BLOCK_NAMES:
                 hf[prefix + BLOCK_NAMES[rest]] = tensor
             else:
@@ -115,7 +137,8 @@ class Qwen35StateDictAdapter(StateDictAdapter):
         return hf
 
     def from_hf(self, hf_state_dict: dict) -> dict:
-        native, experts = {}, {}
+        native, pending = {}, {}
+        hf_leaf_to_native = {leaf: name for name, leaf in EXPERT_NAMES.items()}
         for key, tensor in hf_state_dict.items():
             if key.startswith("model.visual."):
                 continue  # vision tower: not modelled (text only)
@@ -128,16 +151,10 @@ class Qwen35StateDictAdapter(StateDictAdapter):
             prefix, rest = split
             expert = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", rest)
             if expert:
-                experts.setdefault((prefix, expert[2]), {})[int(expert[1])] = tensor
+                self.collect_expert(pending, prefix, hf_leaf_to_native[expert[2]], int(expert[1]), tensor, native)
             elif rest in self.hf_block_names:
                 native[prefix + self.hf_block_names[rest]] = tensor
             else:
                 raise KeyError(f"{key}: not a Qwen3.5 text checkpoint key")
-        hf_leaf_to_native = {leaf: name for name, leaf in EXPERT_NAMES.items()}
-        for (prefix, leaf), per_expert in experts.items():
-            if sorted(per_expert) != list(range(self.num_experts)):
-                raise KeyError(
-                    f"{prefix}mlp.experts.*.{leaf}: expected experts 0..{self.num_experts - 1}, got {sorted(per_expert)}"
-                )
-            native[prefix + hf_leaf_to_native[leaf]] = torch.stack([per_expert[e] for e in range(self.num_experts)])
+        self.check_complete(pending)
         return native
