@@ -13,6 +13,23 @@ from .params import count_params
 from .rope import YaRN
 
 
+def sigmoid_noaux_moe(num_experts: int, top_k: int, expert_dim: int, route_scale: float) -> MoEArgs:
+    """DeepSeek-V3-style routing (Kimi, GLM-5): sigmoid scores, aux-loss-free correction
+    bias (chooses experts, never weights them; nudged each step), top-k renormalised
+    then scaled, one shared expert of the routed experts' size."""
+    return MoEArgs(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_dim=expert_dim,
+        score_func="sigmoid",
+        route_norm=True,
+        route_scale=route_scale,
+        use_expert_bias=True,
+        load_balance_coeff=1e-3,
+        shared_expert_dim=expert_dim,
+    )
+
+
 @dataclass
 class MLADecoderArgs(BaseModelArgs):
     vocab_size: int = 128

@@ -5,22 +5,21 @@ Shapes: shared/reference/model_shapes.json. Flavors:
 - ``debug``: tiny, trains on CPU (2 ranks, EP=2) in the test suite; a short
   ``index_topk`` and IndexShare every 2nd layer so the sparse path is exercised.
 - ``h200``: per-layer shapes of the full model (H 6144, dense FFN 12288, expert
-  FFN 2048, top-8, 64 heads, MLA and indexer dims, vocab). Cut: 78 → 5 main layers
-  (the 3 dense ones, then 2 MoE; layers 3–4 reuse layer 2's top-k as in the full
-  model), 256 → 32 experts per MoE layer. Why: ~7.8 B parameters, whose fp32
-  weights + grads + AdamW states (16 B/param) take ~62 GB per GPU when sharded over
-  2×H200 (141 GB each), leaving room for activations at seq 4096.
+  FFN 2048, top-8, shared expert 2048, 64 heads, MLA and indexer dims, vocab,
+  MTP). Cut: 78 → 5 main layers (the 3 dense ones, then 2 MoE; layers 3–4 reuse
+  layer 2's top-k as in the full model) and 256 → 48 experts per MoE layer (MTP
+  block included). Why: 9.24 B parameters, whose fp32 weights + grads + AdamW
+  states (16 B/param) take ~74 GB per GPU when sharded over 2×H200 (141 GB each),
+  leaving room for activations and the fp32 logits of the 154880-token
+  vocabulary at seq 4096 (the same budget as Kimi's h200 flavor).
 - ``full``: the published architecture (78 layers + MTP, 256 experts).
 """
 
-from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
 from torchtitan.protocols.train_spec import TrainSpec
 
-from titan_mok.data import VOCAB_SIZE, build_char_tokenizer, build_task_dataloader
-from titan_mok.moe import MoEArgs
-from titan_mok.parallelize import parallelize_moe_model
+from titan_mok.data import VOCAB_SIZE
+from titan_mok.models.common.args import sigmoid_noaux_moe
+from titan_mok.models.common.train_spec import moe_train_spec
 
 from .args import GLM52Args
 from .model import GLM52Model
@@ -29,18 +28,8 @@ from .state_dict_adapter import GLM52StateDictAdapter
 __all__ = ["GLM52Args", "GLM52Model", "GLM52StateDictAdapter", "glm_5_2_configs", "get_train_spec"]
 
 
-def _glm_moe(num_experts: int, expert_dim: int) -> MoEArgs:
-    return MoEArgs(
-        num_experts=num_experts,
-        top_k=8 if num_experts >= 8 else 2,
-        expert_dim=expert_dim,
-        score_func="sigmoid",
-        route_norm=True,
-        route_scale=2.5,
-        use_expert_bias=True,
-        load_balance_coeff=1e-3,
-        shared_expert_dim=expert_dim,
-    )
+def _glm_moe(num_experts: int):
+    return sigmoid_noaux_moe(num_experts, top_k=8, expert_dim=2048, route_scale=2.5)
 
 
 # Published GLM-5 per-layer shapes (model_shapes.json "glm_5_2").
@@ -87,26 +76,12 @@ glm_5_2_configs = {
         index_skip_topk_offset=1,
         n_mtp_layers=1,
         mtp_loss_coef=0.3,
-        moe_args=MoEArgs(
-            num_experts=8, top_k=2, expert_dim=64, score_func="sigmoid", route_norm=True, route_scale=2.5,
-            use_expert_bias=True, load_balance_coeff=1e-3, shared_expert_dim=64,
-        ),
+        moe_args=sigmoid_noaux_moe(num_experts=8, top_k=2, expert_dim=64, route_scale=2.5),
     ),
-    "h200": GLM52Args(**_GLM_LAYER, n_layers=5, mtp_loss_coef=0.3, moe_args=_glm_moe(32, 2048)),
-    "full": GLM52Args(**_GLM_LAYER, n_layers=78, mtp_loss_coef=0.3, moe_args=_glm_moe(256, 2048)),
+    "h200": GLM52Args(**_GLM_LAYER, n_layers=5, mtp_loss_coef=0.3, moe_args=_glm_moe(48)),
+    "full": GLM52Args(**_GLM_LAYER, n_layers=78, mtp_loss_coef=0.3, moe_args=_glm_moe(256)),
 }
 
 
 def get_train_spec() -> TrainSpec:
-    return TrainSpec(
-        model_cls=GLM52Model,
-        model_args=glm_5_2_configs,
-        parallelize_fn=parallelize_moe_model,
-        pipelining_fn=None,
-        build_optimizers_fn=build_optimizers_with_moe_load_balancing,
-        build_lr_schedulers_fn=build_lr_schedulers,
-        build_dataloader_fn=build_task_dataloader,
-        build_tokenizer_fn=build_char_tokenizer,
-        build_loss_fn=build_cross_entropy_loss,
-        state_dict_adapter=GLM52StateDictAdapter,
-    )
+    return moe_train_spec(GLM52Model, glm_5_2_configs, GLM52StateDictAdapter)

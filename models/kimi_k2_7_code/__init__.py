@@ -8,7 +8,7 @@ Kimi-K2.5/K2.6). Flavors:
 - ``h200``: every per-layer shape of the full model (H 7168, dense FFN 18432,
   expert FFN 2048, top-8, shared expert 2048, 64 MLA heads and ranks, YaRN,
   vocab 163840). Cut: 61 → 4 layers (the dense one, then 3 MoE) and 384 → 48
-  experts per MoE layer. Why: ~9.6 B parameters, whose fp32 weights + grads +
+  experts per MoE layer. Why: 9.62 B parameters, whose fp32 weights + grads +
   AdamW states (16 B/param) take ~77 GB per GPU when sharded over 2×H200 (141 GB
   each), leaving room for activations and the fp32 logits of the 163840-token
   vocabulary at seq 4096. (More experts would leave top-8 of E closer to the real
@@ -16,15 +16,12 @@ Kimi-K2.5/K2.6). Flavors:
 - ``full``: the published architecture (61 layers, 384 experts).
 """
 
-from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
 from torchtitan.protocols.train_spec import TrainSpec
 
-from titan_mok.data import VOCAB_SIZE, build_char_tokenizer, build_task_dataloader
+from titan_mok.data import VOCAB_SIZE
+from titan_mok.models.common.args import sigmoid_noaux_moe
 from titan_mok.models.common.rope import YaRN
-from titan_mok.moe import MoEArgs
-from titan_mok.parallelize import parallelize_moe_model
+from titan_mok.models.common.train_spec import moe_train_spec
 
 from .args import KimiK27CodeArgs
 from .model import KimiK27CodeModel
@@ -33,18 +30,8 @@ from .state_dict_adapter import KimiK27CodeStateDictAdapter
 __all__ = ["KimiK27CodeArgs", "KimiK27CodeModel", "KimiK27CodeStateDictAdapter", "kimi_k2_7_code_configs", "get_train_spec"]
 
 
-def _kimi_moe(num_experts: int, top_k: int, expert_dim: int) -> MoEArgs:
-    return MoEArgs(
-        num_experts=num_experts,
-        top_k=top_k,
-        expert_dim=expert_dim,
-        score_func="sigmoid",
-        route_norm=True,
-        route_scale=2.827,
-        use_expert_bias=True,  # aux-loss-free: bias chooses experts, nudged each step
-        load_balance_coeff=1e-3,
-        shared_expert_dim=expert_dim,
-    )
+def _kimi_moe(num_experts: int):
+    return sigmoid_noaux_moe(num_experts, top_k=8, expert_dim=2048, route_scale=2.827)
 
 
 # rope_scaling of the published config
@@ -83,23 +70,12 @@ kimi_k2_7_code_configs = {
         v_head_dim=32,
         rope_theta=50000.0,
         yarn=_YARN,
-        moe_args=_kimi_moe(num_experts=8, top_k=2, expert_dim=64),
+        moe_args=sigmoid_noaux_moe(num_experts=8, top_k=2, expert_dim=64, route_scale=2.827),
     ),
-    "h200": KimiK27CodeArgs(**_KIMI_LAYER, n_layers=4, moe_args=_kimi_moe(num_experts=48, top_k=8, expert_dim=2048)),
-    "full": KimiK27CodeArgs(**_KIMI_LAYER, n_layers=61, moe_args=_kimi_moe(num_experts=384, top_k=8, expert_dim=2048)),
+    "h200": KimiK27CodeArgs(**_KIMI_LAYER, n_layers=4, moe_args=_kimi_moe(48)),
+    "full": KimiK27CodeArgs(**_KIMI_LAYER, n_layers=61, moe_args=_kimi_moe(384)),
 }
 
 
 def get_train_spec() -> TrainSpec:
-    return TrainSpec(
-        model_cls=KimiK27CodeModel,
-        model_args=kimi_k2_7_code_configs,
-        parallelize_fn=parallelize_moe_model,
-        pipelining_fn=None,
-        build_optimizers_fn=build_optimizers_with_moe_load_balancing,
-        build_lr_schedulers_fn=build_lr_schedulers,
-        build_dataloader_fn=build_task_dataloader,
-        build_tokenizer_fn=build_char_tokenizer,
-        build_loss_fn=build_cross_entropy_loss,
-        state_dict_adapter=KimiK27CodeStateDictAdapter,
-    )
+    return moe_train_spec(KimiK27CodeModel, kimi_k2_7_code_configs, KimiK27CodeStateDictAdapter)
