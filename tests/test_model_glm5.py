@@ -150,3 +150,50 @@ def test_flavors_are_faithful():
     indexer = count_params(model.layers["0"].attention.indexer).total
     dropped = full.n_layers - len(full.indexer_layers)
     assert 743.5e9 < main + dropped * indexer < 744.5e9, (main, indexer)
+
+
+def hf_rmsnorm(weight: torch.Tensor, eps: float):
+    norm = transformers.models.glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaRMSNorm(weight.shape[0], eps)
+    norm.weight.data.copy_(weight)
+    return norm
+
+
+def test_mtp_block_matches_transformers_layers(tmp_path):
+    """The MTP block = HF's GlmMoeDsa decoder layer inside transformers' MtpLayer formula
+    (``eh_proj(cat(enorm(emb_{i+1}), hnorm(h_i)))`` → layer → ``shared_head.norm``),
+    loaded from HF names ``model.layers.{n_layers}.*``."""
+    a = tiny_args(n_layers=3, n_mtp_layers=1)
+    # HF model with one more layer: its last layer (sparse, own indexer) plays the MTP block's decoder layer
+    cfg = hf_config(tiny_args(n_layers=4))
+    cfg.indexer_types[3] = "full"
+    torch.manual_seed(0)
+    hf = transformers.GlmMoeDsaForCausalLM(cfg).float().eval()
+    hf.config._attn_implementation = "eager"
+    randomize_(hf, 3)
+    hf_sd = save_and_load_hf(hf, tmp_path)
+    g = torch.Generator().manual_seed(4)
+    dim = a.dim
+    mtp_extra = {"enorm.weight": 1 + 0.2 * torch.randn(dim, generator=g), "hnorm.weight": 1 + 0.2 * torch.randn(dim, generator=g),
+                 "eh_proj.weight": torch.randn(dim, 2 * dim, generator=g) / (2 * dim) ** 0.5,
+                 "shared_head.norm.weight": 1 + 0.2 * torch.randn(dim, generator=g)}
+    hf_sd.update({f"model.layers.3.{k}": v for k, v in mtp_extra.items()})
+    ours = load_ours(a, hf_sd)
+
+    seq = 16  # > index_topk: the MTP block's own indexer selects keys
+    tokens = torch.randint(0, a.vocab_size, (2, seq), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = hf.model(input_ids=tokens, output_hidden_states=True)
+        h_ref = hf.model.norm(out.hidden_states[3])  # after the 3 main layers
+        emb = hf.model.embed_tokens(tokens)
+        enorm, hnorm, post = (hf_rmsnorm(mtp_extra[k], a.norm_eps) for k in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"))
+        x = torch.cat([enorm(emb[:, 1:]), hnorm(h_ref[:, :-1])], dim=-1) @ mtp_extra["eh_proj.weight"].T
+        pos = torch.arange(seq - 1)[None]
+        mask = torch.full((seq - 1, seq - 1), torch.finfo(torch.float32).min).triu(1)[None, None]
+        x, _ = hf.model.layers[3](x, attention_mask=mask, position_ids=pos,
+                                  position_embeddings=hf.model.rotary_emb(x, pos))
+        ref = hf.lm_head(post(x))
+
+        h_ours = ours.norm(ours.decode(ours.tok_embeddings(tokens)))
+        got = ours.output(ours.layers["3"](ours.tok_embeddings(tokens)[:, 1:], h_ours[:, :-1], ours.rope_cache))
+    rel = relative_error(got, ref)
+    assert rel < 1e-5, f"relative MTP logits error {rel:.2e}"
