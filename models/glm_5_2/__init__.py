@@ -12,7 +12,16 @@ Shapes: shared/reference/model_shapes.json. Flavors:
   states (16 B/param) take ~74 GB per GPU when sharded over 2×H200 (141 GB each),
   leaving room for activations and the fp32 logits of the 154880-token
   vocabulary at seq 4096 (the same budget as Kimi's h200 flavor).
-- ``full``: the published architecture (78 layers + MTP, 256 experts).
+- ``full``: the published architecture (78 layers + MTP, 256 experts): 753.3 B
+  parameters with the MTP block, 743.4 B without; GLM-5's published 744 B has an
+  indexer on all 78 layers (+0.53 B), IndexShare keeps 21.
+
+Checked against transformers' GlmMoeDsa (tests/test_model_glm5.py). Where its
+defaults differ from the published config, we follow the config: IndexShare
+schedule freq 4 / offset 3 (transformers defaults to an indexer on every layer),
+max positions 1048576 (transformers: 202752). transformers drops the MTP layer
+(``model.layers.78``) on load; we define, load and optionally train it, with
+transformers' MtpLayer input order (embedding first, then hidden state).
 """
 
 from torchtitan.protocols.train_spec import TrainSpec

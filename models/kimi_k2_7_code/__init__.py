@@ -13,7 +13,16 @@ Kimi-K2.5/K2.6). Flavors:
   each), leaving room for activations and the fp32 logits of the 163840-token
   vocabulary at seq 4096. (More experts would leave top-8 of E closer to the real
   8/384 routing sparsity, but 64 already needs ~94 GB per GPU before activations.)
-- ``full``: the published architecture (61 layers, 384 experts).
+- ``full``: the published architecture (61 layers, 384 experts): 1026.4 B
+  parameters, 32.9 B active per token (published: "1 T total, 32 B activated").
+
+Checked against transformers' DeepseekV3 classes (tests/test_model_kimi.py).
+Where they or TorchTitan's DeepSeek-V3 differ from the published config, we
+follow the config: untied embeddings (``Kimi_K25Config`` defaults to tied);
+``n_group = topk_group = 1`` (DeepseekV3Config defaults 8/4); YaRN frequencies
+and the mscale² softmax factor always on (TorchTitan applies them only when
+training beyond the original 4096 tokens); q/kv latent RMSNorm eps 1e-6 as in
+the reference code (TorchTitan uses the block eps).
 """
 
 from torchtitan.protocols.train_spec import TrainSpec
