@@ -18,8 +18,8 @@ Shapes: shared/reference/model_shapes.json. Flavors:
 
 Checked against transformers' GlmMoeDsa (tests/test_model_glm5.py). Where its
 defaults differ from the published config, we follow the config: IndexShare
-schedule freq 4 / offset 3 (transformers defaults to an indexer on every layer),
-max positions 1048576 (transformers: 202752). transformers drops the MTP layer
+schedule freq 4 / offset 3 (transformers defaults to an indexer on every
+layer). transformers drops the MTP layer
 (``model.layers.78``) on load; we define, load and optionally train it, with
 transformers' MtpLayer input order (embedding first, then hidden state).
 """
