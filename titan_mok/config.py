@@ -30,6 +30,52 @@ class Mok:
         _check_choice("mok.kernels", self.kernels, ("auto", "reference", "triton"))
 
 
+@dataclass
+class Rl:
+    """``python -m titan_mok.rl``: GRPO on the embedded verifiable tasks (titan_mok/rl/).
+    The run seed is ``[debug] seed``; ``[training] seq_len`` is the rollout's KV-cache
+    length and the trainer's sequence length (prompt + completion must fit)."""
+
+    prompts_per_rank: int = 4
+    """Prompts each data-parallel rank draws per step."""
+
+    group_size: int = 4
+    """Samples per prompt; advantages are relative to the prompt's group (>= 2)."""
+
+    max_new_tokens: int = 20
+    """Completion budget per sample (a newline or EOS stops it earlier)."""
+
+    temperature: float = 1.0
+    """Sampling temperature (> 0); logprobs are of softmax(logits / temperature)."""
+
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables the cut."""
+
+    clip_eps: float = 0.2
+    """PPO/GRPO ratio clip: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
+
+    updates_per_rollout: int = 1
+    """Optimizer steps on each rollout batch (ratios move off 1 after the first)."""
+
+    parity: Literal["warn", "fail"] = "fail"
+    """When the trainer's recomputed logprobs differ from the rollout's (the
+    logged logprob_max_abs_diff is not 0): log a warning, or stop the run."""
+
+    def __post_init__(self):
+        for key in ("prompts_per_rank", "max_new_tokens", "updates_per_rollout"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"[rl] {key} = {getattr(self, key)} must be >= 1")
+        if self.group_size < 2:
+            raise ValueError(f"[rl] group_size = {self.group_size} must be >= 2 (advantages compare samples of a prompt)")
+        if not self.temperature > 0:
+            raise ValueError(f"[rl] temperature = {self.temperature} must be > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"[rl] top_p = {self.top_p} must be in (0, 1]")
+        if not self.clip_eps > 0:
+            raise ValueError(f"[rl] clip_eps = {self.clip_eps} must be > 0")
+        _check_choice("rl.parity", self.parity, ("warn", "fail"))
+
+
 def _check_choice(key: str, value, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"[{key.split('.')[0]}] {key.split('.')[1]} = {value!r} is not allowed; choose one of {list(allowed)}")
@@ -38,3 +84,4 @@ def _check_choice(key: str, value, allowed: tuple) -> None:
 @dataclass
 class JobConfig:
     mok: Mok = field(default_factory=Mok)
+    rl: Rl = field(default_factory=Rl)

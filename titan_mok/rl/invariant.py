@@ -1,0 +1,118 @@
+"""Batch-invariant replacements for the two ops of a decoder whose per-row bits
+depend on the batch around the row: the dense projections and attention.
+
+Legend: B batch, N heads, Q queries, K keys (the KV-cache length), E q/k head
+dim, D v head dim, M rows, TQ queries per attention tile.
+
+Why: the rollout decodes one token per sequence against a KV cache, the trainer
+recomputes every position of a padded batch at once. For the recorded logprobs
+to equal the recomputed ones bit for bit (DESIGN §8), every row must meet the
+same kernels, the same shapes and the same reduction order in both passes:
+
+- ``F.linear`` → ``titan_mok.moe.tiles.row_invariant_linear`` (every GEMM has
+  ``TILE_M`` rows; a one-row product would take the GEMV path). Cost: the
+  zero-padded last tile (up to 63 wasted rows per call; a decode step of B
+  sequences computes ``64·ceil(B/64)`` rows).
+- ``F.scaled_dot_product_attention`` → :func:`invariant_attention`: scores and
+  probabilities·values as batched GEMMs of one fixed shape ``[TQ, E] × [E, K]``
+  per (batch, head) tile; the softmax runs over all K keys of the cache (the
+  trainer pads sequences to the same K) with masked keys set to ``-inf``, so a
+  row's sum sees the same values in the same order whatever the cache fill.
+  Cost: no fused/flash kernel — the ``[B, N, TQ, K]`` score tile is materialised
+  (O(Q·K) memory per head) and a decode step computes a full ``TQ``-row tile.
+
+The MoE layer is batch-invariant by construction (``titan_mok.moe.tiles``);
+norms, RoPE, embeddings and residual adds are per-row or elementwise and need no
+replacement (the parity test checks the whole path, bit for bit).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from titan_mok.moe.tiles import row_invariant_linear
+
+TILE_Q = 16
+"""Queries per attention GEMM tile (fixed: a decode step pads its one query to it)."""
+
+
+def _is_plain(*tensors) -> bool:
+    # DTensors (TP-sharded weights) keep their own dispatch; FSDP hands plain tensors to forward.
+    return all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+
+
+def invariant_linear(x_xK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` whose output rows do not depend on the other rows of ``x``."""
+    lead = x_xK.shape[:-1]
+    y_MN = row_invariant_linear(x_xK.reshape(-1, x_xK.shape[-1]), weight_NK)  # [..., K] -> [M, K]
+    if bias_N is not None:
+        y_MN = y_MN + bias_N
+    return y_MN.view(*lead, weight_NK.shape[0])
+
+
+def invariant_attention(
+    q_BNQE: torch.Tensor,
+    k_BNKE: torch.Tensor,
+    v_BNKD: torch.Tensor,
+    scale: float,
+    q_pos_BQ: torch.Tensor,
+    keep_BNQK: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of queries at positions ``q_pos_BQ`` to keys at positions 0..K-1:
+    query at position p sees key j iff ``j <= p`` (and ``keep`` where given).
+    Each query's bits depend only on its own row, the K keys and values, and its
+    position — not on Q, B, or which query tile it falls in."""
+    bsz, n_heads, n_q, e_dim = q_BNQE.shape
+    n_k, d_dim = k_BNKE.shape[2], v_BNKD.shape[-1]
+    if q_pos_BQ.shape != (bsz, n_q):
+        raise ValueError(f"invariant_attention: q_pos_BQ must be [{bsz}, {n_q}], got {tuple(q_pos_BQ.shape)}")
+    pad = -n_q % TILE_Q
+    q_BNQE = F.pad(q_BNQE, (0, 0, 0, pad))
+    q_pos_BQ = F.pad(q_pos_BQ, (0, pad))  # padded queries sit at position 0: one visible key, no NaN
+    if keep_BNQK is not None:
+        keep_BNQK = F.pad(keep_BNQK.expand(bsz, n_heads, n_q, n_k), (0, 0, 0, pad), value=True)
+    k_pos_K = torch.arange(n_k, device=q_BNQE.device)
+    k_xEK = k_BNKE.reshape(bsz * n_heads, n_k, e_dim).transpose(1, 2)  # [B·N, E, K]
+    v_xKD = v_BNKD.reshape(bsz * n_heads, n_k, d_dim)  # [B·N, K, D]
+    out_tiles = []
+    for start in range(0, n_q + pad, TILE_Q):
+        q_xTE = q_BNQE[:, :, start : start + TILE_Q].reshape(bsz * n_heads, TILE_Q, e_dim)  # [B·N, TQ, E]
+        scores_xTK = torch.bmm(q_xTE, k_xEK).float() * scale
+        keep_BTK = k_pos_K <= q_pos_BQ[:, start : start + TILE_Q, None]
+        keep_BNTK = keep_BTK.unsqueeze(1)
+        if keep_BNQK is not None:
+            keep_BNTK = keep_BNTK & keep_BNQK[:, :, start : start + TILE_Q]
+        scores_BNTK = scores_xTK.view(bsz, n_heads, TILE_Q, n_k).masked_fill(~keep_BNTK, float("-inf"))
+        probs_xTK = torch.softmax(scores_BNTK, dim=-1).to(v_xKD.dtype).view(bsz * n_heads, TILE_Q, n_k)
+        out_tiles.append(torch.bmm(probs_xTK, v_xKD).view(bsz, n_heads, TILE_Q, d_dim))
+    return torch.cat(out_tiles, dim=2)[:, :, :n_q]
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention``'s signature on :func:`invariant_attention`."""
+    if dropout_p != 0.0 or enable_gqa:
+        raise ValueError("BatchInvariantMode: attention with dropout_p > 0 or enable_gqa is not supported")
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        raise ValueError(f"BatchInvariantMode: attention masks must be boolean, got {attn_mask.dtype}")
+    bsz, _, n_q, e_dim = query.shape
+    n_k = key.shape[2]
+    scale = e_dim**-0.5 if scale is None else scale
+    if is_causal:  # SDPA's convention: the Q queries are the last Q of the K positions
+        q_pos_BQ = (torch.arange(n_q, device=query.device) + (n_k - n_q)).expand(bsz, n_q)
+    else:  # every query sees every key
+        q_pos_BQ = torch.full((bsz, n_q), n_k - 1, device=query.device)
+    return invariant_attention(query, key, value, scale, q_pos_BQ, attn_mask)
+
+
+class BatchInvariantMode(TorchFunctionMode):
+    """Inside this context, ``F.linear`` and ``F.scaled_dot_product_attention`` on
+    plain tensors run their batch-invariant versions (autograd-capable); every
+    other op is untouched. Used by both the rollout and the trainer's forward."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and _is_plain(*args, *kwargs.values()):
+            return invariant_linear(*args, **kwargs)
+        if func is F.scaled_dot_product_attention and _is_plain(*args[:3]):
+            return _sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
