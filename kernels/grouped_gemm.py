@@ -123,7 +123,7 @@ def _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E: tl.constexpr, 
         right = active & (v <= t)
         lo = tl.where(right, mid + 1, lo)
         hi = tl.where(active & (v > t), mid, hi)
-    e = lo
+    e = tl.minimum(lo, E - 1)  # past the last tile (see the caller): any expert, nothing is stored
     tile_start = tl.load(tile_end_ptr + e - 1, mask=e > 0, other=0)
     row_start = tl.load(group_end_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
     row_end = tl.load(group_end_ptr + e).to(tl.int32)
@@ -131,7 +131,7 @@ def _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E: tl.constexpr, 
     m_tiles = tl.cdiv(row_end - row_start, BM)
     in_group = GROUP_M * tl.cdiv(N, BN)
     first_m = (local // in_group) * GROUP_M
-    group_m = tl.minimum(m_tiles - first_m, GROUP_M)
+    group_m = tl.maximum(tl.minimum(m_tiles - first_m, GROUP_M), 1)
     pid_m = first_m + (local % in_group) % group_m
     pid_n = (local % in_group) // group_m
     return e, row_start + pid_m * BM, row_end, pid_n * BN
@@ -139,34 +139,43 @@ def _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E: tl.constexpr, 
 
 @triton.jit
 def _prep_a(a, MX: tl.constexpr, FP8_MMA: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """bf16 A tile [BM, BK] -> (MMA operand, per-32 scales [BM, BK/32, 1] or None)."""
-    if not MX:
-        return a, None
-    q, e, bad = mx_quantize_block(tl.reshape(a.to(tl.float32), (BM, BK // 32, 32)), 2)
-    s = mx_scale_value(tl.where(bad, 128, e))
-    if FP8_MMA:
-        return tl.reshape(q, (BM, BK)), s
-    return tl.reshape((q.to(tl.float32) * s).to(tl.bfloat16), (BM, BK)), s
+    """bf16 A tile [BM, BK] -> (MMA operand, per-32 scales [BM, BK/32, 1]; unused unless MX)."""
+    a_op = a
+    a_s = a
+    if MX:
+        q, e, bad = mx_quantize_block(tl.reshape(a.to(tl.float32), (BM, BK // 32, 32)), 2)
+        a_s = mx_scale_value(tl.where(bad, 128, e))
+        if FP8_MMA:
+            a_op = tl.reshape(q, (BM, BK))
+        else:
+            a_op = tl.reshape((q.to(tl.float32) * a_s).to(tl.bfloat16), (BM, BK))
+    return a_op, a_s
 
 
 @triton.jit
 def _dot(a, b, acc, DOT_F32: tl.constexpr):
+    # NOTE: Triton compiles the statements after a constexpr-guarded return too: one return per helper.
     if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit
 def _mma(acc, a_op, a_s, b, s_ptrs, s_ok, MX: tl.constexpr, FP8_MMA: tl.constexpr, BM: tl.constexpr,
          BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
     """acc += A @ B for one K step; B [BK, BN] bf16, or E4M3 with E8M0 bits at s_ptrs [BK/32, BN]."""
-    if not MX:
-        return _dot(a_op, b, acc, DOT_F32)
-    b_s = mx_scale_value(tl.load(s_ptrs, mask=s_ok, other=127).to(tl.int32) - 127)  # [BK/32, BN]
-    if FP8_MMA:  # BK == 32: one E4M3 MMA, then promotion with both scales
-        return acc + tl.dot(a_op, b) * (tl.reshape(a_s, (BM, 1)) * b_s)
-    b_blk = (tl.reshape(b, (BK // 32, 32, BN)).to(tl.float32) * tl.reshape(b_s, (BK // 32, 1, BN))).to(tl.bfloat16)
-    return _dot(a_op, tl.reshape(b_blk, (BK, BN)), acc, DOT_F32)
+    if MX:
+        b_s = mx_scale_value(tl.load(s_ptrs, mask=s_ok, other=127).to(tl.int32) - 127)  # [BK/32, BN]
+        if FP8_MMA:  # BK == 32: one E4M3 MMA, then promotion with both scales
+            acc = acc + tl.dot(a_op, b) * (tl.reshape(a_s, (BM, 1)) * b_s)
+        else:
+            b_blk = tl.reshape(b, (BK // 32, 32, BN)).to(tl.float32) * tl.reshape(b_s, (BK // 32, 1, BN))
+            acc = _dot(a_op, tl.reshape(b_blk.to(tl.bfloat16), (BK, BN)), acc, DOT_F32)
+    else:
+        acc = _dot(a_op, b, acc, DOT_F32)
+    return acc
 
 
 @triton.jit
@@ -202,11 +211,13 @@ def _grouped_mm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     t = tl.program_id(0)
-    if t >= tl.load(tile_end_ptr + E - 1):
-        return  # the grid is an upper bound on the tiles
     e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
+    # The grid is an upper bound on the tiles: programs past the last one run no K steps and
+    # store nothing (a loop bound, not an early return, keeps the K loop software-pipelined).
+    valid = t < tl.load(tile_end_ptr + E - 1)
+    k_end = tl.where(valid, K, 0)
     rows = m0 + tl.arange(0, BM)
-    row_ok = rows < row_end
+    row_ok = (rows < row_end) & valid
     offs_n = n0 + tl.arange(0, BN)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BK)
@@ -217,7 +228,7 @@ def _grouped_mm_kernel(
 
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, K, BK):
+    for k in range(0, k_end, BK):
         k_ok = offs_k < K - k
         a = tl.load(a1_ptr + a_off + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         a_op, a_s = _prep_a(a, MX, FP8_MMA, BM, BK)
@@ -230,7 +241,7 @@ def _grouped_mm_kernel(
             b2 = tl.load(b2_ptr + b_off + k * stride_bk, mask=b_ok, other=0.0)
             acc2 = _mma(acc2, a_op, a_s, b2, s2_ptr + s_k, s_ok, MX, FP8_MMA, BM, BN, BK, DOT_F32)
     if MODE == 3:  # DUAL: acc1 += A2 @ B2, continuing the same fixed K order
-        for k in range(0, K, BK):
+        for k in range(0, k_end, BK):
             k_ok = offs_k < K - k
             a = tl.load(a2_ptr + a_off + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             a_op, a_s = _prep_a(a, MX, FP8_MMA, BM, BK)
@@ -266,11 +277,11 @@ def _grouped_mm_kernel(
 @triton.jit
 def _fake_quant_rows(x, MX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """[BR, BC] tile -> MMA operand; MXFP8: blocks of 32 along the rows (the token axis)."""
-    if not MX:
-        return x
-    q, e, bad = mx_quantize_block(tl.reshape(x.to(tl.float32), (BR // 32, 32, BC)), 1)
-    s = mx_scale_value(tl.where(bad, 128, e))
-    return tl.reshape((q.to(tl.float32) * s).to(tl.bfloat16), (BR, BC))
+    if MX:
+        q, e, bad = mx_quantize_block(tl.reshape(x.to(tl.float32), (BR // 32, 32, BC)), 1)
+        s = mx_scale_value(tl.where(bad, 128, e))
+        x = tl.reshape((q.to(tl.float32) * s).to(tl.bfloat16), (BR, BC))
+    return x
 
 
 @triton.jit
