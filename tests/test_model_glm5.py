@@ -1,5 +1,9 @@
 """GLM-5.2 against transformers' GlmMoeDsa (test-only reference): logits parity
-through the HF checkpoint format, exact state-dict round trips, MTP, flavors."""
+through the HF checkpoint format, exact state-dict round trips, MTP, the
+indexer's KL loss, flavors.
+
+transformers' GlmMoeDsaConfig defaults to an indexer on every layer; the test
+configs pass the IndexShare schedule explicitly (``indexer_types``)."""
 
 import json
 import os
@@ -8,8 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from titan_mok.models.common.mla import keep_mask
 from titan_mok.models.common.params import count_params
 from titan_mok.models.glm_5_2 import GLM52Args, GLM52Model, GLM52StateDictAdapter, glm_5_2_configs
+from titan_mok.models.glm_5_2.dsa import indexer_kl_loss
 from titan_mok.moe import MoEArgs
 
 from tests.test_model_kimi_glm_hf import randomize_, relative_error, save_and_load_hf
@@ -197,3 +203,31 @@ def test_mtp_block_matches_transformers_layers(tmp_path):
         got = ours.output(ours.layers["3"](ours.tok_embeddings(tokens)[:, 1:], h_ours[:, :-1], ours.rope_cache))
     rel = relative_error(got, ref)
     assert rel < 1e-5, f"relative MTP logits error {rel:.2e}"
+
+
+def test_indexer_kl_loss_is_zero_at_the_attention_distribution():
+    g = torch.Generator().manual_seed(6)
+    bsz, heads, seq, dim, topk = 2, 5, 12, 8, 4
+    q, k = torch.randn(bsz, heads, seq, dim, generator=g), torch.randn(bsz, heads, seq, dim, generator=g)
+    index = torch.randn(bsz, seq, seq, generator=g).masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    topk_idx = index.topk(topk, dim=-1).indices
+    keep = keep_mask(topk_idx)
+    p = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~keep[:, None], float("-inf")).softmax(-1).mean(1)
+    at_p = p.log().masked_fill(~keep, float("-inf"))
+    for chunk in (1, 2, 8):
+        assert indexer_kl_loss(q, k, 0.3, at_p, topk_idx, heads_per_chunk=chunk).abs() < 1e-6
+    assert indexer_kl_loss(q, k, 0.3, index, topk_idx) > 1e-2
+
+
+def test_indexer_loss_trains_only_the_indexer():
+    grads = {}
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(7))  # S > index_topk
+    for coef in (0.0, 1.0):
+        torch.manual_seed(0)
+        model = GLM52Model(tiny_args(index_loss_coef=coef))
+        model.init_weights(torch.device("cpu"))
+        model(tokens).float().logsumexp(-1).mean().backward()
+        grads[coef] = {n: p.grad for n, p in model.named_parameters()}
+    indexer = [n for n in grads[1.0] if ".indexer." in n]
+    assert indexer and all(grads[0.0][n] is None and grads[1.0][n].abs().sum() > 0 for n in indexer)
+    assert all(torch.equal(grads[0.0][n], grads[1.0][n]) for n in grads[0.0] if n not in indexer)

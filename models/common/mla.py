@@ -51,6 +51,16 @@ class MLAttention(nn.Module):
     def attend(
         self, x_BSH: torch.Tensor, q_latent_BSQ: torch.Tensor, rope_SR: torch.Tensor, topk_idx_BSK: torch.Tensor | None
     ) -> torch.Tensor:
+        q_BNSE, k_BNSE, v_BNSD = self.qkv(x_BSH, q_latent_BSQ, rope_SR)
+        return self.project_out(sparse_causal_sdpa(q_BNSE, k_BNSE, v_BNSD, self.softmax_scale, topk_idx_BSK))
+
+    def project_out(self, out_BNSD: torch.Tensor) -> torch.Tensor:
+        return self.wo(out_BNSD.transpose(1, 2).flatten(2))  # [B, N, S, D] -> [B, S, N·D] -> [B, S, H]
+
+    def qkv(
+        self, x_BSH: torch.Tensor, q_latent_BSQ: torch.Tensor, rope_SR: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-head queries and keys (nope ‖ rope) and values, head-major for SDPA."""
         bsz, seqlen, _ = x_BSH.shape
         q_BSNE = self.wq_b(q_latent_BSQ).view(bsz, seqlen, -1, self.qk_head_dim)  # -1: local heads under TP
         q_nope_BSNP, q_rope_BSNR = q_BSNE.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
@@ -66,12 +76,8 @@ class MLAttention(nn.Module):
 
         q_BSNE = torch.cat([q_nope_BSNP, q_rope_BSNR], dim=-1)
         k_BSNE = torch.cat([k_nope_BSNP, k_rope_BS1R.expand(-1, -1, n_local, -1)], dim=-1)
-        # [B, S, N, ·] -> [B, N, S, ·] for SDPA
-        out_BNSD = sparse_causal_sdpa(
-            q_BSNE.transpose(1, 2), k_BSNE.transpose(1, 2), v_BSND.transpose(1, 2), self.softmax_scale, topk_idx_BSK
-        )
-        out_BSH = out_BNSD.transpose(1, 2).reshape(bsz, seqlen, -1)  # [B, S, N·D]
-        return self.wo(out_BSH)
+        # [B, S, N, ·] -> [B, N, S, ·]
+        return q_BSNE.transpose(1, 2), k_BSNE.transpose(1, 2), v_BSND.transpose(1, 2)
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
@@ -81,6 +87,14 @@ class MLAttention(nn.Module):
         self.kv_norm.reset_parameters()
 
 
+def keep_mask(topk_idx_BSK: torch.Tensor) -> torch.Tensor:
+    """``[B, S, S]`` bool: key t is visible to query s iff t ≤ s and t is among s's selected keys."""
+    bsz, seqlen = topk_idx_BSK.shape[:2]
+    selected_BSS = torch.zeros(bsz, seqlen, seqlen, dtype=torch.bool, device=topk_idx_BSK.device)
+    selected_BSS.scatter_(-1, topk_idx_BSK.long(), True)
+    return selected_BSS & torch.ones(seqlen, seqlen, dtype=torch.bool, device=topk_idx_BSK.device).tril()
+
+
 def sparse_causal_sdpa(
     q_BNSE: torch.Tensor, k_BNSE: torch.Tensor, v_BNSD: torch.Tensor, scale: float, topk_idx_BSK: torch.Tensor | None
 ) -> torch.Tensor:
@@ -88,9 +102,5 @@ def sparse_causal_sdpa(
     t ≤ s and t is among its K selected keys (selected future keys stay masked)."""
     if topk_idx_BSK is None:
         return F.scaled_dot_product_attention(q_BNSE, k_BNSE, v_BNSD, is_causal=True, scale=scale)
-    bsz, seqlen = topk_idx_BSK.shape[:2]
-    selected_BSS = torch.zeros(bsz, seqlen, seqlen, dtype=torch.bool, device=q_BNSE.device)
-    selected_BSS.scatter_(-1, topk_idx_BSK.long(), True)
-    causal_SS = torch.ones(seqlen, seqlen, dtype=torch.bool, device=q_BNSE.device).tril()
-    keep_B1SS = (selected_BSS & causal_SS).unsqueeze(1)  # broadcast over heads
+    keep_B1SS = keep_mask(topk_idx_BSK).unsqueeze(1)  # broadcast over heads
     return F.scaled_dot_product_attention(q_BNSE, k_BNSE, v_BNSD, attn_mask=keep_B1SS, scale=scale)

@@ -61,6 +61,7 @@ _GLM_LAYER = dict(
     index_topk=2048,
     index_topk_freq=4,
     index_skip_topk_offset=3,
+    index_loss_coef=1.0,
     n_mtp_layers=1,
 )
 
@@ -83,6 +84,7 @@ glm_5_2_configs = {
         index_topk=32,
         index_topk_freq=2,
         index_skip_topk_offset=1,
+        index_loss_coef=1.0,
         n_mtp_layers=1,
         mtp_loss_coef=0.3,
         moe_args=sigmoid_noaux_moe(num_experts=8, top_k=2, expert_dim=64, route_scale=2.5),

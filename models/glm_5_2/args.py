@@ -19,6 +19,10 @@ class GLM52Args(MLADecoderArgs):
     index_topk_freq: int = 4
     """IndexShare: layer i runs an indexer iff max(i − offset + 1, 0) % freq == 0."""
     index_skip_topk_offset: int = 3
+    index_loss_coef: float = 0.0
+    """Weight of the indexer's KL loss to the attention it approximates (trains the
+    indexer only; its gradient never reaches the rest of the model); 0: the indexer
+    is not trained."""
 
     # Multi-token prediction
     n_mtp_layers: int = 1
@@ -33,6 +37,8 @@ class GLM52Args(MLADecoderArgs):
             raise ValueError(f"n_mtp_layers = {self.n_mtp_layers}: only 0 or 1 MTP block is supported")
         if self.mtp_loss_coef < 0 or (self.mtp_loss_coef > 0 and self.n_mtp_layers == 0):
             raise ValueError(f"mtp_loss_coef = {self.mtp_loss_coef} needs n_mtp_layers = 1 and must be ≥ 0")
+        if self.index_loss_coef < 0:
+            raise ValueError(f"index_loss_coef = {self.index_loss_coef} must be ≥ 0")
         if self.index_topk_freq < 1:
             raise ValueError(f"index_topk_freq = {self.index_topk_freq} must be ≥ 1")
         if self.index_head_dim < self.qk_rope_head_dim:
@@ -49,14 +55,19 @@ class GLM52Args(MLADecoderArgs):
         return [i for i in range(self.n_layers) if self.runs_indexer(i)]
 
     def attention_flops_per_token(self, seq_len: int) -> int:
-        """Each query attends to min(S, K) keys. Indexer scores (forward only: no
-        gradient) on the full layers when S > K. The MTP block counts when trained."""
+        """Each query attends to min(S, K) keys. When S > K, each indexer layer adds its
+        scores (forward only, or ×3 when trained) and, when trained, the head-summed
+        attention probabilities of its KL target (forward only). The MTP block counts
+        when trained."""
+        mtp = 1 if self.mtp_loss_coef > 0 else 0
         keys = min(seq_len, self.index_topk)
-        n_attn = self.n_layers + (1 if self.mtp_loss_coef > 0 else 0)
-        flops = 6 * n_attn * self.n_heads * (self.qk_head_dim + self.v_head_dim) * keys
+        flops = 6 * (self.n_layers + mtp) * self.n_heads * (self.qk_head_dim + self.v_head_dim) * keys
         if seq_len > self.index_topk:
-            n_index = len(self.indexer_layers) + (1 if self.mtp_loss_coef > 0 else 0)
-            flops += 2 * n_index * self.index_n_heads * (self.index_head_dim + 1) * seq_len
+            n_index = len(self.indexer_layers) + mtp
+            trained = self.index_loss_coef > 0
+            flops += (6 if trained else 2) * n_index * self.index_n_heads * (self.index_head_dim + 1) * seq_len
+            if trained:
+                flops += 2 * n_index * self.n_heads * self.qk_head_dim * seq_len
         return flops
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
@@ -71,8 +82,7 @@ class GLM52Args(MLADecoderArgs):
             for name, p in model.named_parameters()
             if ".indexer." in name and (self.mtp_loss_coef > 0 or not name.startswith(f"layers.{self.n_layers}."))
         )
-        if seq_len <= self.index_topk:
-            matmul_active -= indexer  # skipped: every causal key is selected
-            indexer = 0
-        # indexer projections run forward only (2 FLOPs per parameter, not 6)
-        return counts.total, 6 * (matmul_active - indexer) + 2 * indexer + self.attention_flops_per_token(seq_len)
+        matmul_active -= indexer
+        # the indexer projections run when S > K: forward (2 FLOPs/param) + weight grads when trained (2)
+        indexer_flops = 0 if seq_len <= self.index_topk else (4 if self.index_loss_coef > 0 else 2) * indexer
+        return counts.total, 6 * matmul_active + indexer_flops + self.attention_flops_per_token(seq_len)
