@@ -16,6 +16,10 @@ Shapes: shared/reference/model_shapes.json. Flavors:
   parameters with the MTP block, 743.4 B without; GLM-5's published 744 B has an
   indexer on all 78 layers (+0.53 B), IndexShare keeps 21.
 
+Training choices, all flavors: the MTP loss is added with weight 0.3 (DeepSeek-V3's
+first-phase value) and the indexer learns its KL objective (weight 1; it trains the
+indexer only). Set ``mtp_loss_coef``/``index_loss_coef`` to 0 to freeze them.
+
 Checked against transformers' GlmMoeDsa (tests/test_model_glm5.py). Where its
 defaults differ from the published config, we follow the config: IndexShare
 schedule freq 4 / offset 3 (transformers defaults to an indexer on every
