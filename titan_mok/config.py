@@ -82,6 +82,49 @@ def _check_choice(key: str, value, allowed: tuple) -> None:
 
 
 @dataclass
+class Metrics:
+    """titan-mok's keys in TorchTitan's ``[metrics]`` table (merged into its
+    Metrics; read by ``titan_mok.metrics``). The W&B run settings below yield to
+    the environment: WANDB_PROJECT, WANDB_ENTITY (or WANDB_TEAM), WANDB_NAME
+    (or WANDB_RUN_NAME), WANDB_RUN_GROUP, WANDB_TAGS (or WANDB_RUN_TAGS,
+    comma-separated), WANDB_NOTES (or WANDB_RUN_NOTES)."""
+
+    enable_jsonl: bool = True
+    """Write every logged step, full float precision, to ``metrics.jsonl`` in the
+    run's log folder ``<dump_folder>/<save_tb_folder>/<YYYYmmdd-HHMMSS>/`` (beside
+    W&B's ``wandb/`` folder when enable_wandb)."""
+
+    wandb_project: str = "titan-mok"
+    """W&B project."""
+
+    wandb_entity: str = ""
+    """W&B entity (team or user); empty: the account's default."""
+
+    wandb_run_name: str = ""
+    """W&B run name; empty: ``<model>-<flavor>-<backend>-<precision>-ep<N>-seed<S>``."""
+
+    wandb_group: str = ""
+    """W&B run group (e.g. one comparison); empty: none."""
+
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B run tags (on the command line: comma-separated)."""
+
+    wandb_notes: str = ""
+    """W&B run notes."""
+
+    mfu_peak_tflops: float = 0.0
+    """Per-GPU peak TFLOP/s that MFU divides by; 0: from the device (H200: the
+    measured BF16 dense-matmul ceiling, 800; other GPUs: TorchTitan's table).
+    MFU is not reported on CPU (logged as NaN). The value used is in the run config."""
+
+    moe_stats: bool = True
+    """Log per-MoE-layer expert load, router entropy, aux loss, bias norm, tokens
+    dropped and the MoE layers' time share (forward hooks on titan-mok's MoE
+    modules; the hooks are left out when the model is compiled)."""
+
+
+@dataclass
 class JobConfig:
     mok: Mok = field(default_factory=Mok)
     rl: Rl = field(default_factory=Rl)
+    metrics: Metrics = field(default_factory=Metrics)

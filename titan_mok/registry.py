@@ -2,9 +2,12 @@
 `get_train_spec`). Each name is a package `titan_mok.models.<name>` with a
 `get_train_spec()` and a `<name>_configs` dict of flavors."""
 
+import dataclasses
 import importlib
 
 from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
+
+from titan_mok.metrics import build_mok_metrics_processor
 
 MODELS = (
     "kimi_k2_7_code",
@@ -31,4 +34,7 @@ def register_all() -> None:
         try:
             get_train_spec(name)
         except ValueError:
-            register_train_spec(name, model_module(name).get_train_spec())
+            spec = model_module(name).get_train_spec()
+            # Every titan-mok model logs through titan-mok's metrics processor.
+            spec = dataclasses.replace(spec, build_metrics_processor_fn=build_mok_metrics_processor)
+            register_train_spec(name, spec)

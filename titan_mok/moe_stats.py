@@ -1,0 +1,231 @@
+"""Per-layer statistics of titan-mok's MoE layers, for the metrics processor.
+
+Legend: T tokens (this rank, one forward), E experts, K top-k.
+
+The MoE modules are observed through what they expose: each layer's
+``expert_load [E]`` buffer (top-k picks per expert, accumulated by the layer;
+zeroed here after each read, as its docstring asks) and ``expert_bias [E]``;
+forward hooks on the layer (tokens in, its own expert_load increment, wall time
+of forward and backward) and on its router (whose forward returns
+``weights_TK, topk_idx_TK, scores_TE``). Only training forwards count (grad
+enabled: not validation, not RL rollouts). Everything accumulates on the device
+between two logged steps; ``collect`` reads it with one host sync and one
+all-reduce over the ranks that split the batch (the loss mesh), so load and
+drops are global. Without hooks (compiled models) load comes from
+``expert_load`` as read, and only load and bias norm are logged.
+
+Logged per layer (``moe/<layer>/...``): ``load_max_over_mean``,
+``load_min_over_mean``, ``load_cv`` (std/mean of the picks per expert),
+``tokens_dropped`` (token slots routed, T·K, minus slots that reached an
+expert's count: 0 for the dropless layer), ``router_entropy`` (mean over tokens
+of the entropy, in nats, of the router scores normalised to sum to 1),
+``aux_loss`` (the unscaled load-balancing loss E·Σ_e f_e·P_e that
+``aux_loss_coef`` multiplies in training, f_e the share of top-k picks and P_e
+the mean score of expert e; averaged over forwards) and
+``bias_norm`` (‖expert_bias‖₂). Over all layers: ``moe/tokens_dropped`` and
+``moe/time_share`` (this rank's MoE forward + backward time over the wall time
+since the last log).
+"""
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_mok.moe import MoE
+from titan_mok.moe.aux_loss import load_balance_aux_loss
+
+_WRAPPERS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def layer_label(path: str) -> str:
+    """``layers.3.moe`` (with any AC/compile wrapper names) → ``layers_3``."""
+    parts = [p for p in path.split(".") if p not in _WRAPPERS]
+    if parts and parts[-1] == "moe":
+        parts = parts[:-1]
+    return "_".join(parts) or "moe"
+
+
+class _Clock:
+    """Wall-clock stamps: CUDA events on a GPU (read at ``collect``), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def stamp(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+@dataclass
+class _Layer:
+    label: str
+    moe: MoE
+    tokens: int = 0
+    forwards: int = 0
+    load: torch.Tensor | None = None
+    """[E] fp64 on device: the layer's expert_load increments over training forwards."""
+    sums: torch.Tensor | None = None
+    """[2] fp64 on device: Σ token entropies, Σ aux losses (router hook)."""
+    load_before: torch.Tensor | None = None
+    forward_start: object = None
+    intervals: list = field(default_factory=list)
+    """(start, end) stamps of this layer's forwards and backwards."""
+
+
+class MoEStats:
+    """Hooks into every titan-mok ``MoE`` in ``model_parts``; ``collect`` turns what
+    accumulated since the last call into metrics. ``hooks=False`` (compiled models)
+    keeps only what the buffers give: load and bias norm."""
+
+    def __init__(self, model_parts: list[nn.Module], group: dist.ProcessGroup | None, hooks: bool):
+        self.group = group
+        self.hooks = hooks
+        self.layers = [
+            _Layer(layer_label(path), module)
+            for part in model_parts
+            for path, module in part.named_modules()
+            if isinstance(module, MoE)
+        ]
+        self._handles = []
+        self._clock = _Clock(self.layers[0].moe.expert_load.device) if self.layers else None
+        if hooks:
+            for layer in self.layers:
+                self._handles += [
+                    layer.moe.register_forward_pre_hook(partial(self._before_moe, layer), with_kwargs=True),
+                    layer.moe.register_forward_hook(partial(self._after_moe, layer), with_kwargs=True),
+                    layer.moe.router.register_forward_hook(partial(self._after_router, layer)),
+                ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @staticmethod
+    def _input(args, kwargs) -> torch.Tensor:
+        return args[0] if args else kwargs["x_BSH"]
+
+    def _before_moe(self, layer: _Layer, module, args, kwargs) -> None:
+        if not torch.is_grad_enabled():
+            return
+        x_BSH = self._input(args, kwargs)
+        layer.tokens += x_BSH.shape[0] * x_BSH.shape[1]
+        layer.load_before = layer.moe.expert_load.clone()
+        layer.forward_start = self._clock.stamp()
+
+    def _after_moe(self, layer: _Layer, module, args, kwargs, y_BSH) -> None:
+        if not torch.is_grad_enabled():
+            return
+        layer.intervals.append((layer.forward_start, self._clock.stamp()))
+        with torch.no_grad():
+            picks_E = (layer.moe.expert_load - layer.load_before).double()
+            layer.load = picks_E if layer.load is None else layer.load + picks_E
+        x_BSH = self._input(args, kwargs)
+        if not (y_BSH.requires_grad and x_BSH.requires_grad):
+            return
+        # Backward of this layer: from the gradient of its output to the gradient of its input.
+        # (Hooks of an activation-checkpoint recompute never fire: nothing is recorded twice.)
+        backward = {}
+
+        def started(grad):
+            backward["start"] = self._clock.stamp()
+
+        def finished(grad):
+            if "start" in backward:
+                layer.intervals.append((backward.pop("start"), self._clock.stamp()))
+
+        y_BSH.register_hook(started)
+        x_BSH.register_hook(finished)
+
+    def _after_router(self, layer: _Layer, module, args, output) -> None:
+        _, topk_idx_TK, scores_TE = output
+        if not torch.is_grad_enabled() or scores_TE.shape[0] == 0:
+            return
+        with torch.no_grad():
+            scores_TE = scores_TE.detach().float()
+            p_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+            entropy_sum = torch.special.entr(p_TE).sum()
+            aux = load_balance_aux_loss(scores_TE, topk_idx_TK)
+            sums = torch.stack([entropy_sum, aux]).double()
+            layer.sums = sums if layer.sums is None else layer.sums + sums
+        layer.forwards += 1
+
+    def collect(self, interval_s: float) -> dict[str, float]:
+        """The metrics since the last call; zeroes the accumulators. Every rank of the
+        group must call it at the same step (TorchTitan logs on every rank).
+        NOTE: one all-reduce and one host sync; called on logged steps only."""
+        if not self.layers:
+            return {}
+        packed = torch.cat([self._counts(layer) for layer in self.layers])  # [Σ_layers (E + 4)]
+        if self.group is not None:
+            dist.all_reduce(packed, group=self.group)
+        bias_norms = torch.stack([layer.moe.expert_bias.double().norm() for layer in self.layers])
+        values = torch.cat([packed, bias_norms]).tolist()
+        if self._clock.cuda and self.hooks:
+            torch.cuda.synchronize()  # NOTE: host sync, so that every event has completed
+
+        metrics, offset, dropped, moe_seconds = {}, 0, 0.0, 0.0
+        for i, layer in enumerate(self.layers):
+            num_experts = layer.moe.args.num_experts
+            load = values[offset : offset + num_experts]
+            entropy_sum, aux_sum, tokens, forwards = values[offset + num_experts : offset + num_experts + 4]
+            offset += num_experts + 4
+            prefix = f"moe/{layer.label}"
+            metrics.update(_load_metrics(prefix, load))
+            metrics[f"{prefix}/bias_norm"] = values[len(packed) + i]
+            if self.hooks:
+                layer_dropped = tokens * layer.moe.args.top_k - sum(load)
+                metrics[f"{prefix}/tokens_dropped"] = layer_dropped
+                metrics[f"{prefix}/router_entropy"] = entropy_sum / tokens if tokens else float("nan")
+                metrics[f"{prefix}/aux_loss"] = aux_sum / forwards if forwards else float("nan")
+                dropped += layer_dropped
+                moe_seconds += sum(self._clock.seconds(start, end) for start, end in layer.intervals)
+            self._reset(layer)
+        if self.hooks:
+            metrics["moe/tokens_dropped"] = dropped
+            metrics["moe/time_share"] = moe_seconds / interval_s
+        return metrics
+
+    def _counts(self, layer: _Layer) -> torch.Tensor:
+        """[E + 4] fp64: picks per expert, Σ entropy, Σ aux loss, tokens, forwards."""
+        device = layer.moe.expert_load.device
+        if not self.hooks:
+            load_E = layer.moe.expert_load.double()
+        elif layer.load is None:
+            load_E = torch.zeros(layer.moe.args.num_experts, dtype=torch.float64, device=device)
+        else:
+            load_E = layer.load
+        sums = layer.sums if layer.sums is not None else torch.zeros(2, dtype=torch.float64, device=device)
+        counts = torch.tensor([layer.tokens, layer.forwards], dtype=torch.float64, device=device)
+        return torch.cat([load_E, sums, counts])
+
+    @staticmethod
+    def _reset(layer: _Layer) -> None:
+        layer.moe.expert_load.zero_()
+        layer.load = layer.sums = None
+        layer.tokens = layer.forwards = 0
+        layer.intervals = []
+
+
+def _load_metrics(prefix: str, load: list[float]) -> dict[str, float]:
+    """max/mean, min/mean and coefficient of variation of the picks per expert (NaN before any pick)."""
+    mean = sum(load) / len(load)
+    if mean == 0:
+        nan = float("nan")
+        return {f"{prefix}/load_max_over_mean": nan, f"{prefix}/load_min_over_mean": nan, f"{prefix}/load_cv": nan}
+    std = (sum((v - mean) ** 2 for v in load) / len(load)) ** 0.5
+    return {
+        f"{prefix}/load_max_over_mean": max(load) / mean,
+        f"{prefix}/load_min_over_mean": min(load) / mean,
+        f"{prefix}/load_cv": std / mean,
+    }
