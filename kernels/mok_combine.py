@@ -18,13 +18,16 @@ import triton
 import triton.language as tl
 
 from titan_mok.kernels.grouped_gemm import _bf16_rne
-from titan_mok.moe.dispatch import reduce_slots
 
 _BLOCK_H = 1024
 
 
-ref_slot_reduce = reduce_slots
-"""The reference backend's slot reduction (titan_mok.moe.dispatch)."""
+def ref_slot_reduce(slots_TKH: torch.Tensor, weights_TK: torch.Tensor | None, shared_TH: torch.Tensor | None,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """The reference backend's reduction (``dispatch.reduce_slots``)."""
+    from titan_mok.moe.dispatch import reduce_slots  # NOTE: here: titan_mok.moe imports this module
+
+    return reduce_slots(slots_TKH, weights_TK, shared_TH, out_dtype)
 
 
 def ref_slot_scale(weights_TK: torch.Tensor, dout_TH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -39,21 +42,28 @@ def _round_to(x, out_ptr):
 
 
 @triton.jit
+def _slot_term(slots_ptr, w_ptr, copy_ptr, t, j, cols, ok, H, K: tl.constexpr, HAS_W: tl.constexpr,
+               HAS_COPY: tl.constexpr):
+    """(w[t,j] ·) slots[t,j] in fp32 (one rounding), copying the row out on the way."""
+    row = tl.load(slots_ptr + (t * K + j) * H + cols, mask=ok, other=0.0)
+    if HAS_COPY:
+        tl.store(copy_ptr + (t * K + j) * H + cols, row, mask=ok)
+    term = row.to(tl.float32)
+    if HAS_W:
+        term = tl.load(w_ptr + t * K + j) * term
+    return term
+
+
+@triton.jit
 def _slot_reduce_kernel(slots_ptr, w_ptr, shared_ptr, out_ptr, copy_ptr, H,
                         K: tl.constexpr, HAS_W: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_COPY: tl.constexpr,
                         BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in tl.static_range(K):
-        row = tl.load(slots_ptr + (t * K + j) * H + cols, mask=ok, other=0.0)
-        if HAS_COPY:
-            tl.store(copy_ptr + (t * K + j) * H + cols, row, mask=ok)
-        term = row.to(tl.float32)
-        if HAS_W:
-            term = tl.load(w_ptr + t * K + j) * term
-        acc = term if j == 0 else acc + term
+    acc = _slot_term(slots_ptr, w_ptr, copy_ptr, t, 0, cols, ok, H, K, HAS_W, HAS_COPY)
+    for j in tl.static_range(1, K):  # ascending slot order, fp32 adds (no FMA: enable_fp_fusion=False)
+        acc = acc + _slot_term(slots_ptr, w_ptr, copy_ptr, t, j, cols, ok, H, K, HAS_W, HAS_COPY)
     if HAS_SHARED:
         acc = acc + tl.load(shared_ptr + t * H + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + cols, _round_to(acc, out_ptr), mask=ok)

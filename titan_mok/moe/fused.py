@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
 from titan_mok.kernels.mok_combine import slot_reduce, slot_scale
 from titan_mok.kernels.mok_rows import move_rows
 from titan_mok.kernels.mok_schedule import mok_schedule
@@ -171,8 +172,6 @@ def fused_routed_experts(
     max_rows_per_rank: int | None = None,
 ) -> torch.Tensor:
     """schedule → dispatch → grouped expert FFN (Triton) → combine; [T, H] → [T, H] in x's dtype."""
-    from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
-
     handle = build_fused_handle(topk_idx_TK, num_experts, group, x_TH.shape[1], x_TH.dtype, max_rows_per_rank)
     x_RH = fused_dispatch(x_TH, handle)
     w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_TH.dtype) for w in local_weights)
