@@ -1,0 +1,1 @@
+"""GPU benchmarks (run on the H200 machine; results in benchmarks/NOTES.md)."""

@@ -1,0 +1,398 @@
+"""Benchmark: routed-expert grouped GEMMs (seam #2) against torch's grouped GEMMs, with roofline floors.
+
+    python3 -m titan_mok.bench.grouped_ffn [--out DIR] [--quick] [--tune]
+
+Regimes (issue 6): the MoE regime — each shape's expert GEMMs at 2048 tokens/GPU × top-k rows over
+the local experts at EP=1 and EP=2, balanced and skewed routing — and the compute regime — 8
+experts × 4096 rows at each shape's H and I. Phases, each timed as one callable:
+- fwd:   gate/up (+ SwiGLU) and down;
+- dgrad: down's input gradient (+ SwiGLU backward) and gate/up's input gradient (summed);
+- wgrad: the three weight gradients.
+Implementations: ``torch._grouped_mm`` bf16 (TorchTitan's sequence), ``torch._scaled_grouped_mm``
+fp8 rowwise (activations and weights pre-quantized: GEMMs only, plus the rowwise quantization of
+h and dgate/dup between the GEMMs), ours bf16 and ours mxfp8 (weights pre-quantized in each
+GEMM's layout: the cost of quantizing weights is reported separately; activations are quantized
+inside the kernels and so included). The torch baselines get groups padded to 16 rows (TorchTitan
+pads too); FLOPs count the real rows only.
+
+Floors, measured in the same run: max(FLOPs / tensor-core ceiling, bytes / HBM bandwidth), with the
+bf16 ceiling (8192³ bf16 matmul) for bf16 and the fp8 ceiling (8192³ tensorwise ``_scaled_mm``)
+for fp8/mxfp8, and HBM bandwidth from a large device copy (bytes read + written). Bytes: weights
+once (1 + 1/32 bytes per element for MXFP8, 1 for fp8, 2 for bf16), activations in and out once.
+
+Legend: R rows, H hidden, I expert FFN size, E local experts.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from titan_mok.kernels import grouped_gemm as gg
+from titan_mok.kernels.mxfp8_quant import mxfp8_quantize
+from titan_mok.mxfp8 import MXTensor
+
+# name: (H, I, E, top-k)
+SHAPES = {
+    "kimi": (7168, 2048, 384, 8),
+    "glm": (6144, 2048, 256, 8),
+    "qwen": (4096, 1024, 512, 10),
+    "deepseek": (7168, 3072, 384, 6),
+}
+TOKENS_PER_GPU = 2048
+ALIGN = 16  # group padding for torch's grouped GEMMs
+
+
+def bench(fn, rep_ms=100):
+    return triton.testing.do_bench(fn, warmup=20, rep=rep_ms, return_mode="median")
+
+
+def measure_ceilings():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * 8192**3
+    bf16 = flops / bench(lambda: a @ b) / 1e9
+    a8 = a.to(torch.float8_e4m3fn)
+    b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    one = torch.ones((), device="cuda")
+    fp8 = flops / bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)) / 1e9
+    src = torch.empty(4 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() / bench(lambda: dst.copy_(src)) / 1e9  # bytes read + written per ms / 1e9 = TB/s
+    del a, b, a8, b8, src, dst
+    torch.cuda.empty_cache()
+    return {"bf16_tflops": bf16, "fp8_tflops": fp8, "hbm_tbps": bw}
+
+
+def route_counts(num_rows, num_experts, skewed, seed=0):
+    """Rows per expert: balanced (even split) or skewed (lognormal weights, sigma 1)."""
+    if not skewed:
+        counts = torch.full((num_experts,), num_rows // num_experts, dtype=torch.int64)
+        counts[: num_rows % num_experts] += 1
+        return counts
+    g = torch.Generator().manual_seed(seed)
+    p = torch.exp(torch.randn(num_experts, generator=g))
+    counts = torch.floor(p / p.sum() * num_rows).to(torch.int64)
+    counts[torch.argsort(-p)[: num_rows - int(counts.sum())]] += 1
+    return counts
+
+
+def rowwise_fp8(x):
+    """(E4M3 x, fp32 scale per row): the torch baseline's quantization (weights: 16 experts at a time)."""
+    if x.dim() == 3:
+        parts = [_rowwise_fp8_rows(x[i : i + 16]) for i in range(0, x.shape[0], 16)]
+        return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+    return _rowwise_fp8_rows(x)
+
+
+def _rowwise_fp8_rows(x):
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
+    scale = amax / 448.0
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
+
+
+def mx_operand(w, along):
+    """Pre-quantized MXFP8 weight as grouped_mm's B [E, N, K]: blocked along ``along`` of the stored w."""
+    mx = mxfp8_quantize(w, along)
+    return MXTensor(mx.data.transpose(1, 2), mx.scale.transpose(1, 2), dim=2) if along == 1 else mx
+
+
+class Case:
+    def __init__(self, H, I, counts, dev="cuda"):
+        self.H, self.I, self.E = H, I, counts.numel()
+        self.R = int(counts.sum())
+        self.group_end = counts.cumsum(0).to(torch.int32).to(dev)
+        self.x = torch.randn(self.R, H, device=dev, dtype=torch.bfloat16)
+        self.dy = torch.randn(self.R, H, device=dev, dtype=torch.bfloat16)
+        self.w_gate = torch.randn(self.E, I, H, device=dev, dtype=torch.bfloat16) * H**-0.5
+        self.w_up = torch.randn(self.E, I, H, device=dev, dtype=torch.bfloat16) * H**-0.5
+        self.w_down = torch.randn(self.E, H, I, device=dev, dtype=torch.bfloat16) * I**-0.5
+        # torch baselines: every group padded to ALIGN rows (pad rows zero)
+        padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+        self.offs = padded.cumsum(0).to(torch.int32).to(dev)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), padded.cumsum(0)[:-1]])
+        self.rows_in_padded = torch.cat([torch.arange(int(c)) + int(s) for c, s in zip(counts, starts)]).to(dev)
+        idx = self.rows_in_padded
+        self.Rp = int(padded.sum())
+        self.xp = torch.zeros(self.Rp, H, device=dev, dtype=torch.bfloat16).index_copy_(0, idx, self.x)
+        self.dyp = torch.zeros(self.Rp, H, device=dev, dtype=torch.bfloat16).index_copy_(0, idx, self.dy)
+
+    def weight_elems(self):
+        return 3 * self.E * self.H * self.I
+
+
+def phases_ours(c, precision, fp8_mma=False):
+    phases = {}
+    if precision == "mxfp8":
+        wg, wu, wd = (mx_operand(w, 2) for w in (c.w_gate, c.w_up, c.w_down))
+        wg_t, wu_t, wd_t = mx_operand(c.w_gate, 1), mx_operand(c.w_up, 1), mx_operand(c.w_down, 1)
+
+        def wquant():  # both layouts of all three weights, once per optimizer step if cached
+            for w in (c.w_gate, c.w_up, c.w_down):
+                mxfp8_quantize(w, 2)
+                mxfp8_quantize(w, 1)
+
+        phases["wquant"] = wquant
+    else:
+        wg, wu, wd = c.w_gate, c.w_up, c.w_down
+        wg_t, wu_t, wd_t = c.w_gate.transpose(1, 2), c.w_up.transpose(1, 2), c.w_down.transpose(1, 2)
+    ge = c.group_end
+    g, u, h = gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None, fp8_mma=fp8_mma)
+    dg, du = gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None)
+
+    def fwd():
+        _, _, h_ = gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None, fp8_mma=fp8_mma)
+        return gg.grouped_mm(h_, ge, wd, fp8_mma=fp8_mma)
+
+    def dgrad():
+        dg_, du_ = gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None)
+        return gg.grouped_mm_sum(dg_, du_, ge, wg_t, wu_t)
+
+    def wgrad():  # one gradient alive at a time (memory), as an optimizer hook would allow
+        for a, b in ((dg, c.x), (du, c.x), (c.dy, h)):
+            gg.grouped_wgrad(a, b, ge, precision)
+
+    return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, **phases}
+
+
+def _swiglu_bwd_torch(dh, g, u):
+    gf, uf = g.float(), u.float()
+    sig = torch.sigmoid(gf)
+    return (dh * uf * sig * (1 + gf * (1 - sig))).to(g.dtype), (dh * gf * sig).to(g.dtype)
+
+
+def phases_grouped_mm(c):
+    offs, x, dy = c.offs, c.xp, c.dyp
+    gmm = torch._grouped_mm
+    g = gmm(x, c.w_gate.transpose(-2, -1), offs=offs)
+    u = gmm(x, c.w_up.transpose(-2, -1), offs=offs)
+    h = F.silu(g) * u
+    dg, du = _swiglu_bwd_torch(gmm(dy, c.w_down, offs=offs).float(), g, u)
+
+    def fwd():
+        h_ = F.silu(gmm(x, c.w_gate.transpose(-2, -1), offs=offs)) * gmm(x, c.w_up.transpose(-2, -1), offs=offs)
+        return gmm(h_, c.w_down.transpose(-2, -1), offs=offs)
+
+    def dgrad():
+        dg_, du_ = _swiglu_bwd_torch(gmm(dy, c.w_down, offs=offs).float(), g, u)
+        return gmm(dg_, c.w_gate, offs=offs) + gmm(du_, c.w_up, offs=offs)
+
+    def wgrad():
+        for a, b in ((dg, x), (du, x), (dy, h)):
+            gmm(a.t(), b, offs=offs)
+
+    return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad}
+
+
+def phases_scaled_grouped_mm(c):
+    """fp8 rowwise: weights quantized per output row along K (pre-quantized, both layouts)."""
+    offs = c.offs
+    sgmm = torch._scaled_grouped_mm
+
+    def wq(w_ENK):  # -> mat_b [E, K, N] column-major, scale [E, N]
+        q, s = rowwise_fp8(w_ENK.contiguous())
+        return q.transpose(-2, -1), s
+
+    wg, wu, wd = wq(c.w_gate), wq(c.w_up), wq(c.w_down)
+    wg_t, wu_t, wd_t = wq(c.w_gate.transpose(1, 2)), wq(c.w_up.transpose(1, 2)), wq(c.w_down.transpose(1, 2))
+    xq, xs = rowwise_fp8(c.xp)
+    dyq, dys = rowwise_fp8(c.dyp)
+    bf = torch.bfloat16
+
+    def mm(aq, as_, w):
+        return sgmm(aq, w[0], as_, w[1], offs=offs, out_dtype=bf)
+
+    g, u = mm(xq, xs, wg), mm(xq, xs, wu)
+    h = F.silu(g) * u
+
+    def fwd():
+        hq, hs = rowwise_fp8(F.silu(mm(xq, xs, wg)) * mm(xq, xs, wu))
+        return mm(hq, hs, wd)
+
+    def dgrad():
+        dg_, du_ = _swiglu_bwd_torch(mm(dyq, dys, wd_t).float(), g, u)
+        (dgq, dgs), (duq, dus) = rowwise_fp8(dg_), rowwise_fp8(du_)
+        return mm(dgq, dgs, wg_t) + mm(duq, dus, wu_t)
+
+    dg, du = _swiglu_bwd_torch(mm(dyq, dys, wd_t).float(), g, u)
+
+    def colwise(t_RN):  # per-group scales along the token axis: [N, R] row-major fp8, scale [E * N]
+        t_NR = t_RN.t().contiguous()
+        parts, scales = [], []
+        start = 0
+        for end in offs.tolist():  # NOTE: host sync; setup only, outside the timed region
+            q, s = rowwise_fp8(t_NR[:, start:end])
+            parts.append(q)
+            scales.append(s)
+            start = end
+        return torch.cat(parts, dim=1), torch.cat(scales)
+
+    dgq_t, dgs_t = colwise(dg)
+    duq_t, dus_t = colwise(du)
+    dyq_t, dys_t = colwise(c.dyp)
+    xq_c, xs_c = colwise(c.xp)
+    hq_c, hs_c = colwise(h)
+
+    def wgrad():  # mat_b [R, K] column-major = transposed [K, R] row-major
+        for a, sa, b, sb in ((dgq_t, dgs_t, xq_c, xs_c), (duq_t, dus_t, xq_c, xs_c), (dyq_t, dys_t, hq_c, hs_c)):
+            sgmm(a, b.t(), sa, sb, offs=offs, out_dtype=bf)
+
+    return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad}
+
+
+def floors(c, ceil, fmt):
+    """Roofline floor (ms) per phase for a weight/activation format ('bf16', 'fp8', 'mxfp8')."""
+    wbytes = {"bf16": 2.0, "fp8": 1.0, "mxfp8": 1 + 1 / 32}[fmt]
+    tflops = ceil["bf16_tflops"] if fmt == "bf16" else ceil["fp8_tflops"]
+    flops = 6 * c.R * c.H * c.I
+    act = 2 * c.R  # bf16 activations: bytes per row element
+    bytes_ = {
+        "fwd": c.weight_elems() * wbytes + act * (2 * c.H),  # x in, y out
+        "dgrad": c.weight_elems() * wbytes + act * (2 * c.H + 2 * c.I),  # dy, g, u in; dx out
+        "wgrad": c.weight_elems() * 2 + act * (2 * c.H + 3 * c.I),  # bf16 grads out; x, dy, dg, du, h in
+        "wquant": c.weight_elems() * 2 * (2 + 1 + 1 / 32),  # bf16 read, MXFP8 written, two layouts
+    }
+    floor = {p: max(flops / tflops / 1e9, b / ceil["hbm_tbps"] / 1e9) for p, b in bytes_.items()}
+    floor["wquant"] = bytes_["wquant"] / ceil["hbm_tbps"] / 1e9
+    return floor, flops
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def run_case(name, H, I, counts, ceil, impls, rep_ms, log):
+    c = Case(H, I, counts)
+    res = {"case": name, "H": H, "I": I, "E": c.E, "R": c.R, "rows_min": int(counts.min()),
+           "rows_max": int(counts.max()), "impls": {}}
+    for impl in impls:
+        try:
+            if impl == "grouped_mm_bf16":
+                ph, fmt = phases_grouped_mm(c), "bf16"
+            elif impl == "scaled_grouped_mm_fp8":
+                ph, fmt = phases_scaled_grouped_mm(c), "fp8"
+            elif impl == "ours_bf16":
+                ph, fmt = phases_ours(c, "bf16"), "bf16"
+            elif impl == "ours_mxfp8":
+                ph, fmt = phases_ours(c, "mxfp8"), "mxfp8"
+            elif impl == "ours_mxfp8_fp8mma":
+                ph, fmt = {"fwd": phases_ours(c, "mxfp8", fp8_mma=True)["fwd"]}, "mxfp8"
+            fl, flops = floors(c, ceil, fmt)
+            out = {}
+            for phase, fn in ph.items():
+                try:
+                    ms = bench(fn, rep_ms)
+                    tflops = flops / ms / 1e9 if phase != "wquant" else None
+                    out[phase] = {"ms": ms, "tflops": tflops, "floor_ms": fl[phase], "of_floor": fl[phase] / ms}
+                except Exception as e:  # a baseline that torch rejects: record why
+                    out[phase] = {"error": repr(e)[:300]}
+            res["impls"][impl] = out
+        except Exception as e:
+            res["impls"][impl] = {"error": repr(e)[:300]}
+        torch.cuda.empty_cache()
+    # correctness at this size: ours vs torch's bf16 grouped GEMM forward (same bf16 inputs)
+    try:
+        ref = phases_grouped_mm(c)["fwd"]()[c.rows_in_padded]
+        for impl, prec in (("ours_bf16", "bf16"), ("ours_mxfp8", "mxfp8")):
+            if impl in impls:
+                y = phases_ours(c, prec)["fwd"]()
+                res.setdefault("fwd_rel_err_vs_grouped_mm", {})[impl] = rel_err(y, ref)
+    except Exception as e:
+        res["check_error"] = repr(e)[:300]
+    del c
+    torch.cuda.empty_cache()
+    log(json.dumps(res))
+    return res
+
+
+def tune(ceil, log):
+    """Tile-config sweep of the forward for one MoE-regime and one compute-regime case."""
+    variants = {
+        "bf16": [dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+                 dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=4, num_stages=3),
+                 dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+                 dict(BM=64, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+                 dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)],
+        "mxfp8": [dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
+                  dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=4, num_stages=3),
+                  dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+                  dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
+                  dict(BM=64, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=3)],
+    }
+    out = []
+    H, I, E, K = SHAPES["kimi"]
+    cases = {"kimi_ep2_balanced": route_counts(TOKENS_PER_GPU * K, E // 2, False),
+             "kimi_compute": torch.full((8,), 4096, dtype=torch.int64)}
+    for cname, counts in cases.items():
+        c = Case(H, I, counts)
+        for prec, vs in variants.items():
+            default = dict(gg._MM_CONFIGS[prec])
+            for v in vs:
+                gg._MM_CONFIGS[prec] = v
+                try:
+                    ms = bench(phases_ours(c, prec)["fwd"], 60)
+                    rec = {"case": cname, "precision": prec, "cfg": v, "fwd_ms": ms,
+                           "tflops": 6 * c.R * H * I / ms / 1e9}
+                except Exception as e:
+                    rec = {"case": cname, "precision": prec, "cfg": v, "error": repr(e)[:200]}
+                log(json.dumps(rec))
+                out.append(rec)
+            gg._MM_CONFIGS[prec] = default
+        del c
+        torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--quick", action="store_true", help="one shape, balanced, EP=2 only")
+    p.add_argument("--tune", action="store_true", help="also sweep forward tile configs")
+    p.add_argument("--rep-ms", type=float, default=100)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    log_f = open(os.path.join(args.out, "grouped_ffn_bench.jsonl"), "a")
+
+    def log(s):
+        print(s, flush=True)
+        log_f.write(s + "\n")
+        log_f.flush()
+
+    torch.manual_seed(0)
+    ceil = measure_ceilings()
+    log(json.dumps({"ceilings": ceil, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}))
+    if args.tune:
+        tune(ceil, log)
+    impls = ["grouped_mm_bf16", "scaled_grouped_mm_fp8", "ours_bf16", "ours_mxfp8", "ours_mxfp8_fp8mma"]
+    results = []
+    shapes = ["kimi"] if args.quick else list(SHAPES)
+    for shape in shapes:
+        H, I, E, K = SHAPES[shape]
+        for ep in ([2] if args.quick else [1, 2]):
+            for skewed in ([False] if args.quick else [False, True]):
+                counts = route_counts(TOKENS_PER_GPU * K, E // ep, skewed)
+                name = f"{shape} EP={ep} {'skewed' if skewed else 'balanced'}"
+                results.append(run_case(name, H, I, counts, ceil, impls, args.rep_ms, log))
+    for shape in shapes:
+        H, I, _, _ = SHAPES[shape]
+        results.append(run_case(f"{shape} compute 8x4096", H, I, torch.full((8,), 4096, dtype=torch.int64),
+                                ceil, impls, args.rep_ms, log))
+    # summary table (the reply carries the end of the output)
+    print("\ncase | impl | fwd ms (floor/time) | dgrad | wgrad | weight quantization")
+    for r in results:
+        for impl, ph in r["impls"].items():
+            cells = []
+            for phase in ("fwd", "dgrad", "wgrad", "wquant"):
+                v = ph.get(phase, {}) if isinstance(ph, dict) else {}
+                cells.append(f"{v['ms']:.2f} ({v['of_floor']:.2f})" if "ms" in v else ("err" if "error" in v or "error" in ph else "-"))
+            print(f"{r['case']} | {impl} | " + " | ".join(cells))
+    print(json.dumps({"ceilings": ceil}))
+
+
+if __name__ == "__main__":
+    main()
