@@ -112,11 +112,13 @@ def test_logits_match_transformers_through_adapter(tmp_path):
     assert info["missing_keys"] == set() or not info["missing_keys"], info["missing_keys"]
     assert not [k for k in info["unexpected_keys"] if not k.startswith("mtp.")], info["unexpected_keys"]
 
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = hf.eval()(tokens).logits
-        got = ours(tokens)
-    assert rel_err(got, expected) < 1e-5
+    # SEQ: every branch active; 3 tokens: shorter than every window and ratio (no compressed entries)
+    for seq_len in (SEQ, 3):
+        tokens = torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            expected = hf.eval()(tokens).logits
+            got = ours(tokens)
+        assert rel_err(got, expected) < 1e-5, seq_len
 
 
 def test_sinkhorn_makes_comb_doubly_stochastic():

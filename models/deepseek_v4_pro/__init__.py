@@ -6,8 +6,8 @@ sliding-only attention and both router kinds, small windows/ratios so the
 compressed branches are exercised at seq_len 128); ``h200`` keeps the full
 hidden size, attention shapes, ratios, expert FFN size and top-k, with 4 layers
 (hash ×3 + learned; HCA, HCA, CSA, HCA as the published schedule starts) and 16
-experts, no MTP module: ~7.7 B parameters, ~123 GB of fp32 weights + grads +
-Adam state, ~62 GB per GPU under FSDP on 2×H200; ``full`` is the published
+experts, no MTP module: 7.6 B parameters, ~122 GB of fp32 weights + grads +
+Adam state, ~61 GB per GPU under FSDP on 2×H200; ``full`` is the published
 architecture (61 layers, 384 experts, 1 MTP module).
 """
 

@@ -77,6 +77,8 @@ class Compressor(nn.Module):
         """Compressed entries [B, T, head_dim], T = S // M (a trailing partial window is not emitted)."""
         batch, seq_len, _ = x_BSH.shape
         n_win, m, d = seq_len // self.ratio, self.ratio, self.head_dim
+        if n_win == 0:
+            return x_BSH.new_zeros(batch, 0, d)
         usable = n_win * m
         # [B, S, W] -> [B, T, M, W]
         kv_BTMW = self.wkv(x_BSH[:, :usable]).view(batch, n_win, m, -1)
@@ -173,7 +175,7 @@ class Attention(nn.Module):
             values_BKD = torch.cat([kv_BSD, compressed_BTD], dim=1)
         # per-head sink: an extra logit in the softmax normaliser with no value
         sink_BNS1 = self.attn_sink.to(logits_BNSK.dtype)[None, :, None, None].expand(batch, -1, seq_len, 1)
-        probs_BNSK = torch.cat([logits_BNSK, sink_BNS1], dim=-1).softmax(dim=-1)[..., :-1]
+        probs_BNSK = torch.cat([logits_BNSK, sink_BNS1], dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1]
         o_BSND = torch.einsum("bnsk,bkd->bsnd", probs_BNSK.to(values_BKD.dtype), values_BKD)
         # values carry RoPE on their last R dims: rotate back to the query's position
         o_BSND = apply_tail_rope(o_BSND, cache_SR, inverse=True)

@@ -3,7 +3,8 @@ safetensors, which transformers converts on load): ``embed``, ``head``, ``norm``
 ``hc_head_{fn,base,scale}``, ``layers.{i}.{attn,ffn,attn_norm,ffn_norm,hc_attn_*,hc_ffn_*}``,
 ``mtp.{k}.*``; routed experts one tensor per expert (``ffn.experts.{e}.w{1,2,3}``),
 the aux-free bias as ``ffn.gate.bias`` (learned-router layers), the hash table as
-``ffn.gate.tid2eid`` (hash layers; loaded as int64).
+``ffn.gate.tid2eid`` (hash layers; loaded as int64). The published weights are
+FP8/FP4 with ``*.scale`` companions: ``from_hf`` takes a dequantised checkpoint.
 
 Legend: E experts, I expert FFN size, H hidden.
 """
@@ -79,6 +80,11 @@ class DeepSeekV4StateDictAdapter(StackedExpertsAdapter):
         native, pending = {}, {}
         hf_block_prefixes = ((re.compile(r"^layers\.(\d+)\."), r"layers.\1."),)
         for key, tensor in hf_state_dict.items():
+            if key.endswith(".scale"):
+                raise KeyError(
+                    f"{key}: a block-quantisation scale (the published FP8/FP4 weights); "
+                    "dequantise the checkpoint to BF16/FP32 before loading it"
+                )
             if key in self.hf_top_names:
                 native[self.hf_top_names[key]] = tensor
                 continue

@@ -180,7 +180,7 @@ class GatedDeltaNet(nn.Module):
         nn.init.trunc_normal_(self.out_proj.weight, mean=0.0, std=init_std)
         nn.init.kaiming_uniform_(self.conv1d.weight, a=5**0.5)
         nn.init.ones_(self.dt_bias)
-        # A ~ U(1, 16) as flash-linear-attention's GatedDeltaNet
+        # A ~ U(0.01, 16), as transformers' Qwen3.5 initialisation (log A stays finite)
         with torch.no_grad():
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
         nn.init.ones_(self.norm.weight)

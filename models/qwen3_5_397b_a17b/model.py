@@ -173,8 +173,10 @@ class Qwen35Model(ModelProtocol):
         return self.output(self.norm(self.trunk(tokens_BS)))
 
     def mtp_logits(self, h_BSH: torch.Tensor, next_tokens_BS: torch.Tensor) -> torch.Tensor:
-        """Logits of the MTP module given the trunk's hidden states ``h_BSH`` at
-        positions t and the tokens at t+1 (``next_tokens_BS``): predicts t+2."""
+        """Logits of the MTP module given hidden states ``h_BSH`` of the trunk at
+        positions t and the tokens at t+1 (``next_tokens_BS``): predicts t+2.
+        vLLM feeds the final-normed states; ``pre_fc_norm_hidden`` renormalises
+        whichever the caller passes."""
         if self.mtp is None:
             raise ValueError("this flavor has n_mtp_layers = 0: no MTP module")
         cache_SR = self.rope_cache[: h_BSH.shape[1]]
