@@ -79,17 +79,18 @@ class Compressor(nn.Module):
         n_win, m, d = seq_len // self.ratio, self.ratio, self.head_dim
         if n_win == 0:
             return x_BSH.new_zeros(batch, 0, d)
-        usable = n_win * m
+        # pooled in fp32 (as the official code), normalised in the activations' dtype
+        x32_BSH = x_BSH[:, : n_win * m].float()
         # [B, S, W] -> [B, T, M, W]
-        kv_BTMW = self.wkv(x_BSH[:, :usable]).view(batch, n_win, m, -1)
-        score_BTMW = self.wgate(x_BSH[:, :usable]).view(batch, n_win, m, -1) + self.ape
+        kv_BTMW = F.linear(x32_BSH, self.wkv.weight.float()).view(batch, n_win, m, -1)
+        score_BTMW = F.linear(x32_BSH, self.wgate.weight.float()).view(batch, n_win, m, -1) + self.ape.float()
         if self.overlap:
             # [B, T, M, 2D] -> [B, T, 2M, D]: previous window's first half, then this window's second half
             prev_kv = F.pad(kv_BTMW[:, :-1, :, :d], (0, 0, 0, 0, 1, 0))
             prev_score = F.pad(score_BTMW[:, :-1, :, :d], (0, 0, 0, 0, 1, 0), value=float("-inf"))
             kv_BTMW = torch.cat([prev_kv, kv_BTMW[..., d:]], dim=2)
             score_BTMW = torch.cat([prev_score, score_BTMW[..., d:]], dim=2)
-        compressed_BTD = (kv_BTMW * score_BTMW.softmax(dim=2, dtype=torch.float32).to(kv_BTMW.dtype)).sum(dim=2)
+        compressed_BTD = (kv_BTMW * score_BTMW.softmax(dim=2)).sum(dim=2).to(x_BSH.dtype)
         positions = torch.arange(n_win, device=x_BSH.device) * m
         return apply_tail_rope(self.norm(compressed_BTD), cache_SR[positions])
 
@@ -161,22 +162,24 @@ class Attention(nn.Module):
 
         pos = torch.arange(seq_len, device=x_BSH.device)
         visible_SS = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
-        logits_BNSS = torch.einsum("bsnd,btd->bnst", q_BSND, kv_BSD) * self.head_dim**-0.5
+        # scores, softmax and the value sum in fp32 (the official sparse-attention kernel's precision)
+        q32_BSND = q_BSND.float()
+        logits_BNSS = torch.einsum("bsnd,btd->bnst", q32_BSND, kv_BSD.float()) * self.head_dim**-0.5
         logits_BNSK = logits_BNSS.masked_fill(~visible_SS, float("-inf"))
         values_BKD = kv_BSD
         if self.compressor is not None:
             compressed_BTD = self.compressor(x_BSH, cache_SR)
             causal_ST = torch.arange(compressed_BTD.shape[1], device=x_BSH.device)[None, :] < ((pos + 1) // self.compress_ratio)[:, None]
             visible_BST = causal_ST[None] if self.indexer is None else self.indexer(x_BSH, q_residual_BSQ, cache_SR, causal_ST)
-            logits_BNST = torch.einsum("bsnd,btd->bnst", q_BSND, compressed_BTD) * self.head_dim**-0.5
+            logits_BNST = torch.einsum("bsnd,btd->bnst", q32_BSND, compressed_BTD.float()) * self.head_dim**-0.5
             logits_BNST = logits_BNST.masked_fill(~visible_BST[:, None], float("-inf"))
             # keys = window keys then compressed entries: [B, N, S, S + T]
             logits_BNSK = torch.cat([logits_BNSK, logits_BNST], dim=-1)
             values_BKD = torch.cat([kv_BSD, compressed_BTD], dim=1)
         # per-head sink: an extra logit in the softmax normaliser with no value
-        sink_BNS1 = self.attn_sink.to(logits_BNSK.dtype)[None, :, None, None].expand(batch, -1, seq_len, 1)
-        probs_BNSK = torch.cat([logits_BNSK, sink_BNS1], dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1]
-        o_BSND = torch.einsum("bnsk,bkd->bsnd", probs_BNSK.to(values_BKD.dtype), values_BKD)
+        sink_BNS1 = self.attn_sink.float()[None, :, None, None].expand(batch, -1, seq_len, 1)
+        probs_BNSK = torch.cat([logits_BNSK, sink_BNS1], dim=-1).softmax(dim=-1)[..., :-1]
+        o_BSND = torch.einsum("bnsk,bkd->bsnd", probs_BNSK, values_BKD.float()).to(x_BSH.dtype)
         # values carry RoPE on their last R dims: rotate back to the query's position
         o_BSND = apply_tail_rope(o_BSND, cache_SR, inverse=True)
         # [B, S, N, D] -> [B, S, G, N·D/G]; wo_a as G blocks [L, N·D/G]
