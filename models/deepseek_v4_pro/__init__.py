@@ -13,13 +13,10 @@ architecture (61 layers, 384 experts, 1 MTP module).
 
 from dataclasses import replace
 
-from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
 from torchtitan.protocols.train_spec import TrainSpec
 
-from titan_mok.data import VOCAB_SIZE, build_char_tokenizer, build_task_dataloader
-from titan_mok.parallelize import parallelize_moe_model
+from titan_mok.data import VOCAB_SIZE
+from titan_mok.models.common.train_spec import moe_train_spec
 
 from .args import DeepSeekV4ModelArgs
 from .model import DeepSeekV4Model
@@ -55,18 +52,7 @@ deepseek_v4_pro_configs = {
 
 
 def get_train_spec() -> TrainSpec:
-    return TrainSpec(
-        model_cls=DeepSeekV4Model,
-        model_args=deepseek_v4_pro_configs,
-        parallelize_fn=parallelize_moe_model,
-        pipelining_fn=None,
-        build_optimizers_fn=build_optimizers_with_moe_load_balancing,
-        build_lr_schedulers_fn=build_lr_schedulers,
-        build_dataloader_fn=build_task_dataloader,
-        build_tokenizer_fn=build_char_tokenizer,
-        build_loss_fn=build_cross_entropy_loss,
-        state_dict_adapter=DeepSeekV4StateDictAdapter,
-    )
+    return moe_train_spec(DeepSeekV4Model, deepseek_v4_pro_configs, DeepSeekV4StateDictAdapter)
 
 
 __all__ = ["DeepSeekV4Model", "DeepSeekV4ModelArgs", "DeepSeekV4StateDictAdapter", "deepseek_v4_pro_configs", "get_train_spec"]

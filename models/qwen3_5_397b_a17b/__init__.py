@@ -10,13 +10,10 @@ architecture (60 layers, 512 experts, 1 MTP module).
 
 from dataclasses import replace
 
-from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
 from torchtitan.protocols.train_spec import TrainSpec
 
-from titan_mok.data import VOCAB_SIZE, build_char_tokenizer, build_task_dataloader
-from titan_mok.parallelize import parallelize_moe_model
+from titan_mok.data import VOCAB_SIZE
+from titan_mok.models.common.train_spec import moe_train_spec
 
 from .args import Qwen35ModelArgs
 from .model import Qwen35Model
@@ -46,18 +43,7 @@ qwen3_5_397b_a17b_configs = {
 
 
 def get_train_spec() -> TrainSpec:
-    return TrainSpec(
-        model_cls=Qwen35Model,
-        model_args=qwen3_5_397b_a17b_configs,
-        parallelize_fn=parallelize_moe_model,
-        pipelining_fn=None,
-        build_optimizers_fn=build_optimizers_with_moe_load_balancing,
-        build_lr_schedulers_fn=build_lr_schedulers,
-        build_dataloader_fn=build_task_dataloader,
-        build_tokenizer_fn=build_char_tokenizer,
-        build_loss_fn=build_cross_entropy_loss,
-        state_dict_adapter=Qwen35StateDictAdapter,
-    )
+    return moe_train_spec(Qwen35Model, qwen3_5_397b_a17b_configs, Qwen35StateDictAdapter)
 
 
 __all__ = ["Qwen35Model", "Qwen35ModelArgs", "Qwen35StateDictAdapter", "qwen3_5_397b_a17b_configs", "get_train_spec"]
