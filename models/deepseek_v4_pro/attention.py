@@ -17,7 +17,9 @@ when w < (t + 1) // M. Compressed layers use YaRN RoPE on theta 1.6e5.
 The reference math materialises [B, N, S, S + T] scores (training-time reference;
 no banded / sparse kernel). The indexer's Hadamard rotation of q and k (an FP8
 quantisation aid in the official inference code) is orthogonal and leaves the
-scores unchanged in full precision, so it is omitted (as in transformers).
+scores unchanged in full precision, so it is omitted (as in transformers); so
+are the official code's FP8/FP4 activation-quantisation simulations of the
+cached keys and indexer inputs (quantisation-aware-training aids).
 """
 
 import torch
