@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from titan_mok.moe import MoE
+from titan_mok.moe.dispatch import reduce_slots
+from titan_mok.moe.torchtitan_backend import routed_torchtitan
 
 SHAPES = ("kimi_k2_7_code", "glm_5_2", "qwen3_5_397b_a17b", "deepseek_v4_pro")
 IMPLS = {
@@ -70,6 +72,7 @@ def _build(shape: str, impl: str, precision: str, skewed: bool, ep_mesh) -> MoE:
 
 
 def _median_ms(fn, iters: int, warmup: int) -> float:
+    """Median of ``iters`` CUDA-event timings of ``fn()`` after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -91,6 +94,48 @@ def _max_over_ranks(value: float) -> float:
     return t.item()
 
 
+def _routed_section(moe: MoE, x_TH: torch.Tensor):
+    """The routed experts alone (dispatch → expert FFN → combine) on fixed router outputs."""
+    group = moe._ep_group()
+    with torch.no_grad():
+        bias_E = moe.expert_bias if moe.args.use_expert_bias else None
+        weights_TK, topk_idx_TK, _ = moe.router(moe.router.logits(x_TH), bias_E, None)
+        shared_TH = moe.shared_expert(x_TH) if moe.shared_expert is not None else None
+    x_TH = x_TH.detach().requires_grad_()
+    weights_TK = weights_TK.requires_grad_()
+
+    def run() -> torch.Tensor:
+        if moe.args.backend == "mok":
+            return moe._routed_mok(x_TH, weights_TK, topk_idx_TK, shared_TH, group)
+        return reduce_slots(routed_torchtitan(moe.experts, x_TH, topk_idx_TK), weights_TK, shared_TH, x_TH.dtype)
+
+    return run, (x_TH, weights_TK)
+
+
+def _fwd_bwd_ms(run, inputs, dy, iters, warmup) -> tuple[float, float]:
+    """(forward ms, backward ms) of ``run()``; backward = (forward + backward) − forward."""
+    def forward():
+        with torch.no_grad():
+            run()
+
+    def forward_backward():
+        run().backward(dy)
+        for t in inputs:
+            t.grad = None
+
+    fwd = _max_over_ranks(_median_ms(forward, iters, warmup))
+    return fwd, _max_over_ranks(_median_ms(forward_backward, iters, warmup)) - fwd
+
+
+def _floors_ms(args, dim: int, tokens: int, ep_degree: int, precision: str) -> tuple[float, float]:
+    """Roofline floors (forward, backward): max(FLOPs / 800 TF/s, expert-weight bytes / 4343 GB/s)
+    (h200_facts.md ceilings); backward also writes bf16 weight gradients."""
+    flops = 6 * (tokens + tokens * args.top_k) * dim * args.expert_dim
+    weights = 3 * (args.num_experts // ep_degree) * dim * args.expert_dim
+    read = weights * (2 if precision == "bf16" else 1 + 1 / 32)
+    return max(flops / 800e9, read / 4343e6), max(2 * flops / 800e9, (read + 2 * weights) / 4343e6)
+
+
 def bench_one(shape, impl, precision, skewed, tokens, iters, warmup, ep_mesh) -> dict:
     moe = _build(shape, impl, precision, skewed, ep_mesh)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -98,23 +143,22 @@ def bench_one(shape, impl, precision, skewed, tokens, iters, warmup, ep_mesh) ->
     x = torch.randn(1, tokens, moe.dim, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
     dy = torch.randn(1, tokens, moe.dim, device="cuda", generator=g, dtype=torch.bfloat16)
 
-    def forward():
-        with torch.no_grad():
-            moe(x)
-
-    def forward_backward():
-        moe(x).backward(dy)
+    def layer():
+        out = moe(x)
         moe.zero_grad(set_to_none=True)
-        x.grad = None
+        return out
 
-    fwd = _max_over_ranks(_median_ms(forward, iters, warmup))
-    fwd_bwd = _max_over_ranks(_median_ms(forward_backward, iters, warmup))
-    args = moe.args
-    flops_fwd = 6 * (tokens + tokens * args.top_k) * moe.dim * args.expert_dim
-    del moe
+    result = {}
+    result["fwd_ms"], result["bwd_ms"] = _fwd_bwd_ms(layer, (x,), dy, iters, warmup)
+    run, inputs = _routed_section(moe, x[0])
+    result["routed_fwd_ms"], result["routed_bwd_ms"] = _fwd_bwd_ms(run, inputs, dy[0], iters, warmup)
+    ep_degree = dist.get_world_size() if dist.is_initialized() else 1
+    result["floor_fwd_ms"], result["floor_bwd_ms"] = _floors_ms(moe.args, moe.dim, tokens, ep_degree, precision)
+    flops_fwd = 6 * (tokens + tokens * moe.args.top_k) * moe.dim * moe.args.expert_dim
+    result["fwd_tflops"], result["bwd_tflops"] = flops_fwd / result["fwd_ms"] / 1e9, 2 * flops_fwd / result["bwd_ms"] / 1e9
+    del moe, run, inputs
     torch.cuda.empty_cache()
-    bwd = fwd_bwd - fwd
-    return dict(fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=flops_fwd / fwd / 1e9, bwd_tflops=2 * flops_fwd / bwd / 1e9)
+    return result
 
 
 def main() -> None:
@@ -154,19 +198,23 @@ def main() -> None:
                         continue
                     rows.append((shape, routing, precision, impl, r))
                     if rank0:
-                        print(f"{shape} {routing} {precision} {impl} ep={world}: fwd {r['fwd_ms']:.2f} ms "
-                              f"({r['fwd_tflops']:.0f} TF/s)  bwd {r['bwd_ms']:.2f} ms ({r['bwd_tflops']:.0f} TF/s)",
-                              flush=True)
+                        print(f"{shape} {routing} {precision} {impl} ep={world}: layer fwd {r['fwd_ms']:.2f} ms "
+                              f"({r['fwd_tflops']:.0f} TF/s) bwd {r['bwd_ms']:.2f} ms ({r['bwd_tflops']:.0f} TF/s); "
+                              f"routed fwd {r['routed_fwd_ms']:.2f} bwd {r['routed_bwd_ms']:.2f} ms", flush=True)
     if rank0:
         base = {(row[0], row[1]): row[4] for row in rows if row[3] == "torchtitan"}
-        print("\n| shape | routing | precision | impl | EP | fwd ms | fwd TF/s | bwd ms | bwd TF/s | fwd × tt | bwd × tt |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\nms, max over ranks; × tt: torchtitan time / this time (same run); floor: roofline floor / this time")
+        print("| shape | routing | prec | impl | EP | layer fwd | layer bwd | routed fwd | routed bwd | layer × tt f/b "
+              "| routed × tt f/b | floor f/b ms | routed floor frac f/b |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for shape, routing, precision, impl, r in rows:
             b = base.get((shape, routing))
-            ratio_f = f"{b['fwd_ms'] / r['fwd_ms']:.2f}" if b else "—"
-            ratio_b = f"{b['bwd_ms'] / r['bwd_ms']:.2f}" if b else "—"
-            print(f"| {shape} | {routing} | {precision} | {impl} | {world} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} "
-                  f"| {r['bwd_ms']:.2f} | {r['bwd_tflops']:.0f} | {ratio_f} | {ratio_b} |", flush=True)
+            ratios = [f"{b[k] / r[k]:.2f}" if b else "—" for k in ("fwd_ms", "bwd_ms", "routed_fwd_ms", "routed_bwd_ms")]
+            print(f"| {shape} | {routing} | {precision} | {impl} | {world} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} "
+                  f"| {r['routed_fwd_ms']:.2f} | {r['routed_bwd_ms']:.2f} | {ratios[0]} / {ratios[1]} "
+                  f"| {ratios[2]} / {ratios[3]} | {r['floor_fwd_ms']:.2f} / {r['floor_bwd_ms']:.2f} "
+                  f"| {r['floor_fwd_ms'] / r['routed_fwd_ms']:.2f} / {r['floor_bwd_ms'] / r['routed_bwd_ms']:.2f} |",
+                  flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 
