@@ -17,9 +17,10 @@ from titan_mok.moe import MoEArgs
 
 def apply_mok_config(moe_args: MoEArgs, job_config) -> None:
     """Copy the ``[mok]`` TOML section (backend, precision, kernels) into a model's MoEArgs."""
-    moe_args.backend = job_config.mok.backend
-    moe_args.precision = job_config.mok.precision
-    moe_args.kernels = job_config.mok.kernels
+    mok = getattr(job_config, "mok", None)
+    if mok is None:
+        raise ValueError('the [mok] section is missing: set [job] custom_config_module = "titan_mok.config"')
+    moe_args.backend, moe_args.precision, moe_args.kernels = mok.backend, mok.precision, mok.kernels
 
 
 @dataclass
