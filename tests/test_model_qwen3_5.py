@@ -179,3 +179,14 @@ def test_full_flavor_sizes_on_meta():
     assert 6.5e9 < mtp < 6.7e9, mtp
     assert 396e9 < total - mtp < 397e9, total - mtp
     assert 17e9 < active < 17.5e9, active
+
+
+def test_update_from_config_copies_mok_section():
+    from types import SimpleNamespace
+
+    args = _our_args()
+    job = SimpleNamespace(training=SimpleNamespace(seq_len=96), mok=SimpleNamespace(backend="torchtitan", precision="mxfp8", kernels="reference"))
+    args.update_from_config(job)
+    assert (args.max_seq_len, args.moe_args.backend, args.moe_args.precision, args.moe_args.kernels) == (96, "torchtitan", "mxfp8", "reference")
+    with pytest.raises(ValueError, match=r"\[mok\] section"):
+        args.update_from_config(SimpleNamespace(training=SimpleNamespace(seq_len=96)))
