@@ -16,8 +16,9 @@ logging rank it writes, in ``<dump_folder>/<save_tb_folder>/<YYYYmmdd-HHMMSS>/``
 Series added to TorchTitan's (loss, grad norm, ``throughput(tps)`` = tokens/s per
 GPU, ``tflops`` = TFLOP/s per GPU, ``mfu(%)``, memory, timings):
 ``determinism/loss_checksum`` (CRC-32 chained over the float64 bytes of every
-logged loss so far: equal values at step N mean bitwise-equal loss curves up to
-N, for runs with the same log_freq) and the MoE statistics of
+logged loss so far: for runs with the same log_freq, different values at step N
+mean the loss curves differ by then, equal ones mean bitwise-equal curves up to
+CRC-32 collisions) and the MoE statistics of
 ``titan_mok.moe_stats``.
 """
 
