@@ -22,7 +22,6 @@ from torch.distributed.fsdp import FSDPModule
 
 from titan_mok.models.common.decoder import MLADecoder
 from titan_mok.models.common.mla import MLAttention
-from titan_mok.models.common.rope import apply_rope
 from titan_mok.rl.invariant import invariant_attention
 from titan_mok.rl.sampling import sample
 
@@ -54,44 +53,50 @@ class KVCache:
         ]
 
 
-def _rope_at(x_BTNR: torch.Tensor, rope_BTR: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """``apply_rope`` with a position per (sequence, token): the B·T rows as one sequence."""
-    bsz, n_new = x_BTNR.shape[:2]
-    rows_1MNR = x_BTNR.reshape(1, bsz * n_new, *x_BTNR.shape[2:])  # [B, T, N, R] -> [1, B·T, N, R]
-    return apply_rope(rows_1MNR, rope_BTR.reshape(bsz * n_new, -1), interleaved).view(x_BTNR.shape)
+def _per_sequence(x_1NMX: torch.Tensor, bsz: int, n_new: int) -> torch.Tensor:
+    """``[1, N, B·T, X]`` → ``[B, N, T, X]``."""
+    return x_1NMX.view(x_1NMX.shape[1], bsz, n_new, x_1NMX.shape[-1]).transpose(0, 1)
 
 
 def _mla_step(
-    attn: MLAttention, x_BTH: torch.Tensor, rope_BTR: torch.Tensor, pos_BT: torch.Tensor, layer: int, cache: KVCache
+    attn: MLAttention,
+    x_BTH: torch.Tensor,
+    rope_BTR: torch.Tensor,
+    start: int | torch.Tensor,
+    pos_BT: torch.Tensor,
+    layer: int,
+    cache: KVCache,
 ) -> torch.Tensor:
-    """``MLAttention.forward`` for T new tokens per sequence at positions ``pos_BT``, with a cache."""
-    bsz, n_new, _ = x_BTH.shape
-    q_BTNE = attn.wq_b(attn.q_norm(attn.wq_a(x_BTH))).view(bsz, n_new, -1, attn.qk_head_dim)
-    q_nope_BTNP, q_rope_BTNR = q_BTNE.split([attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
-    q_BTNE = torch.cat([q_nope_BTNP, _rope_at(q_rope_BTNR, rope_BTR, attn.rope_interleaved)], dim=-1)
-
-    kv_latent_BTC, k_rope_BTR = attn.wkv_a(x_BTH).split([attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
-    k_rope_BT1R = _rope_at(k_rope_BTR.unsqueeze(2), rope_BTR, attn.rope_interleaved)
-    kv_BTNX = attn.wkv_b(attn.kv_norm(kv_latent_BTC)).view(bsz, n_new, -1, attn.qk_nope_head_dim + attn.v_head_dim)
-    k_nope_BTNP, v_BTND = kv_BTNX.split([attn.qk_nope_head_dim, attn.v_head_dim], dim=-1)
-    k_BTNE = torch.cat([k_nope_BTNP, k_rope_BT1R.expand(-1, -1, k_nope_BTNP.shape[2], -1)], dim=-1)
-
+    """``MLAttention.forward`` for T new tokens per sequence at positions ``pos_BT``
+    (``start`` + 0..T-1), with a cache: the module's own ``qkv`` and ``project_out``
+    around a cached attention core."""
+    bsz, n_new, dim = x_BTH.shape
+    # The B·T new tokens as one sequence whose rotary rows are their own positions: every op
+    # of qkv (projections, latent norms, RoPE) is per token.
+    x_1MH = x_BTH.reshape(1, bsz * n_new, dim)
+    q_1NME, k_1NME, v_1NMD = attn.qkv(x_1MH, attn.q_norm(attn.wq_a(x_1MH)), rope_BTR.reshape(bsz * n_new, -1))
+    q_BNTE = _per_sequence(q_1NME, bsz, n_new)
     rows_BT = torch.arange(bsz, device=pos_BT.device)[:, None].expand(bsz, n_new)
-    cache.k_BNSE[layer].transpose(1, 2)[rows_BT, pos_BT] = k_BTNE  # [B, S, N, E] view: write at (b, pos)
-    cache.v_BNSD[layer].transpose(1, 2)[rows_BT, pos_BT] = v_BTND
-    out_BNTD = invariant_attention(
-        q_BTNE.transpose(1, 2), cache.k_BNSE[layer], cache.v_BNSD[layer], attn.softmax_scale, pos_BT
-    )
-    return attn.wo(out_BNTD.transpose(1, 2).reshape(bsz, n_new, -1))  # [B, T, N·D]
+    # [B, N, S, ·] caches seen as [B, S, N, ·]: write each new token at (b, pos)
+    cache.k_BNSE[layer].transpose(1, 2)[rows_BT, pos_BT] = _per_sequence(k_1NME, bsz, n_new).transpose(1, 2)
+    cache.v_BNSD[layer].transpose(1, 2)[rows_BT, pos_BT] = _per_sequence(v_1NMD, bsz, n_new).transpose(1, 2)
+    out_BNTD = invariant_attention(q_BNTE, cache.k_BNSE[layer], cache.v_BNSD[layer], attn.softmax_scale, start)
+    return attn.project_out(out_BNTD)
 
 
-def forward_step(model: MLADecoder, tokens_BT: torch.Tensor, pos_BT: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """``model(tokens)`` for T new tokens per sequence at positions ``pos_BT``; logits ``[B, T, V]``."""
+def forward_step(model: MLADecoder, tokens_BT: torch.Tensor, start: int | torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """``model(tokens)`` for T new tokens per sequence at positions ``start`` + 0..T-1
+    (``start``: 0 for a prefill, a ``[B]`` tensor for one decoded token); logits ``[B, T, V]``."""
+    bsz, n_new = tokens_BT.shape
+    start_B1 = torch.as_tensor(start, device=tokens_BT.device).view(-1, 1)
+    pos_BT = (start_B1 + torch.arange(n_new, device=tokens_BT.device)).expand(bsz, n_new)
     h_BTH = model.tok_embeddings(tokens_BT)
     rope_BTR = model.rope_cache[pos_BT]
     for layer_id in range(model.model_args.n_layers):
         block = model.layers[str(layer_id)]
-        h_BTH = h_BTH + _mla_step(block.attention, block.attention_norm(h_BTH), rope_BTR, pos_BT, layer_id, cache)
+        h_BTH = h_BTH + _mla_step(
+            block.attention, block.attention_norm(h_BTH), rope_BTR, start, pos_BT, layer_id, cache
+        )
         ffn = block.moe if block.moe_enabled else block.feed_forward
         h_BTH = h_BTH + ffn(block.ffn_norm(h_BTH))
     return model.output(model.norm(h_BTH))
@@ -166,8 +171,7 @@ def generate(
 
     cache = KVCache(model, bsz, seq_len, model.tok_embeddings.weight.dtype, device)
     max_prompt = max(len(p) for p in prompts)
-    pos_BP = torch.arange(max_prompt, device=device).expand(bsz, max_prompt)
-    logits_BPV = forward_step(model, tokens_BS[:, :max_prompt], pos_BP, cache)  # prefill
+    logits_BPV = forward_step(model, tokens_BS[:, :max_prompt], 0, cache)  # prefill
     logits_BV = logits_BPV[torch.arange(bsz, device=device), prompt_len_B - 1]
 
     rows_B = torch.arange(bsz, device=device)
@@ -187,5 +191,5 @@ def generate(
         done_B = done_B | torch.isin(token_B, stop_ids_X)
         if t + 1 == max_new_tokens or _all_done_across_ranks(done_B):
             break
-        logits_BV = forward_step(model, token_B[:, None], (prompt_len_B + t)[:, None], cache)[:, 0]
+        logits_BV = forward_step(model, token_B[:, None], prompt_len_B + t, cache)[:, 0]
     return Rollout(tokens_BS, prompt_len_B, completion_BG, logprobs_BG, mask_BG)

@@ -55,37 +55,51 @@ def invariant_attention(
     k_BNKE: torch.Tensor,
     v_BNKD: torch.Tensor,
     scale: float,
-    q_pos_BQ: torch.Tensor,
+    q_start: int | torch.Tensor,
     keep_BNQK: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of queries at positions ``q_pos_BQ`` to keys at positions 0..K-1:
-    query at position p sees key j iff ``j <= p`` (and ``keep`` where given).
-    Each query's bits depend only on its own row, the K keys and values, and its
-    position — not on Q, B, or which query tile it falls in."""
+    """Attention of Q consecutive queries per sequence, the first at position
+    ``q_start`` (an int, or a ``[B]`` tensor when Q = 1), to keys at positions
+    0..K-1: the query at position p sees key j iff ``j <= p`` (and ``keep``).
+
+    The query at position p always sits in row ``p mod TILE_Q`` of a ``TILE_Q``-row
+    tile — where the trainer's full pass puts it — so its bits depend only on its
+    own row, the keys and values, and p: not on Q, B, or its batch-mates."""
     bsz, n_heads, n_q, e_dim = q_BNQE.shape
     n_k, d_dim = k_BNKE.shape[2], v_BNKD.shape[-1]
-    if q_pos_BQ.shape != (bsz, n_q):
-        raise ValueError(f"invariant_attention: q_pos_BQ must be [{bsz}, {n_q}], got {tuple(q_pos_BQ.shape)}")
-    pad = -n_q % TILE_Q
-    q_BNQE = F.pad(q_BNQE, (0, 0, 0, pad))
-    q_pos_BQ = F.pad(q_pos_BQ, (0, pad))  # padded queries sit at position 0: one visible key, no NaN
+    device = q_BNQE.device
+    if isinstance(q_start, int):
+        if n_q > 1 and q_start % TILE_Q:
+            raise ValueError(f"invariant_attention: {n_q} queries must start at a multiple of TILE_Q = {TILE_Q}, got {q_start}")
+        q_start = torch.full((bsz,), q_start, device=device)
+    elif n_q != 1 or q_start.shape != (bsz,):
+        raise ValueError(f"invariant_attention: a q_start tensor must be [B] = [{bsz}] with one query, got Q = {n_q}")
+    slot_BQ = q_start[:, None] % TILE_Q + torch.arange(n_q, device=device)  # row in the tiled query buffer
+    n_slots = -(-n_q // TILE_Q) * TILE_Q
+    q_pos_BS = (q_start - q_start % TILE_Q)[:, None] + torch.arange(n_slots, device=device)  # empty slots: any position
+    q_BNSE = q_BNQE.new_zeros(bsz, n_heads, n_slots, e_dim)
+    q_BNSE[torch.arange(bsz, device=device)[:, None], :, slot_BQ] = q_BNQE.transpose(1, 2)  # indexed: [B, Q, N, E]
     if keep_BNQK is not None:
-        keep_BNQK = F.pad(keep_BNQK.expand(bsz, n_heads, n_q, n_k), (0, 0, 0, pad), value=True)
-    k_pos_K = torch.arange(n_k, device=q_BNQE.device)
+        keep_BNSK = keep_BNQK.new_ones(bsz, n_heads, n_slots, n_k)
+        keep_BNSK[torch.arange(bsz, device=device)[:, None], :, slot_BQ] = keep_BNQK.expand(
+            bsz, n_heads, n_q, n_k
+        ).transpose(1, 2)
+
+    k_pos_K = torch.arange(n_k, device=device)
     k_xEK = k_BNKE.reshape(bsz * n_heads, n_k, e_dim).transpose(1, 2)  # [B·N, E, K]
     v_xKD = v_BNKD.reshape(bsz * n_heads, n_k, d_dim)  # [B·N, K, D]
     out_tiles = []
-    for start in range(0, n_q + pad, TILE_Q):
-        q_xTE = q_BNQE[:, :, start : start + TILE_Q].reshape(bsz * n_heads, TILE_Q, e_dim)  # [B·N, TQ, E]
+    for start in range(0, n_slots, TILE_Q):
+        q_xTE = q_BNSE[:, :, start : start + TILE_Q].reshape(bsz * n_heads, TILE_Q, e_dim)  # [B·N, TQ, E]
         scores_xTK = torch.bmm(q_xTE, k_xEK).float() * scale
-        keep_BTK = k_pos_K <= q_pos_BQ[:, start : start + TILE_Q, None]
-        keep_BNTK = keep_BTK.unsqueeze(1)
+        keep_BNTK = (k_pos_K <= q_pos_BS[:, start : start + TILE_Q, None]).unsqueeze(1)
         if keep_BNQK is not None:
-            keep_BNTK = keep_BNTK & keep_BNQK[:, :, start : start + TILE_Q]
+            keep_BNTK = keep_BNTK & keep_BNSK[:, :, start : start + TILE_Q]
         scores_BNTK = scores_xTK.view(bsz, n_heads, TILE_Q, n_k).masked_fill(~keep_BNTK, float("-inf"))
         probs_xTK = torch.softmax(scores_BNTK, dim=-1).to(v_xKD.dtype).view(bsz * n_heads, TILE_Q, n_k)
         out_tiles.append(torch.bmm(probs_xTK, v_xKD).view(bsz, n_heads, TILE_Q, d_dim))
-    return torch.cat(out_tiles, dim=2)[:, :, :n_q]
+    out_BNSD = torch.cat(out_tiles, dim=2)
+    return out_BNSD[torch.arange(bsz, device=device)[:, None], :, slot_BQ].transpose(1, 2)  # [B, Q, N, D] -> [B, N, Q, D]
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -94,14 +108,12 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         raise ValueError("BatchInvariantMode: attention with dropout_p > 0 or enable_gqa is not supported")
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise ValueError(f"BatchInvariantMode: attention masks must be boolean, got {attn_mask.dtype}")
-    bsz, _, n_q, e_dim = query.shape
-    n_k = key.shape[2]
+    if not is_causal and attn_mask is None:
+        raise ValueError("BatchInvariantMode: only causal attention is supported (is_causal, or a causal attn_mask)")
+    n_q, e_dim, n_k = query.shape[2], query.shape[3], key.shape[2]
     scale = e_dim**-0.5 if scale is None else scale
-    if is_causal:  # SDPA's convention: the Q queries are the last Q of the K positions
-        q_pos_BQ = (torch.arange(n_q, device=query.device) + (n_k - n_q)).expand(bsz, n_q)
-    else:  # every query sees every key
-        q_pos_BQ = torch.full((bsz, n_q), n_k - 1, device=query.device)
-    return invariant_attention(query, key, value, scale, q_pos_BQ, attn_mask)
+    # SDPA's causal convention: the Q queries are the last Q of the K positions.
+    return invariant_attention(query, key, value, scale, n_k - n_q, attn_mask)
 
 
 class BatchInvariantMode(TorchFunctionMode):

@@ -14,10 +14,8 @@ uninterrupted one would.
 """
 
 import hashlib
-import json
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,7 +80,12 @@ def _digest(*tensors: torch.Tensor) -> str:
     h = hashlib.sha256()
     for t in tensors:
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
+    return h.hexdigest()
+
+
+def _as_float(hexdigest: str) -> float:
+    """52 bits of a digest as an exactly representable float (scalar loggers take floats)."""
+    return float(int(hexdigest[:13], 16))
 
 
 class RlTrainer(Trainer):
@@ -98,7 +101,6 @@ class RlTrainer(Trainer):
         else:
             self.dp_degree, self.dp_rank, self.dp_group = 1, 0, None
         self.prompt_index = 0  # next global prompt index: the RL data position
-        self.metrics_path = Path(job_config.job.dump_folder) / "rl_metrics.jsonl"
 
     # ---- cross-rank reductions over the data-parallel ranks ----
     def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,9 +187,8 @@ class RlTrainer(Trainer):
 
         metrics = self._metrics(rewards_B, advantages_B, rollout, stats, global_tokens, rollout_s, train_s)
         metrics.update({"rl/logprob_max_abs_diff": parity, "lr": lr})
-        loss_global = self._all_reduce(loss.detach().clone()).item()
-        self._write_jsonl(loss_global, grad_norm.item(), metrics)
         if self.metrics_processor.should_log(self.step):
+            loss_global = self._all_reduce(loss.detach().clone()).item()
             self.metrics_processor.log(self.step, loss_global, loss_global, grad_norm.item(), extra_metrics=metrics)
             logger.info(
                 f"rl step {self.step}: reward {metrics['rl/reward_mean']:.4f} ± {metrics['rl/reward_std']:.4f}, "
@@ -212,12 +213,9 @@ class RlTrainer(Trainer):
     def _metrics(self, rewards_B, advantages_B, rollout, stats, global_tokens, rollout_s, train_s) -> dict[str, Any]:
         rewards_X, advantages_X = self._all_gather(rewards_B), self._all_gather(advantages_B)
         sums = self._all_reduce(torch.stack([stats["kl_sum"], stats["clipped_tokens"]]).detach())
-        digests = [None] * self.dp_degree
-        digest = _digest(rollout.tokens_BS, rollout.logprobs_BG, rewards_B)
+        digests = [_digest(rollout.tokens_BS, rollout.logprobs_BG, rewards_B)] * self.dp_degree
         if self.dp_group is not None:
-            dist.all_gather_object(digests, digest, group=self.dp_group)
-        else:
-            digests = [digest]
+            dist.all_gather_object(digests, digests[0], group=self.dp_group)
         tokens = global_tokens.item()
         return {
             "rl/reward_mean": rewards_X.mean().item(),
@@ -232,15 +230,9 @@ class RlTrainer(Trainer):
             "rl/completion_tokens": tokens,
             "rl/rollout_tokens_per_s": tokens / rollout_s,
             "rl/train_tokens_per_s": rollout.tokens_BS.numel() * self.dp_degree / train_s,
-            "rl/rollout_digest": ",".join(digests),
+            # the sampled tokens, their logprobs and rewards of every rank: equal values, equal rollouts
+            "rl/rollout_digest": _as_float(hashlib.sha256("".join(digests).encode()).hexdigest()),
         }
-
-    def _write_jsonl(self, loss: float, grad_norm: float, metrics: dict[str, Any]) -> None:
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return
-        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps({"step": self.step, "loss": loss, "grad_norm": grad_norm, **metrics}) + "\n")
 
     # ---- checkpointed state (TorchTitan saves it as "train_state") ----
     def state_dict(self) -> dict[str, Any]:

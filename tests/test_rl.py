@@ -1,0 +1,138 @@
+"""titan_mok.rl in one process: rollouts vs the trainer's forward, bit for bit;
+batch independence of samples; sampling streams; GRPO maths; config errors."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titan_mok.config import Rl
+from titan_mok.data import CharTokenizer
+from titan_mok.models.kimi_k2_7_code import KimiK27CodeModel, kimi_k2_7_code_configs
+from titan_mok.rl.generate import generate
+from titan_mok.rl.grpo import clipped_pg_loss_sum, group_advantages
+from titan_mok.rl.invariant import BatchInvariantMode, invariant_attention
+from titan_mok.rl.sampling import sample, sequence_key, token_logprobs
+from titan_mok.rl.tasks import make_prompt, reward
+from titan_mok.rl.trainer import completion_logprobs
+
+SEQ_LEN, NEW = 48, 20
+TOK = CharTokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    args = copy.deepcopy(kimi_k2_7_code_configs["debug"])
+    args.max_seq_len = SEQ_LEN
+    torch.manual_seed(0)
+    m = KimiK27CodeModel(args)
+    m.init_weights()
+    return m
+
+
+def _rollout(model, prompt_ids: list[int], samples: int = 2, top_p: float = 0.9):
+    prompts = [make_prompt(3, i) for i in prompt_ids]
+    ids = [TOK.encode(p.text, add_bos=True) for p in prompts for _ in range(samples)]
+    keys = torch.tensor([sequence_key(3, 1, p.index, j) for p in prompts for j in range(samples)])
+    with BatchInvariantMode():
+        return generate(
+            model, ids, keys, seq_len=SEQ_LEN, max_new_tokens=NEW, temperature=1.0, top_p=top_p,
+            stop_ids=(TOK.eos_id, TOK.encode("\n")[0]), pad_id=TOK.pad_id,
+        )
+
+
+def test_rollout_logprobs_equal_trainer_recompute(model):
+    rollout = _rollout(model, list(range(6)))
+    assert rollout.mask_BG.sum() > 6 * 2 * 3, "completions too short to test anything"
+    with BatchInvariantMode():
+        logits_BSV = model(rollout.tokens_BS)  # the trainer's forward: model.forward, all positions at once
+    recomputed_BG = completion_logprobs(logits_BSV, rollout, temperature=1.0)
+    mask = rollout.mask_BG
+    assert torch.equal(recomputed_BG[mask], rollout.logprobs_BG[mask])
+
+
+def test_sample_is_the_same_alone_and_in_batches(model):
+    batch = _rollout(model, [0, 1, 2, 3, 4, 5])
+    alone = _rollout(model, [4], samples=2)
+    other = _rollout(model, [9, 4, 7])  # another batch size, prompt 4 at another row
+    for rollout, row in ((alone, 0), (other, 2)):
+        for field in ("completion_BG", "logprobs_BG", "mask_BG"):
+            # prompt 4's two samples: rows 8, 9 of the batch
+            assert torch.equal(getattr(rollout, field)[row : row + 2], getattr(batch, field)[8:10]), field
+
+def test_batch_invariant_ops_match_reference_and_rows():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(3, 2, 21, 8), torch.randn(3, 2, 21, 8), torch.randn(3, 2, 21, 6)
+    x, w = torch.randn(5, 21, 16), torch.randn(12, 16)
+    with BatchInvariantMode():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+        y = F.linear(x, w)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3))
+    torch.testing.assert_close(y, F.linear(x, w))
+    # query 7 of sequence 1, alone against the same keys: the same bits
+    one = invariant_attention(q[1:2, :, 7:8], k[1:2], v[1:2], 0.3, torch.tensor([7]))
+    assert torch.equal(one[0, :, 0], out[1, :, 7])
+    with BatchInvariantMode():
+        assert torch.equal(F.linear(x[2, 3:4], w), y[2, 3:4])
+
+
+def test_sampling_streams():
+    keys = torch.tensor([sequence_key(1, 2, 3, s) for s in range(4)])
+    assert len(set(keys.tolist())) == 4 and sequence_key(1, 2, 3, 0) == sequence_key(1, 2, 3, 0)
+    assert sequence_key(1, 2, 3, 0) != sequence_key(2, 2, 3, 0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -8.0]]).expand(4000, 5)
+    many_keys = torch.tensor([sequence_key(0, 0, i, 0) for i in range(4000)])
+    tokens, logp = sample(logits, many_keys, t=0, temperature=1.0, top_p=1.0)
+    freq = torch.bincount(tokens, minlength=5).float() / 4000
+    torch.testing.assert_close(freq, torch.softmax(logits[0], -1), atol=0.03, rtol=0)
+    assert torch.equal(logp, token_logprobs(logits, tokens, 1.0))
+    # top-p 0.7 keeps tokens 0 and 1 (mass 0.64 before token 1 < 0.7 ≤ 0.88)
+    tokens, _ = sample(logits, many_keys, t=5, temperature=1.0, top_p=0.7)
+    assert set(tokens.tolist()) == {0, 1}
+    again, _ = sample(logits[:3], many_keys[:3], t=5, temperature=1.0, top_p=0.7)
+    assert torch.equal(again, tokens[:3])
+
+
+def test_grpo_maths():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), group_size=2)
+    torch.testing.assert_close(adv, torch.tensor([0.7071, -0.7071, 0.0, 0.0]), atol=1e-3, rtol=0)
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[0.5, 0.0, 0.0], [-0.5, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    loss, stats = clipped_pg_loss_sum(new, old, torch.tensor([1.0, -1.0]), mask, clip_eps=0.2)
+    # token (0,0): ratio e^0.5 clipped to 1.2; token (0,1): 1; token (1,0): ratio e^-0.5 → min picks clipped 0.8·(−1)
+    torch.testing.assert_close(loss, torch.tensor(-(1.2 + 1.0 - 0.8)))
+    assert stats["clipped_tokens"] == 2
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(torch.zeros(5), group_size=2)
+
+
+def test_reward():
+    assert reward("1 3 5 8\nxyz", "1 3 5 8") == 1.0
+    assert reward("1 3 5", "1 3 5 8") == 5 / 7
+    assert reward("1 3 5 8 9", "1 3 5 8") == 7 / 9
+    assert reward("", "42") == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"group_size": 1}, r"\[rl\] group_size = 1"),
+        ({"top_p": 1.5}, r"\[rl\] top_p = 1.5"),
+        ({"temperature": 0.0}, r"\[rl\] temperature = 0.0"),
+        ({"max_new_tokens": 0}, r"\[rl\] max_new_tokens = 0"),
+        ({"parity": "ignore"}, r"\[rl\] parity = 'ignore'"),
+    ],
+)
+def test_rl_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Rl(**kwargs)
+
+
+def test_prompt_too_long_is_an_error(model):
+    with pytest.raises(ValueError, match=r"max_new_tokens = 20 within \[training\] seq_len = 30"):
+        generate(
+            model, [[1] * 11], torch.tensor([0]), seq_len=30, max_new_tokens=20, temperature=1.0, top_p=1.0,
+            stop_ids=(2,), pad_id=0,
+        )
