@@ -186,3 +186,23 @@ def test_adapter_round_trips_sharded_experts():
         assert isinstance(stacked, DTensor) and torch.equal(stacked.full_tensor(), plain["layers.3.moe.experts.w_gate"])
     finally:
         dist.destroy_process_group()
+
+
+def test_causal_and_bf16():
+    """Changing tokens from position t on leaves the logits before t unchanged
+    (window, compressed entries and indexer are causal); the model also runs
+    forward and backward in bf16 (as under FSDP mixed precision), close to fp32."""
+    model = _random_model(_our_args())
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    edited = tokens.clone()
+    edited[:, 21:] = (edited[:, 21:] + 1) % VOCAB
+    with torch.no_grad():
+        a, b = model(tokens), model(edited)
+    assert torch.equal(a[:, :21], b[:, :21])
+    assert not torch.equal(a[:, 21:], b[:, 21:])
+
+    model_bf16 = _random_model(_our_args()).to(torch.bfloat16)
+    logits = model_bf16(tokens)
+    logits.float().square().mean().backward()
+    assert logits.dtype == torch.bfloat16 and rel_err(logits.float(), a) < 5e-2
+    assert all(torch.isfinite(p.grad).all() for p in model_bf16.parameters() if p.grad is not None)
