@@ -14,8 +14,8 @@ Per layer (``compress_ratio``):
 Compressed entry w summarises tokens [w·M, (w+1)·M) and is visible to query t
 when w < (t + 1) // M. Compressed layers use YaRN RoPE on theta 1.6e5.
 
-The reference math materialises [B, N, S, S + T] scores (training-time reference;
-no banded / sparse kernel). The indexer's Hadamard rotation of q and k (an FP8
+The reference math views each query's window ([B, S, D, W] keys) and scores it
+with every compressed entry: [B, N, S, W + T] scores (no sparse kernel). The indexer's Hadamard rotation of q and k (an FP8
 quantisation aid in the official inference code) is orthogonal and leaves the
 scores unchanged in full precision, so it is omitted (as in transformers); so
 are the official code's FP8/FP4 activation-quantisation simulations of the
@@ -162,26 +162,31 @@ class Attention(nn.Module):
         q_BSND = apply_tail_rope(unweighted_rms_norm(q_BSND, self.eps), cache_SR)
         kv_BSD = apply_tail_rope(self.kv_norm(self.wkv(x_BSH)), cache_SR)
 
+        # window keys of query i: positions i-W+1 … i (W = min(window, S)); a strided view
+        # of the front-padded keys [B, S+W-1, D] -> [B, S, D, W] (its backward is a
+        # fixed-order sum, no scatter-add), padding masked below
         pos = torch.arange(seq_len, device=x_BSH.device)
-        visible_SS = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
-        # scores, softmax and the value sum in fp32 (the official sparse-attention kernel's precision)
+        width = min(self.window, seq_len)
+        window_SW = pos[:, None] - (width - 1) + torch.arange(width, device=x_BSH.device)
+        kv_win_BSDW = F.pad(kv_BSD.float(), (0, 0, width - 1, 0)).unfold(1, width, 1)
+        # scores, softmax and the value sums in fp32 (the official sparse-attention kernel's precision)
         q32_BSND = q_BSND.float()
-        logits_BNSS = torch.einsum("bsnd,btd->bnst", q32_BSND, kv_BSD.float()) * self.head_dim**-0.5
-        logits_BNSK = logits_BNSS.masked_fill(~visible_SS, float("-inf"))
-        values_BKD = kv_BSD
+        logits_BNSW = torch.einsum("bsnd,bsdw->bnsw", q32_BSND, kv_win_BSDW) * self.head_dim**-0.5
+        logits_BNSK = logits_BNSW.masked_fill(window_SW < 0, float("-inf"))
         if self.compressor is not None:
-            compressed_BTD = self.compressor(x_BSH, cache_SR)
+            compressed_BTD = self.compressor(x_BSH, cache_SR).float()
             causal_ST = torch.arange(compressed_BTD.shape[1], device=x_BSH.device)[None, :] < ((pos + 1) // self.compress_ratio)[:, None]
             visible_BST = causal_ST[None] if self.indexer is None else self.indexer(x_BSH, q_residual_BSQ, cache_SR, causal_ST)
-            logits_BNST = torch.einsum("bsnd,btd->bnst", q32_BSND, compressed_BTD.float()) * self.head_dim**-0.5
-            logits_BNST = logits_BNST.masked_fill(~visible_BST[:, None], float("-inf"))
-            # keys = window keys then compressed entries: [B, N, S, S + T]
-            logits_BNSK = torch.cat([logits_BNSK, logits_BNST], dim=-1)
-            values_BKD = torch.cat([kv_BSD, compressed_BTD], dim=1)
+            logits_BNST = torch.einsum("bsnd,btd->bnst", q32_BSND, compressed_BTD) * self.head_dim**-0.5
+            # keys = the window, then the compressed entries: [B, N, S, W + T]
+            logits_BNSK = torch.cat([logits_BNSK, logits_BNST.masked_fill(~visible_BST[:, None], float("-inf"))], dim=-1)
         # per-head sink: an extra logit in the softmax normaliser with no value
         sink_BNS1 = self.attn_sink.float()[None, :, None, None].expand(batch, -1, seq_len, 1)
         probs_BNSK = torch.cat([logits_BNSK, sink_BNS1], dim=-1).softmax(dim=-1)[..., :-1]
-        o_BSND = torch.einsum("bnsk,bkd->bsnd", probs_BNSK, values_BKD.float()).to(x_BSH.dtype)
+        o_BSND = torch.einsum("bnsw,bsdw->bsnd", probs_BNSK[..., :width], kv_win_BSDW)
+        if self.compressor is not None:
+            o_BSND = o_BSND + torch.einsum("bnst,btd->bsnd", probs_BNSK[..., width:], compressed_BTD)
+        o_BSND = o_BSND.to(x_BSH.dtype)
         # values carry RoPE on their last R dims: rotate back to the query's position
         o_BSND = apply_tail_rope(o_BSND, cache_SR, inverse=True)
         # [B, S, N, D] -> [B, S, G, N·D/G]; wo_a as G blocks [L, N·D/G]
