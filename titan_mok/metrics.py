@@ -2,7 +2,8 @@
 a JSONL twin of the logged series, MoE statistics and a loss checksum.
 
 Every registered titan-mok TrainSpec builds it (``titan_mok.registry``). On the
-logging rank it writes, in ``<dump_folder>/<save_tb_folder>/<YYYYmmdd-HHMMSS>/``:
+logging rank it writes, in ``<dump_folder>/<save_tb_folder>/<YYYYmmdd-HHMMSS>/``
+(``-1``, ``-2``, ... appended when a run of the same second took it):
 
 - ``metrics.jsonl`` (``[metrics] enable_jsonl``): a first line
   ``{"config": ..., "run": ...}`` (the run config and W&B run settings), then one
@@ -141,7 +142,13 @@ class MokWandBLogger(WandBLogger):
     settings instead of TorchTitan's environment-only ones."""
 
     def __init__(self, log_dir: Path, settings: dict[str, Any], config: dict[str, Any], tag: str | None = None):
-        import wandb
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(
+                "[metrics] enable_wandb = true needs the wandb package (pip install wandb); or set it to false "
+                "(metrics.jsonl is written either way)"
+            ) from e
 
         self.wandb = wandb
         self.tag = tag
@@ -183,10 +190,13 @@ class MokMetricsProcessor(MetricsProcessor):
 
     def _add_loggers(self, tag: str | None) -> None:
         metrics = self.job_config.metrics
-        folder = Path(self.job_config.job.dump_folder, metrics.save_tb_folder, datetime.now().strftime("%Y%m%d-%H%M%S"))
-        if metrics.save_for_all_ranks:
-            folder = folder / f"rank_{torch.distributed.get_rank()}"
-        folder.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        rank_dir = f"rank_{torch.distributed.get_rank()}" if metrics.save_for_all_ranks else ""
+        folder, suffix = Path(self.job_config.job.dump_folder, metrics.save_tb_folder, stamp, rank_dir), 0
+        while folder.exists():  # a run started in the same second with the same dump folder
+            suffix += 1
+            folder = Path(self.job_config.job.dump_folder, metrics.save_tb_folder, f"{stamp}-{suffix}", rank_dir)
+        folder.mkdir(parents=True)
         self.log_dir = folder
         if not isinstance(self.logger, LoggerContainer):
             self.logger = LoggerContainer()
