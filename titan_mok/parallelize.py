@@ -1,15 +1,76 @@
-"""The parallelize function of titan-mok's TrainSpecs."""
+"""The parallelize function of titan-mok's TrainSpecs: EP → AC → compile → FSDP.
+
+Every model's blocks sit in `model.layers` with `moe_enabled` and `moe`
+(`titan_mok.moe.MoE`), beside `tok_embeddings`, `norm` and `output`, so one
+checklist serves all four models. TorchTitan's own `apply_ac`, `apply_compile`
+and `apply_fsdp` do the work; only the expert-parallel step is ours.
+"""
 
 import torch
+from torch.distributed.tensor.parallel import parallelize_module
 
-from torchtitan.models.deepseek_v3.infra.parallelize import parallelize_deepseekv3
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.expert_parallel import ExpertParallel
+from torchtitan.models.llama4.infra.parallelize import apply_compile, apply_fsdp
 
 from titan_mok import cpu_compat
+from titan_mok.moe.expert_parallel import MokExpertParallel
+
+# Ops whose outputs selective AC keeps (op mode): matmuls and the collectives.
+_OP_SAC_SAVE_LIST = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops.aten.max.default,
+}
+
+
+def check_parallel_dims(parallel_dims) -> None:
+    unsupported = {"tensor_parallel_degree": parallel_dims.tp, "context_parallel_degree": parallel_dims.cp,
+                   "pipeline_parallel_degree": parallel_dims.pp, "expert_tensor_parallel_degree": parallel_dims.etp}
+    for key, degree in unsupported.items():
+        if degree > 1:
+            raise ValueError(f"[parallelism] {key} = {degree}: titan-mok's models support FSDP/HSDP and EP only; set it to 1")
+
+
+def apply_ep(model: torch.nn.Module, ep_mesh, backend: str) -> None:
+    """Experts become DTensors Shard(0) on the ep mesh: titan-mok's style for
+    backend "mok", TorchTitan's all-to-all ExpertParallel for "torchtitan"."""
+    for block in model.layers.values():
+        if block.moe_enabled:
+            style = MokExpertParallel() if backend == "mok" else ExpertParallel()
+            parallelize_module(block.moe.experts, ep_mesh, style)
 
 
 def parallelize_moe_model(model: torch.nn.Module, parallel_dims, job_config) -> torch.nn.Module:
-    # TorchTitan's checklist (TP → EP → AC → compile → FSDP) for MLA + MoE decoders.
-    model = parallelize_deepseekv3(model, parallel_dims, job_config)
-    if not torch.cuda.is_available():
-        cpu_compat.use_sum_reductions(model)
+    check_parallel_dims(parallel_dims)
+    if parallel_dims.ep_enabled:
+        apply_ep(model, parallel_dims.get_mesh("ep"), job_config.mok.backend)
+
+    compile_model = job_config.compile.enable and "model" in job_config.compile.components
+    if job_config.activation_checkpoint.mode != "none":
+        apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
+                 op_sac_save_list=_OP_SAC_SAVE_LIST, base_folder=job_config.job.dump_folder)
+    if compile_model:
+        apply_compile(model, job_config.compile, parallel_dims.ep_enabled)
+
+    if parallel_dims.fsdp_enabled or parallel_dims.ep_enabled:
+        replicate = ["dp_replicate"] if parallel_dims.dp_replicate_enabled else []
+        apply_fsdp(
+            model,
+            parallel_dims.get_mesh(replicate + ["fsdp"]),
+            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
+            pp_enabled=False,
+            cpu_offload=job_config.training.enable_cpu_offload,
+            reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
+            ep_degree=parallel_dims.ep,
+            edp_mesh=parallel_dims.get_optional_mesh(replicate + ["efsdp"]),
+            gradient_divide_factor=parallel_dims.fsdp_gradient_divide_factor,
+        )
+        if not torch.cuda.is_available():
+            cpu_compat.use_sum_reductions(model)
     return model
