@@ -1,5 +1,5 @@
 """Helpers shared by the Kimi and GLM parity tests (transformers is the test-only
-reference), and the adapter behaviour common to both."""
+reference), and the behaviour common to both models (adapter prefix, causality, bf16)."""
 
 import json
 import os
@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from titan_mok import registry
 from titan_mok.models.common.state_dict_adapter import MLAStateDictAdapter
 from titan_mok.models.kimi_k2_7_code import kimi_k2_7_code_configs
 
@@ -52,3 +53,26 @@ def test_multimodal_prefix_is_detected_from_the_index(tmp_path):
     assert set(adapter.from_hf(hf)) == {"tok_embeddings.weight", "layers.0.attention.wo.weight"}
     with pytest.raises(KeyError, match="lacks the checkpoint's prefix"):
         adapter.from_hf({"model.norm.weight": torch.ones(2)})
+
+
+@pytest.mark.parametrize("name", ["kimi_k2_7_code", "glm_5_2"])
+def test_debug_flavor_is_causal_and_trains_in_bf16(name):
+    """Changing token j leaves the logits before j bit for bit unchanged (GLM: seq 48 >
+    index_topk 32, so the indexer and sparse attention run); bf16 forward/backward is finite."""
+    args = registry.flavors(name)["debug"]
+    model = registry.model_module(name).get_train_spec().model_cls(args)
+    torch.manual_seed(0)
+    model.init_weights(torch.device("cpu"))
+    tokens = torch.randint(0, args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(8))
+    changed = tokens.clone()
+    changed[:, 40] = (changed[:, 40] + 1) % args.vocab_size
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    assert torch.equal(before[:, :40], after[:, :40])
+    assert not torch.equal(before[:, 40:], after[:, 40:])
+
+    model = model.to(torch.bfloat16)
+    logits = model(tokens)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+    assert logits.dtype == torch.bfloat16
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
