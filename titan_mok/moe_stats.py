@@ -9,15 +9,15 @@ forward hooks on the layer (tokens in, its own expert_load increment, wall time
 of forward and backward) and on its router (whose forward returns
 ``weights_TK, topk_idx_TK, scores_TE``). Only training forwards count (grad
 enabled: not validation, not RL rollouts). Everything accumulates on the device
-between two logged steps; ``collect`` reads it with one host sync and one
-all-reduce over the ranks that split the batch (the loss mesh), so load and
-drops are global. Without hooks (compiled models) load comes from
-``expert_load`` as read, and only load and bias norm are logged.
+between two logged steps, without host syncs; ``collect`` reads it with one
+host sync and one all-reduce over the ranks that split the batch (the loss
+mesh), so load and drops are global. Without hooks (compiled models) load comes
+from ``expert_load`` as read, and only load and bias norm are logged.
 
 Logged per layer (``moe/<layer>/...``): ``load_max_over_mean``,
 ``load_min_over_mean``, ``load_cv`` (std/mean of the picks per expert),
-``tokens_dropped`` (token slots routed, T·K, minus slots that reached an
-expert's count: 0 for the dropless layer), ``router_entropy`` (mean over tokens
+``tokens_dropped`` (token slots to route, T·K for the T tokens that entered
+the layer, minus the picks the layer counted: 0 for the dropless layer), ``router_entropy`` (mean over tokens
 of the entropy, in nats, of the router scores normalised to sum to 1),
 ``aux_loss`` (the unscaled load-balancing loss E·Σ_e f_e·P_e that
 ``aux_loss_coef`` multiplies in training, f_e the share of top-k picks and P_e
@@ -36,7 +36,6 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_mok.moe import MoE
-from titan_mok.moe.aux_loss import load_balance_aux_loss
 
 _WRAPPERS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 
@@ -77,6 +76,8 @@ class _Layer:
     sums: torch.Tensor | None = None
     """[2] fp64 on device: Σ token entropies, Σ aux losses (router hook)."""
     load_before: torch.Tensor | None = None
+    router_out: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(Σ token entropies, mean score per expert [E]) of the current forward."""
     forward_start: object = None
     intervals: list = field(default_factory=list)
     """(start, end) stamps of this layer's forwards and backwards."""
@@ -127,10 +128,20 @@ class MoEStats:
         if not torch.is_grad_enabled():
             return
         layer.intervals.append((layer.forward_start, self._clock.stamp()))
-        with torch.no_grad():
-            picks_E = (layer.moe.expert_load - layer.load_before).double()
-            layer.load = picks_E if layer.load is None else layer.load + picks_E
         x_BSH = self._input(args, kwargs)
+        with torch.no_grad():
+            picks_E = layer.moe.expert_load - layer.load_before
+            layer.load = picks_E.double() if layer.load is None else layer.load + picks_E.double()
+            if layer.router_out is not None:
+                entropy_sum, mean_score_E = layer.router_out
+                # load_balance_aux_loss (titan_mok.moe.aux_loss) from the layer's own pick counts:
+                # the same value, without its bincount (a host sync on CUDA).
+                num_tokens = x_BSH.shape[0] * x_BSH.shape[1]
+                aux = layer.moe.args.num_experts * (picks_E / num_tokens * mean_score_E).sum()
+                sums = torch.stack([entropy_sum, aux]).double()
+                layer.sums = sums if layer.sums is None else layer.sums + sums
+                layer.forwards += 1
+                layer.router_out = None
         if not (y_BSH.requires_grad and x_BSH.requires_grad):
             return
         # Backward of this layer: from the gradient of its output to the gradient of its input.
@@ -148,17 +159,13 @@ class MoEStats:
         x_BSH.register_hook(finished)
 
     def _after_router(self, layer: _Layer, module, args, output) -> None:
-        _, topk_idx_TK, scores_TE = output
+        _, _, scores_TE = output
         if not torch.is_grad_enabled() or scores_TE.shape[0] == 0:
             return
         with torch.no_grad():
             scores_TE = scores_TE.detach().float()
             p_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-            entropy_sum = torch.special.entr(p_TE).sum()
-            aux = load_balance_aux_loss(scores_TE, topk_idx_TK)
-            sums = torch.stack([entropy_sum, aux]).double()
-            layer.sums = sums if layer.sums is None else layer.sums + sums
-        layer.forwards += 1
+            layer.router_out = (torch.special.entr(p_TE).sum(), scores_TE.mean(dim=0))
 
     def collect(self, interval_s: float) -> dict[str, float]:
         """The metrics since the last call; zeroes the accumulators. Every rank of the
@@ -212,7 +219,7 @@ class MoEStats:
     @staticmethod
     def _reset(layer: _Layer) -> None:
         layer.moe.expert_load.zero_()
-        layer.load = layer.sums = None
+        layer.load = layer.sums = layer.router_out = None
         layer.tokens = layer.forwards = 0
         layer.intervals = []
 
