@@ -9,29 +9,43 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtitan.models.utils import trunc_normal_
 
-from titan_mok.kernels.grouped_ffn import ref_swiglu
+from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, ref_swiglu
+from titan_mok.moe.args import MoEArgs
 from titan_mok.moe.tiles import map_row_tiles, row_invariant_linear
 
 
 class RoutedExperts(nn.Module):
-    """Weights of the E routed SwiGLU experts: ``w_gate, w_up [E, I, H]``, ``w_down [E, H, I]``.
+    """The E routed SwiGLU experts: ``w_gate, w_up [E, I, H]``, ``w_down [E, H, I]``.
 
-    Under expert parallelism the three are DTensors ``Shard(0)`` on the ``ep``
-    mesh and ``ep_mesh`` is that mesh (set by the EP strategy); the layer reads
-    the local shards with ``local_weights()``.
+    ``forward(x_RH, group_end_L)`` runs the FFN (seam #2, ``grouped_swiglu_ffn``)
+    on rows grouped by this rank's experts. The layer calls it (rather than reading
+    the weights itself) so that FSDP's hooks on this module gather the weights.
+    Under expert parallelism the weights are DTensors ``Shard(0)`` on the ``ep``
+    mesh and ``ep_mesh`` is that mesh (set by the EP strategy).
     """
 
-    def __init__(self, dim: int, expert_dim: int, num_experts: int):
+    def __init__(self, dim: int, args: MoEArgs, use_triton: bool):
         super().__init__()
-        self.num_experts = num_experts
-        self.w_gate = nn.Parameter(torch.empty(num_experts, expert_dim, dim))
-        self.w_up = nn.Parameter(torch.empty(num_experts, expert_dim, dim))
-        self.w_down = nn.Parameter(torch.empty(num_experts, dim, expert_dim))
+        self.num_experts = args.num_experts
+        self.w_gate = nn.Parameter(torch.empty(args.num_experts, args.expert_dim, dim))
+        self.w_up = nn.Parameter(torch.empty(args.num_experts, args.expert_dim, dim))
+        self.w_down = nn.Parameter(torch.empty(args.num_experts, dim, args.expert_dim))
+        self.precision = args.precision
+        self.swiglu_limit = args.swiglu_limit
+        self.use_triton = use_triton
         self.ep_mesh = None
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w_gate_LIH, w_up_LIH, w_down_LHI) as plain tensors: this rank's experts."""
         return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w_gate, self.w_up, self.w_down))
+
+    def forward(self, x_RH: torch.Tensor, group_end_L: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by local expert ([R, H], ends [L]) → expert outputs [R, H] in x's dtype."""
+        w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_RH.dtype) for w in self.local_weights())
+        return grouped_swiglu_ffn(
+            x_RH, group_end_L, w_gate_LIH, w_up_LIH, w_down_LHI,
+            precision=self.precision, swiglu_limit=self.swiglu_limit, use_triton=self.use_triton,
+        )
 
     def init_weights(self, init_std: float) -> None:
         trunc_normal_(self.w_gate, mean=0.0, std=0.02)

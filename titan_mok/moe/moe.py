@@ -18,12 +18,12 @@ import torch.distributed as dist
 from torch import nn
 from torchtitan.tools.utils import has_cuda_capability
 
-from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
 
 from titan_mok.moe.args import MoEArgs
 from titan_mok.moe.aux_loss import attach_aux_loss, load_balance_aux_loss
 from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch, reduce_slots
 from titan_mok.moe.experts import RoutedExperts, SharedExpert
+from titan_mok.moe.fused import fused_routed_experts
 from titan_mok.moe.router import TopKRouter
 from titan_mok.moe.torchtitan_backend import TorchTitanExperts, routed_torchtitan
 
@@ -101,7 +101,7 @@ class MoE(nn.Module):
         self.use_triton = args.kernels == "triton" or (args.kernels == "auto" and has_cuda_capability(9, 0))
         self.router = TopKRouter(args, dim)
         if args.backend == "mok":
-            self.experts = RoutedExperts(dim, args.expert_dim, args.num_experts)
+            self.experts = RoutedExperts(dim, args, self.use_triton)
         else:
             self.experts = TorchTitanExperts(dim, args.expert_dim, args.num_experts, args.swiglu_limit)
         self.shared_expert = (
@@ -153,13 +153,14 @@ class MoE(nn.Module):
             raise ValueError(f"token_ids_BS must lie in [0, hash_vocab_size = {self.args.hash_vocab_size}) on every rank")
 
     def _routed_mok(self, x_TH, weights_TK, topk_idx_TK, shared_TH, group):
+        if self.args.kernels == "triton":  # fused path over symmetric memory (titan_mok.moe.fused), no host sync
+            return fused_routed_experts(
+                x_TH, weights_TK, topk_idx_TK, shared_TH, group, self.experts.local_weights(),
+                num_experts=self.args.num_experts, precision=self.args.precision,
+                swiglu_limit=self.args.swiglu_limit, max_rows_per_rank=self.args.max_rows_per_rank,
+            )
         handle = build_dispatch_handle(topk_idx_TK, self.args.num_experts, group, self.args.max_rows_per_rank)
-        x_RH = dispatch(x_TH, handle)
-        w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_TH.dtype) for w in self.experts.local_weights())
-        y_RH = grouped_swiglu_ffn(
-            x_RH, handle.group_end, w_gate_LIH, w_up_LIH, w_down_LHI,
-            precision=self.args.precision, swiglu_limit=self.args.swiglu_limit, use_triton=self.use_triton,
-        )
+        y_RH = self.experts(dispatch(x_TH, handle), handle.group_end)
         return combine(y_RH, weights_TK, shared_TH, handle, x_TH.dtype)
 
     def forward(self, x_BSH: torch.Tensor, token_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
@@ -171,7 +172,8 @@ class MoE(nn.Module):
         expert_bias_E = self.expert_bias if self.args.use_expert_bias else None
         group = self._ep_group()
         logits_TE = self.router.logits(x_TH)
-        self._check_data_all_ranks(logits_TE, token_ids_T, group)
+        if self.args.kernels != "triton":  # the fused path does not sync with the host (ids checked on device)
+            self._check_data_all_ranks(logits_TE, token_ids_T, group)
         weights_TK, topk_idx_TK, scores_TE = self.router(logits_TE, expert_bias_E, token_ids_T)
 
         with torch.no_grad():
