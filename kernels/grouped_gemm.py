@@ -13,15 +13,17 @@ Two GEMM shapes cover the expert FFN's forward and backward:
   SwiGLU epilogue, down-dgrad with the SwiGLU-backward epilogue, and a two-term sum (dx).
 - ``grouped_wgrad``: ``c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e]``.
 
-Precision: bf16 operands, or MXFP8 (DESIGN §6): weights arrive as ``MXTensor`` blocked along
-K; activations are quantized on load in the kernel with the reference rule
-(``mx_quantize_block``), along K in grouped_mm and along the token axis in grouped_wgrad
-(blocks of 32 rows starting at each group's first row; a group's last block is zero-padded).
-Per-32 scales are applied in the kernel: by default each operand is dequantized in registers
-to bf16 (exact: an E4M3 value times a power of two) and multiplied on the bf16 tensor cores;
-``fp8_mma=True`` instead runs E4M3 MMAs per 32-wide K block and promotes each partial sum
-into the fp32 accumulator with its two scales (DeepGEMM-style). fp32 accumulation, one
-program per output tile, fixed K order: no split-K, no atomics, run-to-run deterministic.
+Precision: bf16 operands, or MXFP8 (DESIGN §6). Weights arrive as ``MXTensor`` blocked along
+K (quantized once per pass by ``mxfp8_quantize``, in the layout each GEMM reads). Activations
+are quantized once per GEMM by a one-pass kernel with the reference rule (``mx_quantize_block``),
+along K for grouped_mm and along the token axis for grouped_wgrad (blocks of 32 rows starting at
+each group's first row; a group's last block is zero-padded), so no tile re-quantizes its A.
+Per-32 scales are applied inside the GEMM, one 32-wide K block at a time: by default each E4M3
+weight block is dequantized in registers to bf16 (exact: an E4M3 value times a power of two)
+against bf16 activations holding the MXFP8 values, on the bf16 tensor cores; ``fp8_mma=True``
+instead runs E4M3 x E4M3 MMAs per 32-wide K block and promotes each partial sum into the fp32
+accumulator with its two scales (DeepGEMM-style). fp32 accumulation, one program per output
+tile, fixed K order: no split-K, no atomics, run-to-run deterministic.
 
 Row-batch invariance: tile shapes (``_MM_CONFIGS``) depend only on the kind of GEMM and the
 precision, never on the rows; every row goes through the same instruction sequence whatever
@@ -39,23 +41,27 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_mok.kernels.mxfp8_quant import mx_quantize_block, mx_scale_value
+from titan_mok.kernels.mxfp8_quant import (
+    mx_dequantize_bf16,
+    mx_quantize_block,
+    mx_scale_value,
+    mxfp8_fake_quantize,
+    mxfp8_quantize,
+)
 from titan_mok.mxfp8 import BLOCK, MXTensor, fake_quantize_mxfp8
 
 # Kinds of grouped_mm (the MODE constexpr).
 PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 
-# Tile configs per (kind, precision): module-level so benchmarks can try others. They must
-# not depend on the number of rows (batch invariance). BK is 32 on the fp8-MMA path.
+# Tile configs per precision: module-level so benchmarks can try others. They must not depend on
+# the number of rows (batch invariance). On the MXFP8 paths BK is a multiple of 32 (the K loop
+# takes one scale block at a time).
 _MM_CONFIGS = {
-    "bf16": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "bf16": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
     "mxfp8": dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
-    "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=4),
+    "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
 }
-_WGRAD_CONFIGS = {
-    "bf16": dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3),
-    "mxfp8": dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3),
-}
+_WGRAD_CONFIG = dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3)
 
 
 # Triton 3.6's CPU interpreter multiplies bf16 tiles as their raw uint16 bits in tl.dot: under
@@ -123,7 +129,7 @@ def _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E: tl.constexpr, 
         right = active & (v <= t)
         lo = tl.where(right, mid + 1, lo)
         hi = tl.where(active & (v > t), mid, hi)
-    e = tl.minimum(lo, E - 1)  # past the last tile (see the caller): any expert, nothing is stored
+    e = tl.minimum(lo, E - 1)  # past the last tile (see the callers): any expert, nothing is stored
     tile_start = tl.load(tile_end_ptr + e - 1, mask=e > 0, other=0)
     row_start = tl.load(group_end_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
     row_end = tl.load(group_end_ptr + e).to(tl.int32)
@@ -138,21 +144,6 @@ def _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E: tl.constexpr, 
 
 
 @triton.jit
-def _prep_a(a, MX: tl.constexpr, FP8_MMA: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """bf16 A tile [BM, BK] -> (MMA operand, per-32 scales [BM, BK/32, 1]; unused unless MX)."""
-    a_op = a
-    a_s = a
-    if MX:
-        q, e, bad = mx_quantize_block(tl.reshape(a.to(tl.float32), (BM, BK // 32, 32)), 2)
-        a_s = mx_scale_value(tl.where(bad, 128, e))
-        if FP8_MMA:
-            a_op = tl.reshape(q, (BM, BK))
-        else:
-            a_op = tl.reshape((q.to(tl.float32) * a_s).to(tl.bfloat16), (BM, BK))
-    return a_op, a_s
-
-
-@triton.jit
 def _dot(a, b, acc, DOT_F32: tl.constexpr):
     # NOTE: Triton compiles the statements after a constexpr-guarded return too: one return per helper.
     if DOT_F32:
@@ -163,18 +154,20 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _mma(acc, a_op, a_s, b, s_ptrs, s_ok, MX: tl.constexpr, FP8_MMA: tl.constexpr, BM: tl.constexpr,
-         BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc += A @ B for one K step; B [BK, BN] bf16, or E4M3 with E8M0 bits at s_ptrs [BK/32, BN]."""
+def _mma_block(acc, a_ptrs, a_ok, sa_ptrs, sa_ok, b_ptrs, b_ok, sb_ptrs, sb_ok, MX: tl.constexpr, FP8_MMA: tl.constexpr,
+               DOT_F32: tl.constexpr):
+    """acc += A @ B for one K step ([BM, KB] x [KB, BN]); on the MXFP8 paths KB = 32, one scale block."""
+    a = tl.load(a_ptrs, mask=a_ok, other=0.0)
+    b = tl.load(b_ptrs, mask=b_ok, other=0.0)
     if MX:
-        b_s = mx_scale_value(tl.load(s_ptrs, mask=s_ok, other=127).to(tl.int32) - 127)  # [BK/32, BN]
-        if FP8_MMA:  # BK == 32: one E4M3 MMA, then promotion with both scales
-            acc = acc + tl.dot(a_op, b) * (tl.reshape(a_s, (BM, 1)) * b_s)
-        else:
-            b_blk = tl.reshape(b, (BK // 32, 32, BN)).to(tl.float32) * tl.reshape(b_s, (BK // 32, 1, BN))
-            acc = _dot(a_op, tl.reshape(b_blk.to(tl.bfloat16), (BK, BN)), acc, DOT_F32)
+        sb = mx_scale_value(tl.load(sb_ptrs, mask=sb_ok, other=127).to(tl.int32) - 127)  # [BN] this block's scales
+        if FP8_MMA:  # E4M3 x E4M3 MMA, then promotion with both scales
+            sa = mx_scale_value(tl.load(sa_ptrs, mask=sa_ok, other=127).to(tl.int32) - 127)  # [BM]
+            acc = acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        else:  # A already holds bf16 MXFP8 values; dequantize the E4M3 weight block in registers
+            acc = _dot(a, (b.to(tl.float32) * sb[None, :]).to(tl.bfloat16), acc, DOT_F32)
     else:
-        acc = _dot(a_op, b, acc, DOT_F32)
+        acc = _dot(a, b, acc, DOT_F32)
     return acc
 
 
@@ -197,8 +190,9 @@ def _swiglu_clamped(g, u, limit, HAS_LIMIT: tl.constexpr):
 
 @triton.jit
 def _grouped_mm_kernel(
-    # pointers: A operands [R, K] row-major, B operands [E, N, K] (any strides), their E8M0 bits
-    a1_ptr, a2_ptr, b1_ptr, b2_ptr, s1_ptr, s2_ptr,
+    # pointers: A operands [R, K] row-major (bf16, or E4M3 with E8M0 bits [R, K/32] on the
+    # fp8-MMA path), B operands [E, N, K] (any strides) and their E8M0 bits [E, N, K/32]
+    a1_ptr, a2_ptr, sa1_ptr, sa2_ptr, b1_ptr, b2_ptr, sb1_ptr, sb2_ptr,
     # outputs [R, N] row-major; g/u inputs [R, N] of the SwiGLU backward
     c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
     group_end_ptr, tile_end_ptr,
@@ -210,6 +204,7 @@ def _grouped_mm_kernel(
     MODE: tl.constexpr, MX: tl.constexpr, FP8_MMA: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
 ):
+    KB: tl.constexpr = 32 if MX else BK  # K per MMA step: one scale block on the MXFP8 paths
     t = tl.program_id(0)
     e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
     # The grid is an upper bound on the tiles: programs past the last one run no K steps and
@@ -220,34 +215,37 @@ def _grouped_mm_kernel(
     row_ok = (rows < row_end) & valid
     offs_n = n0 + tl.arange(0, BN)
     n_ok = offs_n < N
-    offs_k = tl.arange(0, BK)
-    offs_ks = tl.arange(0, BK // 32)
-    a_off = rows[:, None].to(tl.int64) * K + offs_k[None, :]  # [BM, BK]
-    b_off = e.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk  # [BK, BN]
-    s_off = e.to(tl.int64) * stride_se + offs_n[None, :] * stride_sn + offs_ks[:, None] * stride_sk  # [BK/32, BN]
+    offs_k = tl.arange(0, KB)
+    a_off = rows[:, None].to(tl.int64) * K + offs_k[None, :]  # [BM, KB]
+    sa_off = rows.to(tl.int64) * (K // 32)  # [BM]
+    b_off = e.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk  # [KB, BN]
+    sb_off = e.to(tl.int64) * stride_se + offs_n * stride_sn  # [BN]
 
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, k_end, BK):
-        k_ok = offs_k < K - k
-        a = tl.load(a1_ptr + a_off + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        a_op, a_s = _prep_a(a, MX, FP8_MMA, BM, BK)
-        b_ok = k_ok[:, None] & n_ok[None, :]
-        s_ok = (offs_ks[:, None] < (K - k) // 32) & n_ok[None, :]
-        s_k = s_off + (k // 32) * stride_sk
-        b1 = tl.load(b1_ptr + b_off + k * stride_bk, mask=b_ok, other=0.0)
-        acc1 = _mma(acc1, a_op, a_s, b1, s1_ptr + s_k, s_ok, MX, FP8_MMA, BM, BN, BK, DOT_F32)
-        if MODE == 1:  # SWIGLU: the second B (w_up) shares the A tile
-            b2 = tl.load(b2_ptr + b_off + k * stride_bk, mask=b_ok, other=0.0)
-            acc2 = _mma(acc2, a_op, a_s, b2, s2_ptr + s_k, s_ok, MX, FP8_MMA, BM, BN, BK, DOT_F32)
-    if MODE == 3:  # DUAL: acc1 += A2 @ B2, continuing the same fixed K order
-        for k in range(0, k_end, BK):
+    for k0 in range(0, k_end, BK):
+        for j in tl.static_range(BK // KB):
+            k = k0 + j * KB
             k_ok = offs_k < K - k
-            a = tl.load(a2_ptr + a_off + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            a_op, a_s = _prep_a(a, MX, FP8_MMA, BM, BK)
-            s_ok = (offs_ks[:, None] < (K - k) // 32) & n_ok[None, :]
-            b2 = tl.load(b2_ptr + b_off + k * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc1 = _mma(acc1, a_op, a_s, b2, s2_ptr + s_off + (k // 32) * stride_sk, s_ok, MX, FP8_MMA, BM, BN, BK, DOT_F32)
+            a_ok = row_ok[:, None] & k_ok[None, :]
+            b_ok = k_ok[:, None] & n_ok[None, :]
+            sa_ok = row_ok & (k < K)
+            sb_ok = n_ok & (k < K)
+            acc1 = _mma_block(acc1, a1_ptr + a_off + k, a_ok, sa1_ptr + sa_off + k // 32, sa_ok,
+                              b1_ptr + b_off + k * stride_bk, b_ok, sb1_ptr + sb_off + (k // 32) * stride_sk, sb_ok,
+                              MX, FP8_MMA, DOT_F32)
+            if MODE == 1:  # SWIGLU: the second B (w_up) shares the A tile (the loads coincide)
+                acc2 = _mma_block(acc2, a1_ptr + a_off + k, a_ok, sa1_ptr + sa_off + k // 32, sa_ok,
+                                  b2_ptr + b_off + k * stride_bk, b_ok, sb2_ptr + sb_off + (k // 32) * stride_sk, sb_ok,
+                                  MX, FP8_MMA, DOT_F32)
+    if MODE == 3:  # DUAL: acc1 += A2 @ B2, continuing the same fixed K order
+        for k0 in range(0, k_end, BK):
+            for j in tl.static_range(BK // KB):
+                k = k0 + j * KB
+                k_ok = offs_k < K - k
+                acc1 = _mma_block(acc1, a2_ptr + a_off + k, row_ok[:, None] & k_ok[None, :], sa2_ptr + sa_off + k // 32,
+                                  row_ok & (k < K), b2_ptr + b_off + k * stride_bk, k_ok[:, None] & n_ok[None, :],
+                                  sb2_ptr + sb_off + (k // 32) * stride_sk, n_ok & (k < K), MX, FP8_MMA, DOT_F32)
 
     c_off = rows[:, None].to(tl.int64) * N + offs_n[None, :]
     c_ok = row_ok[:, None] & n_ok[None, :]
@@ -257,7 +255,7 @@ def _grouped_mm_kernel(
         gc, uc = _swiglu_clamped(g.to(tl.float32), u.to(tl.float32), limit, HAS_LIMIT)
         tl.store(c1_ptr + c_off, g, mask=c_ok)
         tl.store(c2_ptr + c_off, u, mask=c_ok)
-        tl.store(c3_ptr + c_off, _bf16_rne((gc * tl.sigmoid(gc) * uc)), mask=c_ok)
+        tl.store(c3_ptr + c_off, _bf16_rne(gc * tl.sigmoid(gc) * uc), mask=c_ok)
     elif MODE == 2:  # acc1 = dh; dg, du of h = silu(clamp(g)) * clamp(u)
         g = tl.load(g_ptr + c_off, mask=c_ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + c_off, mask=c_ok, other=0.0).to(tl.float32)
@@ -275,21 +273,30 @@ def _grouped_mm_kernel(
 
 
 @triton.jit
-def _fake_quant_rows(x, MX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """[BR, BC] tile -> MMA operand; MXFP8: blocks of 32 along the rows (the token axis)."""
-    if MX:
-        q, e, bad = mx_quantize_block(tl.reshape(x.to(tl.float32), (BR // 32, 32, BC)), 1)
-        s = mx_scale_value(tl.where(bad, 128, e))
-        x = tl.reshape((q.to(tl.float32) * s).to(tl.bfloat16), (BR, BC))
-    return x
+def _mx_fake_quant_groups_kernel(
+    x_ptr, y_ptr,  # x [R, N] row-major (any float), y [R, N] bf16
+    group_end_ptr, block_end_ptr,
+    N, E,
+    LOG_E: tl.constexpr, BQ: tl.constexpr,
+):
+    """MXFP8 values (bf16) of x, blocks of 32 rows starting at each group's first row."""
+    t = tl.program_id(0)
+    e, r0, row_end, _ = _tile_of_program(t, group_end_ptr, block_end_ptr, 1, E, LOG_E, 32, 1, 1)
+    rows = r0 + tl.arange(0, 32)
+    offs_q = tl.program_id(1) * BQ + tl.arange(0, BQ)
+    ok = ((rows < row_end) & (t < tl.load(block_end_ptr + E - 1)))[:, None] & (offs_q < N)[None, :]
+    off = rows[:, None].to(tl.int64) * N + offs_q[None, :]
+    x = tl.load(x_ptr + off, mask=ok, other=0.0).to(tl.float32)  # the last block's tail reads as zeros
+    q, e, bad = mx_quantize_block(tl.reshape(x, (1, 32, BQ)), 1)
+    tl.store(y_ptr + off, tl.reshape(mx_dequantize_bf16(q, e, bad), (32, BQ)), mask=ok)
 
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    a_ptr, b_ptr, c_ptr,  # a [R, N], b [R, K] row-major; c [E, N, K] contiguous
+    a_ptr, b_ptr, c_ptr,  # a [R, N], b [R, K] row-major bf16; c [E, N, K] contiguous bf16
     group_end_ptr,
     N, K,
-    MX: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+    BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     e = tl.program_id(1)
     k_tiles = tl.cdiv(K, BK)
@@ -300,12 +307,12 @@ def _grouped_wgrad_kernel(
     row_start = tl.load(group_end_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
     row_end = tl.load(group_end_ptr + e).to(tl.int32)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
-    for r in range(row_start, row_end, BR):  # blocks of 32 rows start at the group's first row
+    for r in range(row_start, row_end, BR):
         rows = r + tl.arange(0, BR)
         r_ok = rows < row_end
         a = tl.load(a_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
         b = tl.load(b_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _dot(tl.trans(_fake_quant_rows(a, MX, BR, BN)), _fake_quant_rows(b, MX, BR, BK), acc, DOT_F32)
+        acc = _dot(tl.trans(a), b, acc, DOT_F32)
     c_off = e.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :]
     tl.store(c_ptr + c_off, _bf16_rne(acc), mask=n_ok[:, None] & k_ok[None, :])
 
@@ -324,32 +331,55 @@ def _b_operand(b, name: str):
     return b, None
 
 
+def _a_operand(a, mx: bool, fp8_mma: bool, name: str):
+    """(A data [R, K], E8M0 bits [R, K/32] or None): bf16 as is, MXFP8 quantized along K once."""
+    if a.dtype != torch.bfloat16 or a.dim() != 2:
+        raise ValueError(f"{name} must be bfloat16 [R, K], got {a.dtype} {tuple(a.shape)}")
+    if not mx:
+        return a.contiguous(), None
+    if fp8_mma:
+        mx_a = mxfp8_quantize(a, -1, name)
+        return mx_a.data, mx_a.scale.view(torch.uint8)
+    return mxfp8_fake_quantize(a, name), None
+
+
+def _tile_ends(group_end_E: torch.Tensor, rows_per_tile: int, tiles_per_rows: int) -> torch.Tensor:
+    """Cumulative tile counts per expert (int32, on the device: no host sync)."""
+    counts_E = torch.diff(group_end_E, prepend=group_end_E.new_zeros(1))
+    return (torch.div(counts_E + rows_per_tile - 1, rows_per_tile, rounding_mode="floor") * tiles_per_rows).cumsum(0).to(
+        torch.int32
+    )
+
+
 def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_limit=None, fp8_mma=False):
     b1_data, b1_s = _b_operand(b1, "b1")
     b2_data, b2_s = _b_operand(b2, "b2") if b2 is not None else (b1_data, b1_s)
     mx = b1_s is not None
-    cfg = _MM_CONFIGS["mxfp8_fp8_mma" if (mx and fp8_mma) else ("mxfp8" if mx else "bf16")]
+    fp8_mma = fp8_mma and mx
+    cfg = _MM_CONFIGS["mxfp8_fp8_mma" if fp8_mma else ("mxfp8" if mx else "bf16")]
     num_experts, n, k = b1_data.shape
-    if a1.dtype != torch.bfloat16 or a1.shape[1] != k or not a1.is_contiguous():
-        raise ValueError(f"A operand must be contiguous bfloat16 [R, {k}], got {a1.dtype} {tuple(a1.shape)}")
+    if a1.shape[1] != k:
+        raise ValueError(f"A operand has K = {a1.shape[1]}, B has K = {k}")
     if group_end_E.shape != (num_experts,):
         raise ValueError(f"group_end_E must be [{num_experts}], got {tuple(group_end_E.shape)}")
-    bm, bn = cfg["BM"], cfg["BN"]
-    n_tiles = triton.cdiv(n, bn)
     if num_experts == 0 or a1.shape[0] == 0:
         return
-    counts_E = torch.diff(group_end_E, prepend=group_end_E.new_zeros(1))
-    tile_end_E = (torch.div(counts_E + bm - 1, bm, rounding_mode="floor") * n_tiles).cumsum(0).to(torch.int32)
+    a1, sa1 = _a_operand(a1, mx, fp8_mma, "a1")
+    a2, sa2 = _a_operand(a2, mx, fp8_mma, "a2") if a2 is not None else (a1, sa1)
+    bm, bn = cfg["BM"], cfg["BN"]
+    n_tiles = triton.cdiv(n, bn)
+    tile_end_E = _tile_ends(group_end_E, bm, n_tiles)
     grid = ((triton.cdiv(a1.shape[0], bm) + num_experts) * n_tiles,)  # upper bound, no host sync
-    s1, s2 = (b1_s, b2_s) if mx else (b1_data, b2_data)  # unused pointers when not MX
     c1, c2, c3 = (list(outs) + [outs[0]] * 2)[:3]
     g, u = gu if gu[0] is not None else (c1, c1)
     _grouped_mm_kernel[grid](
-        a1, a2 if a2 is not None else a1, b1_data, b2_data, s1, s2, c1, c2, c3, g, u,
+        a1, a2, sa1 if sa1 is not None else a1, sa2 if sa2 is not None else a2,  # unused unless fp8-MMA
+        b1_data, b2_data, b1_s if mx else b1_data, b2_s if mx else b2_data,  # unused unless MXFP8
+        c1, c2, c3, g, u,
         group_end_E, tile_end_E, n, k, num_experts,
-        *b1_data.stride(), *(s1.stride() if mx else (0, 0, 0)),
+        *b1_data.stride(), *(b1_s.stride() if mx else (0, 0, 0)),
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        MODE=mode, MX=mx, FP8_MMA=mx and fp8_mma, HAS_LIMIT=swiglu_limit is not None,
+        MODE=mode, MX=mx, FP8_MMA=fp8_mma, HAS_LIMIT=swiglu_limit is not None,
         LOG_E=num_experts.bit_length(), DOT_F32=_DOT_F32, **cfg,
     )
 
@@ -366,10 +396,10 @@ def grouped_mm(a_RK, group_end_E, b_ENK, *, fp8_mma: bool = False) -> torch.Tens
     return c_RN
 
 
-def grouped_mm_sum(a1_RK, a2_RK, group_end_E, b1_ENK, b2_ENK) -> torch.Tensor:
+def grouped_mm_sum(a1_RK, a2_RK, group_end_E, b1_ENK, b2_ENK, *, fp8_mma: bool = False) -> torch.Tensor:
     """c_RN = a1 @ b1[e].T + a2 @ b2[e].T in one fp32 accumulator (the input gradient of gate/up)."""
     c_RN = _new_rows(a1_RK, _b_operand(b1_ENK, "b1_ENK")[0].shape[1], zero=True)
-    _launch_mm(DUAL, a1_RK, a2_RK, b1_ENK, b2_ENK, group_end_E, [c_RN])
+    _launch_mm(DUAL, a1_RK, a2_RK, b1_ENK, b2_ENK, group_end_E, [c_RN], fp8_mma=fp8_mma)
     return c_RN
 
 
@@ -382,25 +412,41 @@ def grouped_gate_up_swiglu(x_RH, group_end_E, w_gate_EIH, w_up_EIH, swiglu_limit
     return gate_RI, up_RI, h_RI
 
 
-def grouped_down_dgrad_swiglu(dy_RH, group_end_E, w_down_EIH, gate_RI, up_RI, swiglu_limit):
+def grouped_down_dgrad_swiglu(dy_RH, group_end_E, w_down_EIH, gate_RI, up_RI, swiglu_limit, *, fp8_mma: bool = False):
     """(dgate_RI, dup_RI): dh = dy @ w_down[e] (w_down viewed [E, I, H]) through the SwiGLU backward."""
     dim_i = gate_RI.shape[1]
     dgate_RI, dup_RI = (_new_rows(dy_RH, dim_i, zero=False) for _ in range(2))
     _launch_mm(SWIGLU_BWD, dy_RH, None, w_down_EIH, None, group_end_E, [dgate_RI, dup_RI], gu=(gate_RI, up_RI),
-               swiglu_limit=swiglu_limit)
+               swiglu_limit=swiglu_limit, fp8_mma=fp8_mma)
     return dgate_RI, dup_RI
 
 
+def mxfp8_fake_quantize_groups(x_RN: torch.Tensor, group_end_E: torch.Tensor) -> torch.Tensor:
+    """bf16 MXFP8 values of x, blocked along the token axis in 32-row blocks from each group's start."""
+    num_experts, (num_rows, n) = group_end_E.shape[0], x_RN.shape
+    y_RN = torch.empty(num_rows, n, dtype=torch.bfloat16, device=x_RN.device)
+    if num_experts and num_rows:
+        block_end_E = _tile_ends(group_end_E, 32, 1)
+        grid = (triton.cdiv(num_rows, 32) + num_experts, triton.cdiv(n, 128))
+        _mx_fake_quant_groups_kernel[grid](x_RN.contiguous(), y_RN, group_end_E, block_end_E, n, num_experts,
+                                           LOG_E=num_experts.bit_length(), BQ=128)
+    return y_RN
+
+
 def grouped_wgrad(a_RN, b_RK, group_end_E, precision: str) -> torch.Tensor:
-    """bf16 c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e], each tile written once (fp32 accumulation)."""
+    """bf16 c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e], each tile written once (fp32 accumulation).
+
+    MXFP8: both operands quantized along the token axis per group first (one pass each)."""
     for name, t in (("a_RN", a_RN), ("b_RK", b_RK)):
-        if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.dim() != 2:
-            raise ValueError(f"grouped_wgrad: {name} must be contiguous bfloat16 [R, *], got {t.dtype} {tuple(t.shape)}")
-    cfg = dict(_WGRAD_CONFIGS[precision])
+        if t.dtype != torch.bfloat16 or t.dim() != 2:
+            raise ValueError(f"grouped_wgrad: {name} must be bfloat16 [R, *], got {t.dtype} {tuple(t.shape)}")
+    if precision == "mxfp8":
+        a_RN, b_RK = mxfp8_fake_quantize_groups(a_RN, group_end_E), mxfp8_fake_quantize_groups(b_RK, group_end_E)
+    a_RN, b_RK = a_RN.contiguous(), b_RK.contiguous()
+    cfg = _WGRAD_CONFIG
     num_experts, n, k = group_end_E.shape[0], a_RN.shape[1], b_RK.shape[1]
     c_ENK = torch.empty(num_experts, n, k, dtype=torch.bfloat16, device=a_RN.device)
     if num_experts:
         grid = (triton.cdiv(n, cfg["BN"]) * triton.cdiv(k, cfg["BK"]), num_experts)
-        _grouped_wgrad_kernel[grid](a_RN, b_RK, c_ENK, group_end_E, n, k, MX=precision == "mxfp8", DOT_F32=_DOT_F32,
-                                    **cfg)
+        _grouped_wgrad_kernel[grid](a_RN, b_RK, c_ENK, group_end_E, n, k, DOT_F32=_DOT_F32, **cfg)
     return c_ENK

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 import torch
 
-from titan_mok.mxfp8 import BLOCK, SCALE_DTYPE, MXTensor, _check_blockable, to_mxfp8
+from titan_mok.mxfp8 import BLOCK, SCALE_DTYPE, MXTensor, _check_blockable, fake_quantize_mxfp8, to_mxfp8
 
 ref_mxfp8_quantize = to_mxfp8
 
@@ -94,21 +94,34 @@ def mx_store_bits(q, e, bad):
 
 
 @triton.jit
+def mx_dequantize_bf16(q, e, bad):
+    """The values an MXFP8 GEMM multiplies, as bf16: q * 2^e, NaN for NaN/Inf blocks. Exact for
+    |q * 2^e| >= 2^-126 (bf16's smallest normal); below, a backend may flush or round the
+    subnormal product (only blocks with amax < ~2^-117 have such values)."""
+    return tl.where(bad, float("nan"), q.to(tl.float32) * mx_scale_value(e)).to(tl.bfloat16)
+
+
+@triton.jit
 def _mx_quant_rows_kernel(
-    x_ptr, q_ptr, s_ptr,  # x [P, D] row-major, q [P, D] uint8, s [P, D/32] uint8
+    x_ptr, q_ptr, s_ptr,  # x [P, D] row-major; q [P, D] uint8 (bf16 if FAKE); s [P, D/32] uint8
     P, D,
-    BM: tl.constexpr, BK: tl.constexpr,
+    FAKE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     o_p = tl.program_id(0) * BM + tl.arange(0, BM)
     o_d = tl.program_id(1) * BK + tl.arange(0, BK)
     o_s = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)
     m = (o_p[:, None] < P) & (o_d[None, :] < D)
-    x = tl.load(x_ptr + o_p[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    off = o_p[:, None].to(tl.int64) * D + o_d[None, :]
+    x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
     q, e, bad = mx_quantize_block(tl.reshape(x, (BM, BK // 32, 32)), 2)
-    q_bits, s_bits = mx_store_bits(q, e, bad)
-    tl.store(q_ptr + o_p[:, None] * D + o_d[None, :], tl.reshape(q_bits, (BM, BK)), mask=m)
-    m_s = (o_p[:, None] < P) & (o_s[None, :] < D // 32)
-    tl.store(s_ptr + o_p[:, None] * (D // 32) + o_s[None, :], tl.reshape(s_bits, (BM, BK // 32)), mask=m_s)
+    if FAKE:
+        tl.store(q_ptr + off, tl.reshape(mx_dequantize_bf16(q, e, bad), (BM, BK)), mask=m)
+    else:
+        q_bits, s_bits = mx_store_bits(q, e, bad)
+        tl.store(q_ptr + off, tl.reshape(q_bits, (BM, BK)), mask=m)
+        m_s = (o_p[:, None] < P) & (o_s[None, :] < D // 32)
+        s_off = o_p[:, None].to(tl.int64) * (D // 32) + o_s[None, :]
+        tl.store(s_ptr + s_off, tl.reshape(s_bits, (BM, BK // 32)), mask=m_s)
 
 
 @triton.jit
@@ -149,8 +162,26 @@ def mxfp8_quantize(x: torch.Tensor, dim: int = -1, name: str = "x") -> MXTensor:
     if x.numel() > 0:
         if Q == 1:
             grid = (triton.cdiv(P, _ROWS_BM), triton.cdiv(D, _ROWS_BK))
-            _mx_quant_rows_kernel[grid](x, q, s, P, D, BM=_ROWS_BM, BK=_ROWS_BK)
+            _mx_quant_rows_kernel[grid](x, q, s, P, D, FAKE=False, BM=_ROWS_BM, BK=_ROWS_BK)
         else:
             grid = (triton.cdiv(Q, _COLS_BQ), triton.cdiv(D, _COLS_BD), P)
             _mx_quant_cols_kernel[grid](x, q, s, D, Q, BD=_COLS_BD, BQ=_COLS_BQ)
     return MXTensor(data=q.view(torch.float8_e4m3fn), scale=s.view(SCALE_DTYPE), dim=dim)
+
+
+def ref_mxfp8_fake_quantize(x: torch.Tensor, name: str = "x") -> torch.Tensor:
+    """dequantize(to_mxfp8(x, -1)) as bf16: what an MXFP8 GEMM multiplies, in a bf16 GEMM's operand."""
+    return fake_quantize_mxfp8(x, -1, name).to(torch.bfloat16)
+
+
+def mxfp8_fake_quantize(x: torch.Tensor, name: str = "x") -> torch.Tensor:
+    """Triton twin of ``ref_mxfp8_fake_quantize`` (blocks along the last dim, one pass, no scales kept)."""
+    _check_blockable(x, -1, name)
+    x = x.contiguous()
+    D = x.shape[-1]
+    P = x.numel() // max(D, 1)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    if x.numel() > 0:
+        grid = (triton.cdiv(P, _ROWS_BM), triton.cdiv(D, _ROWS_BK))
+        _mx_quant_rows_kernel[grid](x, y, y, P, D, FAKE=True, BM=_ROWS_BM, BK=_ROWS_BK)
+    return y

@@ -31,7 +31,8 @@ if not torch.cuda.is_available():
     _interpreter_numpy_shim()
 
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn  # noqa: E402
-from titan_mok.kernels.grouped_gemm import grouped_mm, ref_grouped_mm  # noqa: E402
+from titan_mok.kernels.grouped_gemm import grouped_mm, mxfp8_fake_quantize_groups, ref_grouped_mm  # noqa: E402
+from titan_mok.mxfp8 import fake_quantize_mxfp8  # noqa: E402
 from titan_mok.kernels.mxfp8_quant import mxfp8_quantize  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,6 +101,16 @@ def test_triton_bitwise_run_to_run_and_row_invariant(precision):
     rows = torch.cat([torch.arange(70, 75), torch.arange(79, 79 + 37)]).to(x.device)
     assert torch.equal(out[0][rows], first[0]), "y rows depend on the batch around them"
     assert torch.equal(out[1][rows], first[1]), "dx rows depend on the batch around them"
+
+
+def test_token_axis_quantization_per_group_bits():
+    """wgrad's operand form: 32-row blocks from each group's first row, the tail zero-padded."""
+    (x, *_), group_end = make_case(counts=[5, 0, 70], dim_h=160, dim_i=32, padding=3)
+    tri = mxfp8_fake_quantize_groups(x, group_end)
+    for start, end in ((0, 5), (5, 75)):
+        pad = -(end - start) % 32
+        ref = fake_quantize_mxfp8(torch.nn.functional.pad(x[start:end], (0, 0, 0, pad)), 0)[: end - start]
+        assert torch.equal(tri[start:end], ref.to(torch.bfloat16)), f"group rows {start}:{end}"
 
 
 def test_fp8_mma_path_matches_reference():

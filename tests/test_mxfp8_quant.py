@@ -11,7 +11,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit decorates the kernels
 
-from titan_mok.kernels.mxfp8_quant import mxfp8_quantize, ref_mxfp8_quantize  # noqa: E402
+from titan_mok.kernels.mxfp8_quant import (  # noqa: E402
+    mxfp8_fake_quantize,
+    mxfp8_quantize,
+    ref_mxfp8_fake_quantize,
+    ref_mxfp8_quantize,
+)
 
 from tests.test_mxfp8 import _edge_blocks  # noqa: E402
 
@@ -54,6 +59,20 @@ def test_bf16_weights_3d(dim):
     assert_same_mx(f"w dim={dim}", mxfp8_quantize(w, dim), ref_mxfp8_quantize(w, dim))
 
 
+def test_fake_quantize_bits():
+    """The bf16 operand form (q * 2^e) an MXFP8 GEMM reads: bit-exact down to bf16's smallest
+    normal (2^-126); below it (blocks with amax < ~2^-117) a backend may flush or round the
+    subnormal product differently, so there only |value| < 2^-125 is required."""
+    x = _edge_tensor(DEVICE)
+    tri, ref = mxfp8_fake_quantize(x), ref_mxfp8_fake_quantize(x)
+    assert tri.dtype == torch.bfloat16
+    tiny = ref.float().abs() < 2.0**-126
+    same = (tri.view(torch.int16) == ref.view(torch.int16)) | (tri.isnan() & ref.isnan())
+    same |= tiny & (tri.float().abs() < 2.0**-125)
+    assert same.all(), f"{(~same).sum()} mismatches, first at {(~same).nonzero()[0].tolist()}"
+    assert (~tiny).sum() > 0.4 * x.numel()  # most values are checked bit for bit
+
+
 def test_bad_dim_size_names_the_tensor():
     with pytest.raises(ValueError, match="w_down has size 48 along dim 1"):
         mxfp8_quantize(torch.zeros(2, 48, 64, device=DEVICE), 1, name="w_down")
@@ -68,3 +87,14 @@ def test_real_sizes_gpu(shape, dim):
     x = x.to(torch.bfloat16)
     x.view(-1)[:: 997] = 0.0
     assert_same_mx(f"{shape} dim={dim}", mxfp8_quantize(x, dim), ref_mxfp8_quantize(x, dim))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_more_than_2_pow_31_elements_gpu():
+    """Offsets past 2^31 elements (a [192, 2048, 7168] expert weight): compare the last rows."""
+    x = torch.randn(2**31 // 7168 + 64, 7168, device="cuda", dtype=torch.bfloat16)
+    tail = slice(x.shape[0] - 64, None)
+    mx = mxfp8_quantize(x, -1)
+    assert_same_mx("tail", type(mx)(mx.data[tail], mx.scale[tail], 1), ref_mxfp8_quantize(x[tail], -1))
+    assert torch.equal(mxfp8_fake_quantize(x)[tail], ref_mxfp8_fake_quantize(x[tail]))

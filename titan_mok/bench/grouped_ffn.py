@@ -149,13 +149,15 @@ def phases_ours(c, precision, fp8_mma=False):
         return gg.grouped_mm(h_, ge, wd, fp8_mma=fp8_mma)
 
     def dgrad():
-        dg_, du_ = gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None)
-        return gg.grouped_mm_sum(dg_, du_, ge, wg_t, wu_t)
+        dg_, du_ = gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None, fp8_mma=fp8_mma)
+        return gg.grouped_mm_sum(dg_, du_, ge, wg_t, wu_t, fp8_mma=fp8_mma)
 
     def wgrad():  # one gradient alive at a time (memory), as an optimizer hook would allow
         for a, b in ((dg, c.x), (du, c.x), (c.dy, h)):
             gg.grouped_wgrad(a, b, ge, precision)
 
+    if fp8_mma:  # wgrad has no fp8-MMA variant (its operands are token-axis MXFP8 values in bf16)
+        return {"fwd": fwd, "dgrad": dgrad}
     return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, **phases}
 
 
@@ -280,7 +282,7 @@ def run_case(name, H, I, counts, ceil, impls, rep_ms, log):
             elif impl == "ours_mxfp8":
                 ph, fmt = phases_ours(c, "mxfp8"), "mxfp8"
             elif impl == "ours_mxfp8_fp8mma":
-                ph, fmt = {"fwd": phases_ours(c, "mxfp8", fp8_mma=True)["fwd"]}, "mxfp8"
+                ph, fmt = phases_ours(c, "mxfp8", fp8_mma=True), "mxfp8"
             fl, flops = floors(c, ceil, fmt)
             out = {}
             for phase, fn in ph.items():
@@ -309,19 +311,21 @@ def run_case(name, H, I, counts, ceil, impls, rep_ms, log):
     return res
 
 
-def tune(ceil, log):
+def tune(log):
     """Tile-config sweep of the forward for one MoE-regime and one compute-regime case."""
     variants = {
-        "bf16": [dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
-                 dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=4, num_stages=3),
-                 dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+        "bf16": [dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+                 dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
                  dict(BM=64, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
-                 dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)],
+                 dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=2)],
         "mxfp8": [dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
-                  dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=4, num_stages=3),
-                  dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
                   dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
-                  dict(BM=64, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=3)],
+                  dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+                  dict(BM=64, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+                  dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4)],
+        "mxfp8_fp8_mma": [dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
+                          dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
+                          dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4)],
     }
     out = []
     H, I, E, K = SHAPES["kimi"]
@@ -329,19 +333,19 @@ def tune(ceil, log):
              "kimi_compute": torch.full((8,), 4096, dtype=torch.int64)}
     for cname, counts in cases.items():
         c = Case(H, I, counts)
-        for prec, vs in variants.items():
-            default = dict(gg._MM_CONFIGS[prec])
+        for key, vs in variants.items():
+            default = dict(gg._MM_CONFIGS[key])
             for v in vs:
-                gg._MM_CONFIGS[prec] = v
+                gg._MM_CONFIGS[key] = v
                 try:
-                    ms = bench(phases_ours(c, prec)["fwd"], 60)
-                    rec = {"case": cname, "precision": prec, "cfg": v, "fwd_ms": ms,
-                           "tflops": 6 * c.R * H * I / ms / 1e9}
+                    prec = "bf16" if key == "bf16" else "mxfp8"
+                    ms = bench(phases_ours(c, prec, fp8_mma=key == "mxfp8_fp8_mma")["fwd"], 60)
+                    rec = {"case": cname, "kernel": key, "cfg": v, "fwd_ms": ms, "tflops": 6 * c.R * H * I / ms / 1e9}
                 except Exception as e:
-                    rec = {"case": cname, "precision": prec, "cfg": v, "error": repr(e)[:200]}
+                    rec = {"case": cname, "kernel": key, "cfg": v, "error": repr(e)[:200]}
                 log(json.dumps(rec))
                 out.append(rec)
-            gg._MM_CONFIGS[prec] = default
+            gg._MM_CONFIGS[key] = default
         del c
         torch.cuda.empty_cache()
     return out
@@ -367,7 +371,7 @@ def main():
     log(json.dumps({"ceilings": ceil, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}))
     if args.tune:
-        tune(ceil, log)
+        tune(log)
     impls = ["grouped_mm_bf16", "scaled_grouped_mm_fp8", "ours_bf16", "ours_mxfp8", "ours_mxfp8_fp8mma"]
     results = []
     shapes = ["kimi"] if args.quick else list(SHAPES)
