@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from titan_mok import registry
 from titan_mok.config import Rl
 from titan_mok.data import CharTokenizer
 from titan_mok.models.kimi_k2_7_code import KimiK27CodeModel, kimi_k2_7_code_configs
-from titan_mok.rl.generate import generate
+from titan_mok.rl.generate import generate, has_kv_cache_step
 from titan_mok.rl.grpo import clipped_pg_loss_sum, group_advantages
 from titan_mok.rl.invariant import BatchInvariantMode, invariant_attention
 from titan_mok.rl.sampling import sample, sequence_key, token_logprobs
@@ -31,25 +32,46 @@ def model():
     return m
 
 
-def _rollout(model, prompt_ids: list[int], samples: int = 2, top_p: float = 0.9):
+def _rollout(model, prompt_ids: list[int], samples: int = 2, top_p: float = 0.9, new: int = NEW):
     prompts = [make_prompt(3, i) for i in prompt_ids]
     ids = [TOK.encode(p.text, add_bos=True) for p in prompts for _ in range(samples)]
     keys = torch.tensor([sequence_key(3, 1, p.index, j) for p in prompts for j in range(samples)])
     with BatchInvariantMode():
         return generate(
-            model, ids, keys, seq_len=SEQ_LEN, max_new_tokens=NEW, temperature=1.0, top_p=top_p,
+            model, ids, keys, seq_len=SEQ_LEN, max_new_tokens=new, temperature=1.0, top_p=top_p,
             stop_ids=(TOK.eos_id, TOK.encode("\n")[0]), pad_id=TOK.pad_id,
         )
 
 
-def test_rollout_logprobs_equal_trainer_recompute(model):
-    rollout = _rollout(model, list(range(6)))
-    assert rollout.mask_BG.sum() > 6 * 2 * 3, "completions too short to test anything"
+def _assert_parity(model, rollout) -> None:
+    assert rollout.mask_BG.sum() > 3 * rollout.mask_BG.shape[0], "completions too short to test anything"
     with BatchInvariantMode():
         logits_BSV = model(rollout.tokens_BS)  # the trainer's forward: model.forward, all positions at once
     recomputed_BG = completion_logprobs(logits_BSV, rollout, temperature=1.0)
     mask = rollout.mask_BG
     assert torch.equal(recomputed_BG[mask], rollout.logprobs_BG[mask])
+
+
+def test_rollout_logprobs_equal_trainer_recompute(model):
+    assert has_kv_cache_step(model)
+    _assert_parity(model, _rollout(model, list(range(6))))
+
+
+@pytest.mark.parametrize("name", ["glm_5_2", "qwen3_5_397b_a17b", "deepseek_v4_pro"])
+def test_recompute_rollouts_of_the_other_models(name):
+    """Attentions without a cache step decode by recomputation: still bitwise parity, still
+    the same sample alone and in a batch."""
+    args = copy.deepcopy(registry.flavors(name)["debug"])
+    args.max_seq_len = SEQ_LEN
+    torch.manual_seed(0)
+    other = registry.model_module(name).get_train_spec().model_cls(args)
+    other.init_weights()
+    assert not has_kv_cache_step(other)
+    batch = _rollout(other, [0, 1, 2], new=10)
+    _assert_parity(other, batch)
+    alone = _rollout(other, [1], new=10)
+    assert torch.equal(alone.completion_BG, batch.completion_BG[2:4])
+    assert torch.equal(alone.logprobs_BG, batch.logprobs_BG[2:4])
 
 
 def test_sample_is_the_same_alone_and_in_batches(model):
@@ -70,6 +92,10 @@ def test_batch_invariant_ops_match_reference_and_rows():
         y = F.linear(x, w)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3))
     torch.testing.assert_close(y, F.linear(x, w))
+    k2, v2 = k[:, :1], v[:, :1]  # grouped-query attention: one kv head for two query heads
+    with BatchInvariantMode():
+        gqa = F.scaled_dot_product_attention(q, k2, v2, is_causal=True, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(gqa, F.scaled_dot_product_attention(q, k2, v2, is_causal=True, scale=0.3, enable_gqa=True))
     # query 7 of sequence 1, alone against the same keys: the same bits
     one = invariant_attention(q[1:2, :, 7:8], k[1:2], v[1:2], 0.3, torch.tensor([7]))
     assert torch.equal(one[0, :, 0], out[1, :, 7])

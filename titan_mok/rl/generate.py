@@ -26,17 +26,12 @@ from titan_mok.rl.invariant import invariant_attention
 from titan_mok.rl.sampling import sample
 
 
-def check_supported(model: torch.nn.Module) -> None:
-    """Rollouts decode MLA decoders (Kimi K2.7 Code); other attentions need their own cache step."""
-    if not isinstance(model, MLADecoder):
-        raise NotImplementedError(f"RL rollouts support MLADecoder models; {type(model).__name__} has no KV-cache step yet")
-    for layer_id in range(model.model_args.n_layers):
-        attention = model.layers[str(layer_id)].attention
-        if type(attention) is not MLAttention:
-            raise NotImplementedError(
-                f"RL rollouts support plain MLAttention layers; layer {layer_id} is {type(attention).__name__} "
-                "(no KV-cache step yet)"
-            )
+def has_kv_cache_step(model: torch.nn.Module) -> bool:
+    """True for MLA decoders with plain MLAttention layers (Kimi K2.7 Code): the cached path.
+    Other attentions (DSA, Gated DeltaNet, DeepSeek-V4's) decode by recomputation."""
+    return isinstance(model, MLADecoder) and all(
+        type(model.layers[str(i)].attention) is MLAttention for i in range(model.model_args.n_layers)
+    )
 
 
 class KVCache:
@@ -120,6 +115,44 @@ def unsharded(model: torch.nn.Module):
             module.reshard()
 
 
+class CachedDecoder:
+    """Prefill the prompts once, then one token per sequence per step against the KV cache."""
+
+    def __init__(self, model: MLADecoder, tokens_BS: torch.Tensor):
+        self.model = model
+        self.tokens_BS = tokens_BS
+        self.cache = KVCache(model, *tokens_BS.shape, model.tok_embeddings.weight.dtype, tokens_BS.device)
+
+    def prefill(self, prompt_len_B: torch.Tensor, max_prompt: int) -> torch.Tensor:
+        logits_BPV = forward_step(self.model, self.tokens_BS[:, :max_prompt], 0, self.cache)
+        return logits_BPV[torch.arange(len(prompt_len_B), device=prompt_len_B.device), prompt_len_B - 1]
+
+    def next_logits(self, pos_B: torch.Tensor) -> torch.Tensor:
+        """Logits after the token just written at ``pos_B`` of each sequence."""
+        token_B1 = self.tokens_BS.gather(1, pos_B[:, None])
+        return forward_step(self.model, token_B1, pos_B, self.cache)[:, 0]
+
+
+class RecomputeDecoder:
+    """No cache, for attentions without a cache step: each step runs ``model.forward`` on
+    the whole ``[B, S]`` buffer — exactly the trainer's input shape — and reads the rows
+    it needs (causal: the unwritten tail does not reach them). Costs S-token forwards per
+    generated token instead of one token's."""
+
+    def __init__(self, model: torch.nn.Module, tokens_BS: torch.Tensor):
+        self.model = model
+        self.tokens_BS = tokens_BS
+
+    def _logits_at(self, pos_B: torch.Tensor) -> torch.Tensor:
+        return self.model(self.tokens_BS)[torch.arange(len(pos_B), device=pos_B.device), pos_B]
+
+    def prefill(self, prompt_len_B: torch.Tensor, max_prompt: int) -> torch.Tensor:
+        return self._logits_at(prompt_len_B - 1)
+
+    def next_logits(self, pos_B: torch.Tensor) -> torch.Tensor:
+        return self._logits_at(pos_B)
+
+
 @dataclass
 class Rollout:
     tokens_BS: torch.Tensor
@@ -144,7 +177,7 @@ def _all_done_across_ranks(done_B: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def generate(
-    model: MLADecoder,
+    model: torch.nn.Module,
     prompts: list[list[int]],
     keys_B: torch.Tensor,
     *,
@@ -155,7 +188,8 @@ def generate(
     stop_ids: tuple[int, ...],
     pad_id: int,
 ) -> Rollout:
-    """Sample up to ``max_new_tokens`` per prompt (stream ``keys_B[b]`` for prompt b)."""
+    """Sample up to ``max_new_tokens`` per prompt (stream ``keys_B[b]`` for prompt b), with the
+    KV cache where the model has a cache step (``has_kv_cache_step``), by recomputation otherwise."""
     device = keys_B.device
     bsz = len(prompts)
     for b, prompt in enumerate(prompts):
@@ -169,10 +203,8 @@ def generate(
     for b, prompt in enumerate(prompts):
         tokens_BS[b, : len(prompt)] = torch.tensor(prompt, device=device)
 
-    cache = KVCache(model, bsz, seq_len, model.tok_embeddings.weight.dtype, device)
-    max_prompt = max(len(p) for p in prompts)
-    logits_BPV = forward_step(model, tokens_BS[:, :max_prompt], 0, cache)  # prefill
-    logits_BV = logits_BPV[torch.arange(bsz, device=device), prompt_len_B - 1]
+    decoder = (CachedDecoder if has_kv_cache_step(model) else RecomputeDecoder)(model, tokens_BS)
+    logits_BV = decoder.prefill(prompt_len_B, max(len(p) for p in prompts))
 
     rows_B = torch.arange(bsz, device=device)
     stop_ids_X = torch.tensor(stop_ids, device=device)
@@ -191,5 +223,5 @@ def generate(
         done_B = done_B | torch.isin(token_B, stop_ids_X)
         if t + 1 == max_new_tokens or _all_done_across_ranks(done_B):
             break
-        logits_BV = forward_step(model, token_B[:, None], prompt_len_B + t, cache)[:, 0]
+        logits_BV = decoder.next_logits(prompt_len_B + t)
     return Rollout(tokens_BS, prompt_len_B, completion_BG, logprobs_BG, mask_BG)

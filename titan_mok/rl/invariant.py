@@ -104,8 +104,11 @@ def invariant_attention(
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """``F.scaled_dot_product_attention``'s signature on :func:`invariant_attention`."""
-    if dropout_p != 0.0 or enable_gqa:
-        raise ValueError("BatchInvariantMode: attention with dropout_p > 0 or enable_gqa is not supported")
+    if dropout_p != 0.0:
+        raise ValueError("BatchInvariantMode: attention with dropout_p > 0 is not supported")
+    if enable_gqa:  # query head h reads kv head h // (Nq / Nkv), as SDPA's GQA does
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise ValueError(f"BatchInvariantMode: attention masks must be boolean, got {attn_mask.dtype}")
     if not is_causal and attn_mask is None:

@@ -27,7 +27,7 @@ from torchtitan.train import Trainer
 
 from titan_mok.config_check import ConfigError
 from titan_mok.moe import MoE
-from titan_mok.rl.generate import Rollout, check_supported, generate, unsharded
+from titan_mok.rl.generate import Rollout, generate, has_kv_cache_step, unsharded
 from titan_mok.rl.grpo import clipped_pg_loss_sum, group_advantages
 from titan_mok.rl.invariant import BatchInvariantMode
 from titan_mok.rl.sampling import sequence_key, token_logprobs
@@ -92,7 +92,10 @@ class RlTrainer(Trainer):
     def __init__(self, job_config):
         super().__init__(job_config)
         self.model = self.model_parts[0]
-        check_supported(self.model)
+        logger.info(
+            "RL rollouts: "
+            + ("KV-cache decoding" if has_kv_cache_step(self.model) else "decoding by recomputation (no KV-cache step for this attention yet)")
+        )
         self.seed = job_config.debug.seed
         if self.parallel_dims.dp_enabled:
             batch_mesh = self.parallel_dims.get_mesh("batch")
