@@ -172,6 +172,12 @@ def fused_routed_experts(
     max_rows_per_rank: int | None = None,
 ) -> torch.Tensor:
     """schedule → dispatch → grouped expert FFN (Triton) → combine; [T, H] → [T, H] in x's dtype."""
+    ep_degree = 1 if group is None else dist.get_world_size(group)
+    if local_weights[0].shape[0] * ep_degree != num_experts:
+        raise ValueError(
+            f"fused mok path: {local_weights[0].shape[0]} local experts × ep degree {ep_degree} != num_experts = "
+            f"{num_experts}: the experts' sharding and the ep group passed to the layer disagree"
+        )
     handle = build_fused_handle(topk_idx_TK, num_experts, group, x_TH.shape[1], x_TH.dtype, max_rows_per_rank)
     x_RH = fused_dispatch(x_TH, handle)
     w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_TH.dtype) for w in local_weights)
