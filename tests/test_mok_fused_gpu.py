@@ -85,8 +85,7 @@ def test_fused_routed_path_has_no_host_sync():
     topk_idx_TK = torch.rand(T, E, device="cuda").argsort(dim=1)[:, :2]
 
     def step():
-        y = fused_routed_experts(x_TH, weights_TK, topk_idx_TK, None, None, moe.experts.local_weights(),
-                                 num_experts=E, precision="bf16", swiglu_limit=None)
+        y = fused_routed_experts(x_TH, weights_TK, topk_idx_TK, None, None, moe.experts, num_experts=E)
         y.backward(dy[0])
 
     step()  # compile the kernels and allocate the workspace

@@ -23,12 +23,12 @@ Not fused: these are separate kernel launches (schedule ×2, pull, 3 FFN GEMMs, 
 not one persistent kernel with readiness flags; communication and compute do not overlap.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
 from titan_mok.kernels.mok_combine import slot_reduce, slot_scale
 from titan_mok.kernels.mok_rows import move_rows
 from titan_mok.kernels.mok_schedule import mok_schedule
@@ -164,23 +164,15 @@ def fused_routed_experts(
     topk_idx_TK: torch.Tensor,
     shared_TH: torch.Tensor | None,
     group: dist.ProcessGroup | None,
-    local_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     *,
     num_experts: int,
-    precision: str,
-    swiglu_limit: float | None,
     max_rows_per_rank: int | None = None,
 ) -> torch.Tensor:
-    """schedule → dispatch → grouped expert FFN (Triton) → combine; [T, H] → [T, H] in x's dtype."""
-    ep_degree = 1 if group is None else dist.get_world_size(group)
-    if local_weights[0].shape[0] * ep_degree != num_experts:
-        raise ValueError(
-            f"fused mok path: {local_weights[0].shape[0]} local experts × ep degree {ep_degree} != num_experts = "
-            f"{num_experts}: the experts' sharding and the ep group passed to the layer disagree"
-        )
+    """schedule → dispatch → experts → combine; [T, H] → [T, H] in x's dtype.
+
+    ``experts(x_RH, group_end_L) -> y_RH`` is the layer's routed-experts module (its forward runs
+    the Triton grouped FFN, ``kernels/grouped_ffn.py``, and lets FSDP gather its weights)."""
     handle = build_fused_handle(topk_idx_TK, num_experts, group, x_TH.shape[1], x_TH.dtype, max_rows_per_rank)
-    x_RH = fused_dispatch(x_TH, handle)
-    w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_TH.dtype) for w in local_weights)
-    y_RH = grouped_swiglu_ffn(x_RH, handle.group_end, w_gate_LIH, w_up_LIH, w_down_LHI, precision=precision,
-                              swiglu_limit=swiglu_limit, use_triton=True)
+    y_RH = experts(fused_dispatch(x_TH, handle), handle.group_end)
     return fused_combine(y_RH, weights_TK, shared_TH, handle, x_TH.dtype)

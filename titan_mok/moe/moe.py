@@ -155,9 +155,8 @@ class MoE(nn.Module):
     def _routed_mok(self, x_TH, weights_TK, topk_idx_TK, shared_TH, group):
         if self.args.kernels == "triton":  # fused path over symmetric memory (titan_mok.moe.fused), no host sync
             return fused_routed_experts(
-                x_TH, weights_TK, topk_idx_TK, shared_TH, group, self.experts.local_weights(),
-                num_experts=self.args.num_experts, precision=self.args.precision,
-                swiglu_limit=self.args.swiglu_limit, max_rows_per_rank=self.args.max_rows_per_rank,
+                x_TH, weights_TK, topk_idx_TK, shared_TH, group, self.experts,
+                num_experts=self.args.num_experts, max_rows_per_rank=self.args.max_rows_per_rank,
             )
         handle = build_dispatch_handle(topk_idx_TK, self.args.num_experts, group, self.args.max_rows_per_rank)
         y_RH = self.experts(dispatch(x_TH, handle), handle.group_end)
