@@ -94,8 +94,13 @@ def test_wandb_run_is_offline_with_toml_settings_and_resolved_config(runs):
     assert (config["mok"]["backend"], config["mok"]["precision"]) == ("mok", "bf16")
     assert config["debug"]["seed"] == 8 and config["training"]["steps"] == STEPS
     assert config["mok_run"]["world_size"] == 2
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=torchrun.REPO, capture_output=True, text=True)
-    assert config["mok_run"]["git_sha"] == (head.stdout.strip() if head.returncode == 0 else "unknown")
+    sha = config["mok_run"]["git_sha"]
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=torchrun.REPO, capture_output=True).returncode == 0:
+        # the commit the run started from (HEAD itself, or an ancestor if a commit landed since)
+        ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", sha, "HEAD"], cwd=torchrun.REPO)
+        assert len(sha) == 40 and ancestor.returncode == 0, sha
+    else:
+        assert sha == "unknown"
     assert config["mok_run"]["mfu_peak_tflops"] is None and "not meaningful" in config["mok_run"]["mfu_peak_source"]
     # the JSONL header carries the same config
     assert compare.config_diff([compare.read_jsonl(runs["c"]["jsonl"]), compare.read_wandb_file(
