@@ -4,7 +4,8 @@
 
 RUN is one of
 - a local W&B run directory (``.../wandb/offline-run-*``, holding ``run-*.wandb``),
-  or its ``.wandb`` file, read with W&B's own reader (``wandb leet inspect --json``);
+  its ``.wandb`` file, or a ``wandb`` folder holding one run, read with W&B's own
+  reader (``wandb leet inspect --json``);
 - a JSONL written by ``titan_mok.metrics`` (``metrics.jsonl``), or the run's log
   folder holding it;
 - ``entity/project/run_id``: a W&B run fetched through the W&B API (needs credentials).
@@ -23,6 +24,7 @@ ends with a one-line message and exit status 2.
 import argparse
 import json
 import math
+import os
 import re
 import struct
 import subprocess
@@ -163,7 +165,7 @@ def load_run(arg: str) -> Run:
             return read_wandb_file(logs[0])
         if (path / "metrics.jsonl").is_file():
             return read_jsonl(path / "metrics.jsonl")
-        nested = sorted(path.glob("wandb/*run-*/run-*.wandb"))
+        nested = sorted(path.glob("*run-*/run-*.wandb")) + sorted(path.glob("wandb/*run-*/run-*.wandb"))
         if len(logs) + len(nested) == 1:
             return read_wandb_file(nested[0])
         if logs or nested:
@@ -400,7 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     except CompareError as e:
         print(f"titan_mok.compare: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(_json_safe(report), indent=2, allow_nan=False) if args.json else render(report))
+    try:
+        print(json.dumps(_json_safe(report), indent=2, allow_nan=False) if args.json else render(report), flush=True)
+    except BrokenPipeError:  # the reader stopped early (`| head`); nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
