@@ -73,7 +73,18 @@ class Rl:
             raise ValueError(f"[rl] top_p = {self.top_p} must be in (0, 1]")
         if not self.clip_eps > 0:
             raise ValueError(f"[rl] clip_eps = {self.clip_eps} must be > 0")
+        if not self.kl_coef >= 0:
+            raise ValueError(f"[rl] kl_coef = {self.kl_coef} must be >= 0")
         _check_choice("rl.parity", self.parity, ("warn", "fail"))
+
+
+def apply_mok_section(moe_args, job_config) -> None:
+    """Copy the ``[mok]`` section (backend, precision, kernels) into a model's MoEArgs
+    (called from each model's ``update_from_config``)."""
+    mok = getattr(job_config, "mok", None)
+    if mok is None:
+        raise ValueError('the [mok] section is missing: set [job] custom_config_module = "titan_mok.config"')
+    moe_args.backend, moe_args.precision, moe_args.kernels = mok.backend, mok.precision, mok.kernels
 
 
 def _check_choice(key: str, value, allowed: tuple) -> None:

@@ -7,6 +7,7 @@ from torch import nn
 from torchtitan.config import JobConfig
 from torchtitan.protocols.model import BaseModelArgs
 
+from titan_mok.config import apply_mok_section
 from titan_mok.moe.args import MoEArgs
 
 from .params import count_params
@@ -81,12 +82,7 @@ class MLADecoderArgs(BaseModelArgs):
 
     def update_from_config(self, job_config: JobConfig, **kwargs) -> None:
         self.max_seq_len = job_config.training.seq_len
-        mok = getattr(job_config, "mok", None)
-        if mok is None:
-            raise ValueError('the [mok] section is missing: set [job] custom_config_module = "titan_mok.config"')
-        self.moe_args.backend = mok.backend
-        self.moe_args.precision = mok.precision
-        self.moe_args.kernels = mok.kernels
+        apply_mok_section(self.moe_args, job_config)
 
     def attention_flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs of the score and value matmuls (TorchTitan's convention:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, replace
 from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 
+from titan_mok.config import apply_mok_section
 from titan_mok.models.common.params import count_params
-from titan_mok.models.qwen3_5_397b_a17b.args import apply_mok_config
 from titan_mok.moe import MoEArgs
 
 PRO_COMPRESS_RATIOS = (128, 128) + (4, 128) * 29 + (4,)
@@ -93,7 +93,7 @@ class DeepSeekV4ModelArgs(BaseModelArgs):
 
     def update_from_config(self, job_config, **kwargs) -> None:
         self.max_seq_len = job_config.training.seq_len
-        apply_mok_config(self.moe_args, job_config)
+        apply_mok_section(self.moe_args, job_config)
 
     def get_nparams(self, model: nn.Module) -> tuple[int, int]:
         """(total, active per token) of the trunk; MTP modules excluded from active."""

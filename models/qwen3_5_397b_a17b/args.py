@@ -11,16 +11,9 @@ from dataclasses import dataclass, field
 from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 
+from titan_mok.config import apply_mok_section
 from titan_mok.models.common.params import count_params
 from titan_mok.moe import MoEArgs
-
-
-def apply_mok_config(moe_args: MoEArgs, job_config) -> None:
-    """Copy the ``[mok]`` TOML section (backend, precision, kernels) into a model's MoEArgs."""
-    mok = getattr(job_config, "mok", None)
-    if mok is None:
-        raise ValueError('the [mok] section is missing: set [job] custom_config_module = "titan_mok.config"')
-    moe_args.backend, moe_args.precision, moe_args.kernels = mok.backend, mok.precision, mok.kernels
 
 
 @dataclass
@@ -87,7 +80,7 @@ class Qwen35ModelArgs(BaseModelArgs):
 
     def update_from_config(self, job_config, **kwargs) -> None:
         self.max_seq_len = job_config.training.seq_len
-        apply_mok_config(self.moe_args, job_config)
+        apply_mok_section(self.moe_args, job_config)
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Total parameters (MTP included) and training FLOPs per token of the
