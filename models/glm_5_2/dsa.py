@@ -3,7 +3,7 @@ the top-k keys chosen by a lightning indexer; with IndexShare, only some layers
 run an indexer and the layers after them reuse its selection.
 
 Legend: B batch, S queries, T keys (= S), H hidden, Q q_lora_rank, R rotary
-dims, I indexer heads, J indexer head dim, K selected keys (min(index_topk, S)),
+dims, I indexer heads, J indexer head dim (U = J − R unrotated), K selected keys (min(index_topk, S)),
 N attention heads (n: a chunk of them), E qk head dim.
 
 The language-model loss does not reach the indexer (its selection is discrete).
@@ -46,13 +46,12 @@ class LightningIndexer(nn.Module):
     def forward(self, x_BSH: torch.Tensor, q_latent_BSQ: torch.Tensor, rope_SR: torch.Tensor) -> torch.Tensor:
         """Index scores ``[B, S, T]`` fp32, −inf on future keys."""
         bsz, seqlen, _ = x_BSH.shape
-        rest = self.head_dim - self.rope_dim
         q_BSIJ = self.wq_b(q_latent_BSQ).view(bsz, seqlen, -1, self.head_dim)  # [B, S, I, J]
-        q_rope_BSIR, q_rest_BSIx = q_BSIJ.split([self.rope_dim, rest], dim=-1)
+        q_rope_BSIR, q_rest_BSIU = q_BSIJ.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         k_BS1J = self.k_norm(self.wk(x_BSH)).unsqueeze(2)  # [B, T, 1, J]: one key head
-        k_rope_BS1R, k_rest_BS1x = k_BS1J.split([self.rope_dim, rest], dim=-1)
-        q_BSIJ = torch.cat([apply_rope(q_rope_BSIR, rope_SR, self.rope_interleaved), q_rest_BSIx], dim=-1)
-        k_BTJ = torch.cat([apply_rope(k_rope_BS1R, rope_SR, self.rope_interleaved), k_rest_BS1x], dim=-1).squeeze(2)
+        k_rope_BS1R, k_rest_BS1U = k_BS1J.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        q_BSIJ = torch.cat([apply_rope(q_rope_BSIR, rope_SR, self.rope_interleaved), q_rest_BSIU], dim=-1)
+        k_BTJ = torch.cat([apply_rope(k_rope_BS1R, rope_SR, self.rope_interleaved), k_rest_BS1U], dim=-1).squeeze(2)
 
         # [B, S, I, J] @ [B, 1, J, T] -> [B, S, I, T]
         scores_BSIT = F.relu(torch.matmul(q_BSIJ.float(), k_BTJ.float().transpose(-1, -2).unsqueeze(1)) * self.head_dim**-0.5)
