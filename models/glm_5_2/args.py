@@ -55,8 +55,10 @@ class GLM52Args(MLADecoderArgs):
         return [i for i in range(self.n_layers) if self.runs_indexer(i)]
 
     def attention_flops_per_token(self, seq_len: int) -> int:
-        """Each query attends to min(S, K) keys. When S > K, each indexer layer adds its
-        scores (forward only, or ×3 when trained) and, when trained, the head-summed
+        """Model FLOPs: each query attends to min(S, K) keys (the SDPA path computes all
+        S scores and masks them, so above K it does more work than counted). When S > K,
+        each indexer layer adds its scores (forward only, or ×3 when trained) and, when
+        trained, the head-summed
         attention probabilities of its KL target (forward only). The MTP block counts
         when trained."""
         mtp = 1 if self.mtp_loss_coef > 0 else 0
