@@ -58,9 +58,8 @@ class GLM52Args(MLADecoderArgs):
         """Model FLOPs: each query attends to min(S, K) keys (the SDPA path computes all
         S scores and masks them, so above K it does more work than counted). When S > K,
         each indexer layer adds its scores (forward only, or ×3 when trained) and, when
-        trained, the head-summed
-        attention probabilities of its KL target (forward only). The MTP block counts
-        when trained."""
+        trained, the head-summed attention probabilities of its KL target (forward only).
+        The MTP block counts when trained."""
         mtp = 1 if self.mtp_loss_coef > 0 else 0
         keys = min(seq_len, self.index_topk)
         flops = 6 * (self.n_layers + mtp) * self.n_heads * (self.qk_head_dim + self.v_head_dim) * keys
