@@ -58,8 +58,8 @@ PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 # takes one scale block at a time).
 _MM_CONFIGS = {
     "bf16": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
-    "mxfp8": dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
-    "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
+    "mxfp8": dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),  # swapped: BN weight rows
+    "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
 }
 _WGRAD_CONFIG = dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3)
 
@@ -154,18 +154,15 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _mma_block(acc, a_ptrs, a_ok, sa_ptrs, sa_ok, b_ptrs, b_ok, sb_ptrs, sb_ok, MX: tl.constexpr, FP8_MMA: tl.constexpr,
+def _mma_block(acc, a_ptrs, a_ok, sa_ptrs, sa_ok, b_ptrs, b_ok, sb_ptrs, sb_ok, FP8_MMA: tl.constexpr,
                DOT_F32: tl.constexpr):
-    """acc += A @ B for one K step ([BM, KB] x [KB, BN]); on the MXFP8 paths KB = 32, one scale block."""
+    """acc += A @ B for one K step ([BM, KB] x [KB, BN]); on the fp8-MMA path KB = 32, one scale block."""
     a = tl.load(a_ptrs, mask=a_ok, other=0.0)
     b = tl.load(b_ptrs, mask=b_ok, other=0.0)
-    if MX:
-        sb = mx_scale_value(tl.load(sb_ptrs, mask=sb_ok, other=127).to(tl.int32) - 127)  # [BN] this block's scales
-        if FP8_MMA:  # E4M3 x E4M3 MMA, then promotion with both scales
-            sa = mx_scale_value(tl.load(sa_ptrs, mask=sa_ok, other=127).to(tl.int32) - 127)  # [BM]
-            acc = acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
-        else:  # A already holds bf16 MXFP8 values; dequantize the E4M3 weight block in registers
-            acc = _dot(a, (b.to(tl.float32) * sb[None, :]).to(tl.bfloat16), acc, DOT_F32)
+    if FP8_MMA:  # E4M3 x E4M3 MMA, then promotion with both scales
+        sa = mx_scale_value(tl.load(sa_ptrs, mask=sa_ok, other=127).to(tl.int32) - 127)  # [BM]
+        sb = mx_scale_value(tl.load(sb_ptrs, mask=sb_ok, other=127).to(tl.int32) - 127)  # [BN]
+        acc = acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
     else:
         acc = _dot(a, b, acc, DOT_F32)
     return acc
@@ -191,7 +188,7 @@ def _swiglu_clamped(g, u, limit, HAS_LIMIT: tl.constexpr):
 @triton.jit
 def _grouped_mm_kernel(
     # pointers: A operands [R, K] row-major (bf16, or E4M3 with E8M0 bits [R, K/32] on the
-    # fp8-MMA path), B operands [E, N, K] (any strides) and their E8M0 bits [E, N, K/32]
+    # fp8-MMA path), B operands [E, N, K] (any strides) and their E8M0 bits [E, N, K/32] (fp8-MMA)
     a1_ptr, a2_ptr, sa1_ptr, sa2_ptr, b1_ptr, b2_ptr, sb1_ptr, sb2_ptr,
     # outputs [R, N] row-major; g/u inputs [R, N] of the SwiGLU backward
     c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
@@ -201,10 +198,11 @@ def _grouped_mm_kernel(
     stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
     limit,
     # meta-parameters
-    MODE: tl.constexpr, MX: tl.constexpr, FP8_MMA: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr,
+    MODE: tl.constexpr, FP8_MMA: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    KB: tl.constexpr = 32 if MX else BK  # K per MMA step: one scale block on the MXFP8 paths
+    """bf16 grouped GEMM, and MXFP8 with E4M3 MMAs (FP8_MMA): C [BM, BN] = A [BM, K] @ B[e]^T."""
+    KB: tl.constexpr = 32 if FP8_MMA else BK  # K per MMA step: one scale block on the fp8-MMA path
     t = tl.program_id(0)
     e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
     # The grid is an upper bound on the tiles: programs past the last one run no K steps and
@@ -233,11 +231,11 @@ def _grouped_mm_kernel(
             sb_ok = n_ok & (k < K)
             acc1 = _mma_block(acc1, a1_ptr + a_off + k, a_ok, sa1_ptr + sa_off + k // 32, sa_ok,
                               b1_ptr + b_off + k * stride_bk, b_ok, sb1_ptr + sb_off + (k // 32) * stride_sk, sb_ok,
-                              MX, FP8_MMA, DOT_F32)
+                              FP8_MMA, DOT_F32)
             if MODE == 1:  # SWIGLU: the second B (w_up) shares the A tile (the loads coincide)
                 acc2 = _mma_block(acc2, a1_ptr + a_off + k, a_ok, sa1_ptr + sa_off + k // 32, sa_ok,
                                   b2_ptr + b_off + k * stride_bk, b_ok, sb2_ptr + sb_off + (k // 32) * stride_sk, sb_ok,
-                                  MX, FP8_MMA, DOT_F32)
+                                  FP8_MMA, DOT_F32)
     if MODE == 3:  # DUAL: acc1 += A2 @ B2, continuing the same fixed K order
         for k0 in range(0, k_end, BK):
             for j in tl.static_range(BK // KB):
@@ -245,10 +243,89 @@ def _grouped_mm_kernel(
                 k_ok = offs_k < K - k
                 acc1 = _mma_block(acc1, a2_ptr + a_off + k, row_ok[:, None] & k_ok[None, :], sa2_ptr + sa_off + k // 32,
                                   row_ok & (k < K), b2_ptr + b_off + k * stride_bk, k_ok[:, None] & n_ok[None, :],
-                                  sb2_ptr + sb_off + (k // 32) * stride_sk, n_ok & (k < K), MX, FP8_MMA, DOT_F32)
+                                  sb2_ptr + sb_off + (k // 32) * stride_sk, n_ok & (k < K), FP8_MMA, DOT_F32)
 
     c_off = rows[:, None].to(tl.int64) * N + offs_n[None, :]
-    c_ok = row_ok[:, None] & n_ok[None, :]
+    _epilogue(acc1, acc2, c_off, row_ok[:, None] & n_ok[None, :], c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
+              HAS_LIMIT)
+
+
+@triton.jit
+def _grouped_mm_mx_kernel(
+    # pointers: A operands [R, K] row-major bf16 holding MXFP8 values; B operands E4M3 [E, N, K]
+    # (any strides) and their E8M0 bits [E, N, K/32]
+    a1_ptr, a2_ptr, b1_ptr, b2_ptr, sb1_ptr, sb2_ptr,
+    # outputs [R, N] row-major; g/u inputs [R, N] of the SwiGLU backward
+    c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+    group_end_ptr, tile_end_ptr,
+    # dimensions and strides
+    N, K, E,
+    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
+    limit,
+    # meta-parameters
+    MODE: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """The MXFP8 grouped GEMM with swapped operands: C^T [BN, BM] = W [BN, K] @ A^T [K, BM].
+
+    The weight tile is the MMA's first operand, dequantized (E4M3 * 2^e -> bf16, exact) in
+    registers one 32-wide scale block at a time, so it can feed the tensor cores from registers;
+    the few token rows (BM) are the second operand. Same tiles, grid and epilogue as above.
+    """
+    t = tl.program_id(0)
+    e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
+    valid = t < tl.load(tile_end_ptr + E - 1)  # see _grouped_mm_kernel
+    k_end = tl.where(valid, K, 0)
+    rows = m0 + tl.arange(0, BM)
+    row_ok = (rows < row_end) & valid
+    offs_n = n0 + tl.arange(0, BN)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, 32)
+    at_off = rows[None, :].to(tl.int64) * K + offs_k[:, None]  # [32, BM]: A^T
+    b_off = e.to(tl.int64) * stride_be + offs_n[:, None] * stride_bn + offs_k[None, :] * stride_bk  # [BN, 32]
+    sb_off = e.to(tl.int64) * stride_se + offs_n * stride_sn  # [BN]
+
+    acc1 = tl.zeros((BN, BM), dtype=tl.float32)
+    acc2 = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, k_end, BK):
+        for j in tl.static_range(BK // 32):
+            k = k0 + j * 32
+            k_ok = offs_k < K - k
+            at_ok = k_ok[:, None] & row_ok[None, :]
+            b_ok = n_ok[:, None] & k_ok[None, :]
+            sb_ok = n_ok & (k < K)
+            acc1 = _mma_block_swapped(acc1, a1_ptr + at_off + k, at_ok, b1_ptr + b_off + k * stride_bk, b_ok,
+                                      sb1_ptr + sb_off + (k // 32) * stride_sk, sb_ok, DOT_F32)
+            if MODE == 1:  # SWIGLU: the second weight (w_up) shares the A tile
+                acc2 = _mma_block_swapped(acc2, a1_ptr + at_off + k, at_ok, b2_ptr + b_off + k * stride_bk, b_ok,
+                                          sb2_ptr + sb_off + (k // 32) * stride_sk, sb_ok, DOT_F32)
+    if MODE == 3:  # DUAL: acc1 += A2 @ B2, continuing the same fixed K order
+        for k0 in range(0, k_end, BK):
+            for j in tl.static_range(BK // 32):
+                k = k0 + j * 32
+                k_ok = offs_k < K - k
+                acc1 = _mma_block_swapped(acc1, a2_ptr + at_off + k, k_ok[:, None] & row_ok[None, :],
+                                          b2_ptr + b_off + k * stride_bk, n_ok[:, None] & k_ok[None, :],
+                                          sb2_ptr + sb_off + (k // 32) * stride_sk, n_ok & (k < K), DOT_F32)
+
+    c_off = rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BN, BM]: the transposed tile
+    _epilogue(acc1, acc2, c_off, row_ok[None, :] & n_ok[:, None], c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
+              HAS_LIMIT)
+
+
+@triton.jit
+def _mma_block_swapped(acc, at_ptrs, at_ok, b_ptrs, b_ok, sb_ptrs, sb_ok, DOT_F32: tl.constexpr):
+    """acc [BN, BM] += dequant(W [BN, 32]) @ A^T [32, BM] for one 32-wide scale block."""
+    at = tl.load(at_ptrs, mask=at_ok, other=0.0)
+    w = tl.load(b_ptrs, mask=b_ok, other=0.0)
+    sb = mx_scale_value(tl.load(sb_ptrs, mask=sb_ok, other=127).to(tl.int32) - 127)  # [BN]
+    return _dot((w.to(tl.float32) * sb[:, None]).to(tl.bfloat16), at, acc, DOT_F32)
+
+
+@triton.jit
+def _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE: tl.constexpr,
+              HAS_LIMIT: tl.constexpr):
+    """Stores of one output tile (either orientation: c_off/c_ok give each element's place)."""
     if MODE == 1:  # g, u stored in the activation dtype; h = silu(g) * u from the stored values
         g = _bf16_rne(acc1)
         u = _bf16_rne(acc2)
@@ -372,15 +449,21 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     grid = ((triton.cdiv(a1.shape[0], bm) + num_experts) * n_tiles,)  # upper bound, no host sync
     c1, c2, c3 = (list(outs) + [outs[0]] * 2)[:3]
     g, u = gu if gu[0] is not None else (c1, c1)
+    common = dict(HAS_LIMIT=swiglu_limit is not None, LOG_E=num_experts.bit_length(), DOT_F32=_DOT_F32, **cfg)
+    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
+    if mx and not fp8_mma:
+        _grouped_mm_mx_kernel[grid](
+            a1, a2, b1_data, b2_data, b1_s, b2_s, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
+            *b1_data.stride(), *b1_s.stride(), limit, MODE=mode, **common,
+        )
+        return
     _grouped_mm_kernel[grid](
         a1, a2, sa1 if sa1 is not None else a1, sa2 if sa2 is not None else a2,  # unused unless fp8-MMA
         b1_data, b2_data, b1_s if mx else b1_data, b2_s if mx else b2_data,  # unused unless MXFP8
         c1, c2, c3, g, u,
         group_end_E, tile_end_E, n, k, num_experts,
         *b1_data.stride(), *(b1_s.stride() if mx else (0, 0, 0)),
-        float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        MODE=mode, MX=mx, FP8_MMA=fp8_mma, HAS_LIMIT=swiglu_limit is not None,
-        LOG_E=num_experts.bit_length(), DOT_F32=_DOT_F32, **cfg,
+        limit, MODE=mode, FP8_MMA=fp8_mma, **common,
     )
 
 
