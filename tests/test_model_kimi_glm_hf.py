@@ -1,6 +1,7 @@
 """Helpers shared by the Kimi and GLM parity tests (transformers is the test-only
 reference), and the behaviour common to both models (adapter prefix, causality, bf16)."""
 
+import copy
 import json
 import os
 
@@ -12,6 +13,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from safetensors.torch import load_file
 
 from titan_mok import registry
+from titan_mok.config_check import MokConfigManager
 from titan_mok.models.common.state_dict_adapter import MLAStateDictAdapter
 from titan_mok.models.kimi_k2_7_code import kimi_k2_7_code_configs
 
@@ -106,3 +108,16 @@ def test_adapter_round_trips_ep_sharded_experts():
             assert torch.equal(value, plain[key]), key
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["kimi_k2_7_code", "glm_5_2"])
+def test_update_from_config_sets_seq_len_and_mok_section(name):
+    """Through the real config manager: [training] seq_len sizes the rotary cache, [mok] reaches MoEArgs."""
+    args = copy.deepcopy(registry.flavors(name)["debug"])
+    job = MokConfigManager().parse_args(["--job.config_file", f"train_configs/{name}/debug.toml", "--training.seq_len", "96",
+                                         "--mok.backend", "torchtitan", "--mok.kernels", "reference",
+                                         "--parallelism.expert_parallel_degree", "1"])  # this process is 1 rank
+    args.update_from_config(job)
+    assert (args.max_seq_len, args.moe_args.backend, args.moe_args.kernels) == (96, "torchtitan", "reference")
+    model = registry.model_module(name).get_train_spec().model_cls(args)
+    assert model.rope_cache.shape == (96, args.qk_rope_head_dim)
