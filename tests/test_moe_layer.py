@@ -329,6 +329,16 @@ def test_overflow_is_an_error_not_a_drop():
 # ------------------------------------------------- backend = "torchtitan"
 
 
+def test_backends_same_seed_same_init():
+    layers = []
+    for backend in ("mok", "torchtitan"):
+        torch.manual_seed(5)
+        moe = MoE(MoEArgs(num_experts=E, top_k=K, expert_dim=I, shared_expert_dim=24, backend=backend), H)
+        moe.init_weights(0.02, torch.device("cpu"))
+        layers.append(moe.state_dict())
+    assert all(torch.equal(layers[0][name], layers[1][name]) for name in layers[0])
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_torchtitan_backend_matches_mok(case):
     mok = _moe(**CASES[case])

@@ -14,6 +14,14 @@ from titan_mok.moe.args import MoEArgs
 from titan_mok.moe.tiles import map_row_tiles, row_invariant_linear
 
 
+def init_expert_weights(experts: nn.Module, init_std: float) -> None:
+    """w_gate ~ N(0, 0.02), then w_up, w_down ~ N(0, init_std), truncated (TorchTitan's
+    scheme). One order for both backends, so one seed gives the same weights."""
+    trunc_normal_(experts.w_gate, mean=0.0, std=0.02)
+    trunc_normal_(experts.w_up, mean=0.0, std=init_std)
+    trunc_normal_(experts.w_down, mean=0.0, std=init_std)
+
+
 class RoutedExperts(nn.Module):
     """The E routed SwiGLU experts: ``w_gate, w_up [E, I, H]``, ``w_down [E, H, I]``.
 
@@ -48,9 +56,7 @@ class RoutedExperts(nn.Module):
         )
 
     def init_weights(self, init_std: float) -> None:
-        trunc_normal_(self.w_gate, mean=0.0, std=0.02)
-        trunc_normal_(self.w_up, mean=0.0, std=init_std)
-        trunc_normal_(self.w_down, mean=0.0, std=init_std)
+        init_expert_weights(self, init_std)
 
 
 class SharedExpert(nn.Module):

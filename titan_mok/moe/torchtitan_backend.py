@@ -14,6 +14,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.tools.utils import has_cuda_capability
 
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
+from titan_mok.moe.experts import init_expert_weights
 
 # TorchTitan's parameter names → titan-mok's (the state dict is the same for both backends).
 _TT_TO_MOK = {"w1": "w_gate", "w3": "w_up", "w2": "w_down"}
@@ -45,6 +46,9 @@ class TorchTitanExperts(GroupedExperts):
         group_end = torch.cumsum(num_tokens_per_expert, dim=0)
         weights = (w.to(x_RH.dtype) for w in self.local_weights())
         return grouped_swiglu_ffn(x_RH, group_end, *weights, precision="bf16", swiglu_limit=self.swiglu_limit)
+
+    def init_weights(self, init_std: float) -> None:
+        init_expert_weights(self, init_std)  # TorchTitan draws w2 (down) before w3 (up)
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w_gate, self.w_up, self.w_down))
