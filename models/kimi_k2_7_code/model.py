@@ -2,11 +2,7 @@
 
 from titan_mok.models.common.decoder import MLADecoder
 
-from .args import KimiK27CodeArgs
-
 
 class KimiK27CodeModel(MLADecoder):
-    """Embedding → 61 × (MLA, dense FFN on layer 0 / MoE after) → RMSNorm → untied head."""
-
-    def __init__(self, model_args: KimiK27CodeArgs):
-        super().__init__(model_args)
+    """Embedding → 61 × (MLA, dense FFN on layer 0 / MoE after) → RMSNorm → untied head;
+    built from ``KimiK27CodeArgs``."""
