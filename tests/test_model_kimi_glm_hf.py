@@ -2,6 +2,7 @@
 reference), and the behaviour common to both models (adapter prefix, causality, bf16)."""
 
 import copy
+import dataclasses
 import json
 import os
 
@@ -121,3 +122,16 @@ def test_update_from_config_sets_seq_len_and_mok_section(name):
     assert (args.max_seq_len, args.moe_args.backend, args.moe_args.kernels) == (96, "torchtitan", "reference")
     model = registry.model_module(name).get_train_spec().model_cls(args)
     assert model.rope_cache.shape == (96, args.qk_rope_head_dim)
+
+
+def test_bad_arguments_and_inputs_raise_clear_errors():
+    args = registry.flavors("glm_5_2")["debug"]
+    with pytest.raises(ValueError, match="GLM52Args.kv_lora_rank = 0"):
+        dataclasses.replace(args, kv_lora_rank=0)
+    with pytest.raises(ValueError, match="GLM52Args.index_topk = 0"):
+        dataclasses.replace(args, index_topk=0)
+    model = registry.model_module("glm_5_2").get_train_spec().model_cls(copy.deepcopy(args))
+    with pytest.raises(ValueError, match=r"sequence length 4097 exceeds the rotary cache \(4096"):
+        model(torch.zeros(1, 4097, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"tokens_BS must be \[batch, seq\]"):
+        model(torch.zeros(8, dtype=torch.long))

@@ -66,6 +66,10 @@ class MLADecoderArgs(BaseModelArgs):
     moe_args: MoEArgs = field(default_factory=MoEArgs)
 
     def __post_init__(self):
+        for name in ("vocab_size", "dim", "n_layers", "dense_inter_dim", "n_heads", "q_lora_rank", "kv_lora_rank",
+                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{type(self).__name__}.{name} = {getattr(self, name)} must be > 0")
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ValueError(f"n_dense_layers = {self.n_dense_layers} must be in [0, n_layers = {self.n_layers}]")
         if self.qk_rope_head_dim % 2:

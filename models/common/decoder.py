@@ -88,8 +88,19 @@ class MLADecoder(ModelProtocol):
         return h_BSH
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        self.check_tokens(tokens_BS)
         h_BSH = self.decode(self.tok_embeddings(tokens_BS))
         return self.output(self.norm(h_BSH))
+
+    def check_tokens(self, tokens_BS: torch.Tensor) -> None:
+        """Shape checks only (no host sync)."""
+        if tokens_BS.dim() != 2:
+            raise ValueError(f"tokens_BS must be [batch, seq], got shape {tuple(tokens_BS.shape)}")
+        if tokens_BS.shape[1] > self.rope_cache.shape[0]:
+            raise ValueError(
+                f"sequence length {tokens_BS.shape[1]} exceeds the rotary cache ({self.rope_cache.shape[0]} "
+                "positions, set from [training] seq_len)"
+            )
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

@@ -39,6 +39,9 @@ class GLM52Args(MLADecoderArgs):
             raise ValueError(f"mtp_loss_coef = {self.mtp_loss_coef} needs n_mtp_layers = 1 and must be ≥ 0")
         if self.index_loss_coef < 0:
             raise ValueError(f"index_loss_coef = {self.index_loss_coef} must be ≥ 0")
+        for name in ("index_n_heads", "index_head_dim", "index_topk"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GLM52Args.{name} = {getattr(self, name)} must be > 0")
         if self.index_topk_freq < 1:
             raise ValueError(f"index_topk_freq = {self.index_topk_freq} must be ≥ 1")
         if self.index_head_dim < self.qk_rope_head_dim:

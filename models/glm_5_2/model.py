@@ -26,6 +26,7 @@ class GLM52Model(MLADecoder):
         return DSAttention(self.model_args, runs_indexer=self.model_args.runs_indexer(layer_id))
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        self.check_tokens(tokens_BS)
         emb_BSH = self.tok_embeddings(tokens_BS)
         h_BSH = self.norm(self.decode(emb_BSH))
         coef = self.model_args.mtp_loss_coef
