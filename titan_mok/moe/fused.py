@@ -14,13 +14,21 @@ at or past ``group_end[L-1]`` are padding, which the grouped FFN skips.
 Per layer call (each step between workspace barriers, all on the current stream, no host sync):
   forward   ids → own buffer | barrier | gather ids, schedule kernel (kernels/mok_schedule.py)
             x → own buffer | barrier | pull rows from the source ranks (kernels/mok_rows.py)
-            expert FFN (kernels/grouped_ffn.py, bf16 or mxfp8)
+            the layer's RoutedExperts module: Triton grouped FFN (kernels/grouped_ffn.py, bf16 or
+            mxfp8; its tile map keeps every GEMM tile inside one expert, so the schedule's rows
+            are contiguous per expert rather than padded)
             push each result row to its source's slot (token, slot) | barrier |
             fp32 ordered slot reduction + shared expert (kernels/mok_combine.py)
   backward  w·dY → own dY buffer | barrier | pull dY rows; expert dgrad/wgrad (grouped FFN);
             push each row gradient to its source's slot | barrier | fp32 ordered slot sum → dX
 Not fused: these are separate kernel launches (schedule ×2, pull, 3 FFN GEMMs, push, reduce),
-not one persistent kernel with readiness flags; communication and compute do not overlap.
+not one persistent kernel with readiness flags; communication and compute do not overlap. MXFP8
+quantization of the activations happens in the grouped GEMM's tile loads, not during the pull
+(rows cross NVLink in bf16). The only device-side waits are the workspace barriers (bounded, then
+a device error); the kernels themselves never spin.
+
+Requirements: every rank of the EP group calls with the same T, K, H and dtype (symmetric
+buffers), and ``MoEArgs.max_rows_per_rank`` is None (capacity = the worst case).
 """
 
 from collections.abc import Callable
