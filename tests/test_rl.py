@@ -14,6 +14,7 @@ from titan_mok.models.kimi_k2_7_code import KimiK27CodeModel, kimi_k2_7_code_con
 from titan_mok.rl.generate import generate, has_kv_cache_step
 from titan_mok.rl.grpo import clipped_pg_loss_sum, group_advantages
 from titan_mok.rl.invariant import BatchInvariantMode, invariant_attention
+from titan_mok.rl.reference import ReferencePolicy
 from titan_mok.rl.sampling import sample, sequence_key, token_logprobs
 from titan_mok.rl.tasks import make_prompt, reward
 from titan_mok.rl.trainer import completion_logprobs
@@ -132,6 +133,23 @@ def test_grpo_maths():
     assert stats["clipped_tokens"] == 2
     with pytest.raises(ValueError, match="group_size"):
         group_advantages(torch.zeros(5), group_size=2)
+
+
+def test_reference_policy_swaps_in_and_back(model):
+    model = copy.deepcopy(model)  # moved below; the module's model is shared
+    tokens = torch.randint(3, 100, (2, 12))
+    reference = ReferencePolicy(model)
+    before = model(tokens).detach()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    moved = model(tokens).detach()
+    with reference.swapped_in(model):
+        assert torch.equal(model(tokens), before)
+    assert torch.equal(model(tokens), moved)
+    reference.reset_to(model)
+    with reference.swapped_in(model):
+        assert torch.equal(model(tokens), moved)
 
 
 def test_reward():

@@ -57,6 +57,11 @@ class Rl:
     updates_per_rollout: int = 1
     """Optimizer steps on each rollout batch (ratios move off 1 after the first)."""
 
+    kl_coef: float = 0.0
+    """Weight of the per-token KL penalty (k3 estimator) to the reference policy: the
+    weights the run started from (init or [checkpoint] initial load), kept in the
+    checkpoint. 0: no penalty and no reference copy."""
+
     parity: Literal["warn", "fail"] = "fail"
     """When the trainer's recomputed logprobs differ from the rollout's (the
     logged logprob_max_abs_diff is not 0): log a warning, or stop the run."""

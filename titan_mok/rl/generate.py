@@ -13,12 +13,10 @@ under ``BatchInvariantMode``), so every logit equals, bit for bit, the one the
 trainer recomputes for the same position.
 """
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from titan_mok.models.common.decoder import MLADecoder
 from titan_mok.models.common.mla import MLAttention
@@ -95,24 +93,6 @@ def forward_step(model: MLADecoder, tokens_BT: torch.Tensor, start: int | torch.
         ffn = block.moe if block.moe_enabled else block.feed_forward
         h_BTH = h_BTH + ffn(block.ffn_norm(h_BTH))
     return model.output(model.norm(h_BTH))
-
-
-@contextmanager
-def unsharded(model: torch.nn.Module):
-    """All FSDP-sharded parameters gathered for the duration (an inference engine's full
-    weights); ``forward_step`` calls submodules, which FSDP's forward hooks would not see."""
-    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if isinstance(model, FSDPModule):
-        # NOTE: private FSDP2 API (torch 2.11-2.13). The root's forward normally does this; without
-        # it, the first FSDP-wrapped submodule called directly (e.g. the final norm) claims the root.
-        model._get_fsdp_state()._lazy_init()
-    for module in fsdp_modules:
-        module.unshard()
-    try:
-        yield
-    finally:
-        for module in fsdp_modules:
-            module.reshard()
 
 
 class CachedDecoder:

@@ -27,9 +27,11 @@ from torchtitan.train import Trainer
 
 from titan_mok.config_check import ConfigError
 from titan_mok.moe import MoE
-from titan_mok.rl.generate import Rollout, generate, has_kv_cache_step, unsharded
+from titan_mok.rl.fsdp import unsharded
+from titan_mok.rl.generate import Rollout, generate, has_kv_cache_step
 from titan_mok.rl.grpo import clipped_pg_loss_sum, group_advantages
 from titan_mok.rl.invariant import BatchInvariantMode
+from titan_mok.rl.reference import ReferencePolicy
 from titan_mok.rl.sampling import sequence_key, token_logprobs
 from titan_mok.rl.tasks import completion_text, make_prompt, reward
 
@@ -104,6 +106,10 @@ class RlTrainer(Trainer):
         else:
             self.dp_degree, self.dp_rank, self.dp_group = 1, 0, None
         self.prompt_index = 0  # next global prompt index: the RL data position
+        # The reference policy's tensors exist before the checkpoint loads (DCP loads into them);
+        # unless a resume restores them, they take the weights the first step starts from.
+        self.reference = ReferencePolicy(self.model) if job_config.rl.kl_coef > 0 else None
+        self.reference_restored = False
 
     # ---- cross-rank reductions over the data-parallel ranks ----
     def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,6 +163,7 @@ class RlTrainer(Trainer):
         advantages_B = group_advantages(rewards_B, rl.group_size)
         mask_BG = rollout.mask_BG
         global_tokens = self._all_reduce(mask_BG.sum().float())
+        ref_logprobs_BG = self._reference_logprobs(rollout) if self.reference is not None else None
 
         start = time.perf_counter()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
@@ -167,7 +174,7 @@ class RlTrainer(Trainer):
                 logprobs_BG = completion_logprobs(logits_BSV, rollout, rl.temperature)
                 del logits_BSV
                 loss_sum, stats = clipped_pg_loss_sum(
-                    logprobs_BG, rollout.logprobs_BG, advantages_B, mask_BG, rl.clip_eps
+                    logprobs_BG, rollout.logprobs_BG, advantages_B, mask_BG, rl.clip_eps, ref_logprobs_BG, rl.kl_coef
                 )
                 loss = loss_sum / global_tokens
             if update == 0:
@@ -199,6 +206,13 @@ class RlTrainer(Trainer):
                 f"clip {metrics['rl/clip_fraction']:.3f}, rollout {metrics['rl/rollout_tokens_per_s']:.0f} tok/s"
             )
 
+    def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        if not self.reference_restored:
+            self.reference.reset_to(self.model)
+            self.reference_restored = True
+        with torch.no_grad(), BatchInvariantMode(), moe_counts_kept(self.model), self.reference.swapped_in(self.model):
+            return completion_logprobs(self.model(rollout.tokens_BS), rollout, self.job_config.rl.temperature)
+
     def _check_parity(self, logprobs_BG: torch.Tensor, rollout: Rollout) -> float:
         """Max |trainer − rollout| logprob over every rank's generated tokens."""
         diff_BG = torch.where(rollout.mask_BG, (logprobs_BG - rollout.logprobs_BG).abs(), 0.0)
@@ -215,7 +229,7 @@ class RlTrainer(Trainer):
 
     def _metrics(self, rewards_B, advantages_B, rollout, stats, global_tokens, rollout_s, train_s) -> dict[str, Any]:
         rewards_X, advantages_X = self._all_gather(rewards_B), self._all_gather(advantages_B)
-        sums = self._all_reduce(torch.stack([stats["kl_sum"], stats["clipped_tokens"]]).detach())
+        sums = self._all_reduce(torch.stack([stats["kl_sum"], stats["clipped_tokens"], stats["ref_kl_sum"]]).detach())
         digests = [_digest(rollout.tokens_BS, rollout.logprobs_BG, rewards_B)] * self.dp_degree
         if self.dp_group is not None:
             dist.all_gather_object(digests, digests[0], group=self.dp_group)
@@ -230,6 +244,7 @@ class RlTrainer(Trainer):
             "rl/advantage_max": advantages_X.max().item(),
             "rl/kl": sums[0].item() / tokens,
             "rl/clip_fraction": sums[1].item() / tokens,
+            "rl/kl_to_reference": sums[2].item() / tokens,
             "rl/completion_tokens": tokens,
             "rl/rollout_tokens_per_s": tokens / rollout_s,
             "rl/train_tokens_per_s": rollout.tokens_BS.numel() * self.dp_degree / train_s,
@@ -239,7 +254,10 @@ class RlTrainer(Trainer):
 
     # ---- checkpointed state (TorchTitan saves it as "train_state") ----
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "rl_prompt_index": self.prompt_index, "rl_seed": self.seed}
+        state = {**super().state_dict(), "rl_prompt_index": self.prompt_index, "rl_seed": self.seed}
+        if self.reference is not None:
+            state["rl_reference"] = self.reference.state
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -249,3 +267,7 @@ class RlTrainer(Trainer):
                 "a resumed run must keep the seed (its prompts and sampling streams derive from it)"
             )
         self.prompt_index = state_dict["rl_prompt_index"]
+        if self.reference is not None:
+            if "rl_reference" not in state_dict:
+                raise ValueError("[rl] kl_coef > 0 but the checkpoint holds no reference policy (saved with kl_coef = 0)")
+            self.reference_restored = True  # DCP loaded into self.reference.state in place
