@@ -11,7 +11,7 @@ Shapes: shared/reference/model_shapes.json. Flavors:
   block included). Why: 9.24 B parameters, whose fp32 weights + grads + AdamW
   states (16 B/param) take ~74 GB per GPU when sharded over 2×H200 (141 GB each),
   leaving room for activations and the fp32 logits of the 154880-token
-  vocabulary at seq 4096 (the same budget as Kimi's h200 flavor).
+  vocabulary (train_configs/glm_5_2/h200.toml: seq 3072 > index_topk, so DSA runs).
 - ``full``: the published architecture (78 layers + MTP, 256 experts): 753.3 B
   parameters with the MTP block, 743.4 B without; GLM-5's published 744 B has an
   indexer on all 78 layers (+0.53 B), IndexShare keeps 21.
