@@ -18,12 +18,14 @@ K (quantized once per pass by ``mxfp8_quantize``, in the layout each GEMM reads)
 are quantized once per GEMM by a one-pass kernel with the reference rule (``mx_quantize_block``),
 along K for grouped_mm and along the token axis for grouped_wgrad (blocks of 32 rows starting at
 each group's first row; a group's last block is zero-padded), so no tile re-quantizes its A.
-Per-32 scales are applied inside the GEMM, one 32-wide K block at a time: by default each E4M3
-weight block is dequantized in registers to bf16 (exact: an E4M3 value times a power of two)
-against bf16 activations holding the MXFP8 values, on the bf16 tensor cores; ``fp8_mma=True``
-instead runs E4M3 x E4M3 MMAs per 32-wide K block and promotes each partial sum into the fp32
-accumulator with its two scales (DeepGEMM-style). fp32 accumulation, one program per output
-tile, fixed K order: no split-K, no atomics, run-to-run deterministic.
+Per-32 scales are applied inside the GEMM, one 32-wide K block at a time. Default
+(``_grouped_mm_mx_kernel``): operands swapped (C^T = W A^T), each E4M3 weight block dequantized
+in registers to bf16 (exact: an E4M3 value times a power of two) and fed to the bf16 tensor cores
+as the register operand, against bf16 activations holding the MXFP8 values. ``fp8_mma=True``
+(``_grouped_mm_kernel``): E4M3 x E4M3 MMAs per 32-wide K block, each partial sum promoted into the
+fp32 accumulator with its two scales (DeepGEMM-style); measured slower on H200 (NOTES.md).
+fp32 accumulation, one program per output tile, fixed K order: no split-K, no atomics,
+run-to-run deterministic.
 
 Row-batch invariance: tile shapes (``_MM_CONFIGS``) depend only on the kind of GEMM and the
 precision, never on the rows; every row goes through the same instruction sequence whatever
@@ -55,10 +57,11 @@ PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 
 # Tile configs per precision: module-level so benchmarks can try others. They must not depend on
 # the number of rows (batch invariance). On the MXFP8 paths BK is a multiple of 32 (the K loop
-# takes one scale block at a time).
+# takes one scale block at a time). Chosen by `python -m titan_mok.bench.grouped_ffn --tune` on
+# an H200 (benchmarks/NOTES.md, 2026-11-30).
 _MM_CONFIGS = {
     "bf16": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
-    "mxfp8": dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),  # swapped: BN weight rows
+    "mxfp8": dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),  # swapped: BN weight rows
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
 }
 _WGRAD_CONFIG = dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3)
