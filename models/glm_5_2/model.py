@@ -29,11 +29,10 @@ class GLM52Model(MLADecoder):
         self.check_tokens(tokens_BS)
         emb_BSH = self.tok_embeddings(tokens_BS)
         h_BSH = self.norm(self.decode(emb_BSH))
-        coef = self.model_args.mtp_loss_coef
-        if coef == 0 or not torch.is_grad_enabled():
+        coef, seqlen = self.model_args.mtp_loss_coef, tokens_BS.shape[1]
+        if coef == 0 or not torch.is_grad_enabled() or seqlen < 3:  # (S < 3: no MTP target in the input)
             return self.output(h_BSH)
         # MTP: position i (0..S-2) sees h_i and the embedding of token i+1, predicts token i+2.
-        seqlen = tokens_BS.shape[1]
         mtp_BSH = self.layers[str(self.model_args.n_layers)](emb_BSH[:, 1:], h_BSH[:, :-1], self.rope_cache)
         # one call of the (FSDP-wrapped) head for both: [B, S + S-1, V], split back
         logits_BSV, mtp_logits_BSV = self.output(torch.cat([h_BSH, mtp_BSH], dim=1)).split([seqlen, seqlen - 1], dim=1)
