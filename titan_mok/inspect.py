@@ -67,7 +67,7 @@ def format_report(report: dict) -> str:
         f"  total params       {report['total_params']:>20,}  ({report['total_params'] / 1e9:.2f} B)",
         f"  active params/tok  {report['active_params']:>20,}  ({report['active_params'] / 1e9:.2f} B)",
         f"  train FLOPs/tok    {report['flops_per_token']:>20,}  ({report['flops_per_token'] / 1e12:.3f} TFLOP)",
-        f"  embedding/norm/head{report['non_layer_params']:>20,}",
+        f"  outside layers     {report['non_layer_params']:>20,}  (embedding, norm, head, any block not in model.layers)",
         f"  {'layers':<10} {'kind':<26} {'params each':>16} {'active each':>16}",
     ]
     for span, layer in _group_layers(report["layers"]):
