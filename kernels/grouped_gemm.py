@@ -361,7 +361,7 @@ def _mx_fake_quant_groups_kernel(
 ):
     """MXFP8 values (bf16) of x, blocks of 32 rows starting at each group's first row."""
     t = tl.program_id(0)
-    e, r0, row_end, _ = _tile_of_program(t, group_end_ptr, block_end_ptr, 1, E, LOG_E, 32, 1, 1)
+    _expert, r0, row_end, _col = _tile_of_program(t, group_end_ptr, block_end_ptr, 1, E, LOG_E, 32, 1, 1)
     rows = r0 + tl.arange(0, 32)
     offs_q = tl.program_id(1) * BQ + tl.arange(0, BQ)
     ok = ((rows < row_end) & (t < tl.load(block_end_ptr + E - 1)))[:, None] & (offs_q < N)[None, :]
