@@ -156,6 +156,7 @@ def test_reward():
     assert reward("1 3 5 8\nxyz", "1 3 5 8") == 1.0
     assert reward("1 3 5", "1 3 5 8") == 5 / 7
     assert reward("1 3 5 8 9", "1 3 5 8") == 7 / 9
+    assert reward("2 3x5 8", "1 3 5 8") == (5 + 0.5) / 7  # '2' for '1': a digit; 'x' for ' ': no credit
     assert reward("", "42") == 0.0
 
 

@@ -68,7 +68,7 @@ def test_parity_is_zero_every_step_and_reward_rises(full_run):
     assert all(m["rl/logprob_max_abs_diff"] == 0.0 for m in metrics.values())
     first = sum(metrics[s]["rl/reward_mean"] for s in range(1, 6)) / 5
     last = sum(metrics[s]["rl/reward_mean"] for s in range(STEPS - 4, STEPS + 1)) / 5
-    assert last > first + 0.03, f"mean reward of steps 1-5: {first:.4f}, of steps {STEPS - 4}-{STEPS}: {last:.4f}"
+    assert last > first + 0.02, f"mean reward of steps 1-5: {first:.4f}, of steps {STEPS - 4}-{STEPS}: {last:.4f}"
 
 
 def test_two_runs_are_bitwise_identical(full_run, tmp_path):

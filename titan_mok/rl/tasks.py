@@ -5,10 +5,12 @@
 ``g`` of a run is a pure function of (seed, g), so the data position of a run
 is one integer (saved in RL checkpoints).
 
-Reward in [0, 1]: the fraction of answer characters written at their position,
-over the longer of answer and completion (1 exactly for the exact answer; extra
-or missing characters lower it). It is dense enough for a randomly initialised
-debug model to climb, and exact: no model judges it.
+Reward in [0, 1], per answer position: 1 for the answer's character, 1/2 for
+another character of the same class (digit, letter, space, other), 0 otherwise;
+summed and divided by the longer of answer and completion (so 1 exactly for the
+exact answer; extra or missing characters lower it). The half credit is a format
+reward: it gives a randomly initialised debug model a gradient within a few
+steps. Exact and cheap: no model judges it.
 """
 
 from dataclasses import dataclass
@@ -36,7 +38,11 @@ def completion_text(completion: str) -> str:
     return completion.split("\n", 1)[0]
 
 
+def _char_class(ch: str) -> str:
+    return "digit" if ch.isdigit() else "letter" if ch.isalpha() else "space" if ch == " " else "other"
+
+
 def reward(completion: str, answer: str) -> float:
     written = completion_text(completion)
-    matched = sum(a == b for a, b in zip(written, answer))
-    return matched / max(len(written), len(answer))
+    credit = sum(1.0 if w == a else 0.5 if _char_class(w) == _char_class(a) else 0.0 for w, a in zip(written, answer))
+    return credit / max(len(written), len(answer))
