@@ -156,6 +156,13 @@ def _naive_moe(moe: MoE, x_BSH: torch.Tensor, topk_idx_TK: torch.Tensor) -> torc
     return y_TH.view_as(x_BSH), loss_extra
 
 
+@torch.no_grad()
+def _route(moe: MoE, x_BSH: torch.Tensor) -> torch.Tensor:
+    """The layer's expert choice topk_idx_TK for x_BSH."""
+    bias_E = moe.expert_bias if moe.args.use_expert_bias else None
+    return moe.router(moe.router.logits(x_BSH.reshape(-1, H)), bias_E, None)[1]
+
+
 def _grads(moe: MoE, x: torch.Tensor, loss_fn) -> dict[str, torch.Tensor]:
     moe.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_(True)
@@ -176,8 +183,7 @@ def test_forward_backward_match_plain_autograd(case):
     moe = _moe(**CASES[case])
     x = torch.randn(2, 9, H)
     g = torch.randn(2, 9, H)
-    with torch.no_grad():
-        _, topk_idx_TK, _ = moe.router(moe.router.logits(x.reshape(-1, H)), moe.expert_bias if moe.args.use_expert_bias else None, None)
+    topk_idx_TK = _route(moe, x)
     ours = _grads(moe, x, lambda xx: (moe(xx) * g).sum())
 
     def naive_loss(xx):
@@ -232,7 +238,7 @@ def test_all_tokens_one_expert_and_empty_experts():
     moe.expert_bias.zero_()
     moe.expert_bias[5] = 100.0  # sigmoid scores are < 1: the bias decides
     x = torch.randn(2, 13, H)
-    _, topk_idx_TK, _ = moe.router(moe.router.logits(x.reshape(-1, H)), moe.expert_bias, None)
+    topk_idx_TK = _route(moe, x)
     assert (topk_idx_TK == 5).all()
     torch.testing.assert_close(moe(x), _naive_moe(moe, x, topk_idx_TK)[0], rtol=0, atol=1e-5)
     assert moe.tokens_per_expert[5] == 26 and moe.tokens_per_expert.sum() == 26
@@ -244,7 +250,7 @@ def test_ties_go_to_lower_expert_id():
     moe.router.gate.weight.zero_()  # every score is sigmoid(0): all tied
     moe.expert_bias.zero_()
     x = torch.randn(1, 5, H)
-    _, topk_idx_TK, _ = moe.router(moe.router.logits(x.reshape(-1, H)), moe.expert_bias, None)
+    topk_idx_TK = _route(moe, x)
     assert topk_idx_TK.tolist() == [[0, 1, 2]] * 5
     torch.testing.assert_close(moe(x), _naive_moe(moe, x, topk_idx_TK)[0], rtol=0, atol=1e-5)
 
@@ -254,7 +260,7 @@ def test_token_counts_not_multiples(num_tokens):
     moe = _moe(**CASES["v4_like"])
     x = torch.randn(1, num_tokens, H, requires_grad=True)
     with torch.no_grad():
-        _, topk_idx_TK, _ = moe.router(moe.router.logits(x.reshape(-1, H)), moe.expert_bias, None)
+        topk_idx_TK = _route(moe, x)
         torch.testing.assert_close(moe(x), _naive_moe(moe, x, topk_idx_TK)[0], rtol=0, atol=1e-5)
     moe(x).sum().backward()
     assert torch.isfinite(x.grad).all()

@@ -64,5 +64,10 @@ class MoEArgs:
 
     # Set from the [mok] TOML section at build time (update_from_config).
     backend: Literal["mok", "torchtitan"] = "mok"
+    """"mok": titan-mok's schedule → dispatch → experts → combine; "torchtitan": TorchTitan
+    0.2.2's GroupedExperts (+ its all-to-all ExpertParallel under EP), the baseline."""
     precision: Literal["bf16", "mxfp8"] = "bf16"
+    """Routed-expert GEMMs: "bf16" (the activations' dtype) or "mxfp8" (DESIGN §6)."""
     kernels: Literal["auto", "reference", "triton"] = "auto"
+    """"reference": pure PyTorch; "triton": the fused path (Hopper); "auto": the reference
+    schedule with the Triton expert FFN on SM90+, pure PyTorch elsewhere."""
