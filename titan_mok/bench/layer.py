@@ -22,11 +22,11 @@ import datetime
 import importlib
 import json
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
 
+from titan_mok.bench.mok_fused import _max_over_ranks, _median_ms  # one timing loop for both benches
 from titan_mok.moe import MoE
 
 SHAPES = ("kimi_k2_7_code", "glm_5_2", "qwen3_5_397b_a17b", "deepseek_v4_pro")
@@ -65,22 +65,8 @@ def build_layer(shape: str, backend: str, kernels: str, precision: str, ep_mesh)
 
 
 def median_ms(fn, iters: int, warmup: int) -> float:
-    """Median CUDA-event time of ``fn()`` over ``iters`` calls after ``warmup`` calls,
-    max over ranks (NOTE: host syncs after every call)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    median = torch.tensor([statistics.median(times)], device="cuda")
-    if dist.is_initialized():
-        dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return median.item()
+    """Median CUDA-event time of ``fn()`` over ``iters`` calls after ``warmup`` calls, max over ranks."""
+    return _max_over_ranks(_median_ms(fn, iters, warmup))
 
 
 def bench(shape: str, backend: str, kernels: str, precision: str, tokens: int, iters: int, warmup: int, ep_mesh):
