@@ -14,7 +14,6 @@ from tests import torchrun
 
 CONFIG = "train_configs/kimi_k2_7_code/debug.toml"
 STEPS, MID = 6, 3
-OVERRIDES = ("--parallelism.expert_parallel_degree", "1")  # TEMP until the mok EP parallelize lands
 pytestmark = pytest.mark.slow
 
 
@@ -22,7 +21,7 @@ def _run(folder: Path) -> dict[int, float]:
     torchrun.run(
         "titan_mok.train", CONFIG, "--training.steps", str(STEPS), "--metrics.log_freq", "1",
         "--job.dump_folder", str(folder), "--checkpoint.enable", "--checkpoint.interval", str(MID),
-        "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "float32", *OVERRIDES,
+        "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "float32",
     )
     (jsonl,) = folder.glob("tb/*/metrics.jsonl")
     records = [json.loads(line) for line in jsonl.read_text().splitlines()[1:]]
