@@ -36,19 +36,24 @@ def check_parallel_dims(parallel_dims) -> None:
             raise ValueError(f"[parallelism] {key} = {degree}: titan-mok's models support FSDP/HSDP and EP only; set it to 1")
 
 
-def apply_ep(model: torch.nn.Module, ep_mesh, backend: str) -> None:
-    """Experts become DTensors Shard(0) on the ep mesh: titan-mok's style for
-    backend "mok", TorchTitan's all-to-all ExpertParallel for "torchtitan"."""
+def apply_ep(model: torch.nn.Module, ep_mesh) -> None:
+    """Experts become DTensors Shard(0) on the ep mesh: titan-mok's style for a layer
+    built with backend "mok", TorchTitan's all-to-all ExpertParallel for "torchtitan"
+    (the layer's own MoEArgs decide, so style and experts module always match)."""
     for block in model.layers.values():
         if block.moe_enabled:
-            style = MokExpertParallel() if backend == "mok" else ExpertParallel()
-            parallelize_module(block.moe.experts, ep_mesh, style)
+            if block.moe.args.backend == "mok":
+                parallelize_module(block.moe.experts, ep_mesh, MokExpertParallel())
+            else:
+                parallelize_module(block.moe.experts, ep_mesh, ExpertParallel())
+                # The layer's data checks (NaN logits, token ids) then raise on every ep rank.
+                block.moe.experts.ep_mesh = ep_mesh
 
 
 def parallelize_moe_model(model: torch.nn.Module, parallel_dims, job_config) -> torch.nn.Module:
     check_parallel_dims(parallel_dims)
     if parallel_dims.ep_enabled:
-        apply_ep(model, parallel_dims.get_mesh("ep"), job_config.mok.backend)
+        apply_ep(model, parallel_dims.get_mesh("ep"))
 
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
