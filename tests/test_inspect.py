@@ -60,3 +60,34 @@ def test_unknown_model_or_flavor_lists_the_valid_ones(capsys):
         main(["--model", "gpt5", "--flavor", "full"])
     with pytest.raises(SystemExit, match=r"\['debug', 'h200', 'full'\]"):
         main(["--model", "glm_5_2", "--flavor", "huge"])
+
+
+def glm_closed_form(a, seq_len: int) -> tuple[int, int]:
+    """(total, training FLOPs/token) of a GLM flavor with its MTP block and indexer trained."""
+    h, n, m, e = a.dim, a.n_heads, a.moe_args, a.qk_head_dim
+    attention = (h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * n * e + h * (a.kv_lora_rank + a.qk_rope_head_dim)
+                 + a.kv_lora_rank + a.kv_lora_rank * n * (a.qk_nope_head_dim + a.v_head_dim) + n * a.v_head_dim * h)
+    indexer = a.q_lora_rank * a.index_n_heads * a.index_head_dim + h * a.index_head_dim + 2 * a.index_head_dim + h * a.index_n_heads
+    moe_shared = m.num_experts * h + 3 * m.shared_expert_dim * h
+    routed = 3 * m.expert_dim * h
+    n_moe, n_index = a.n_layers - a.n_dense_layers, len(a.indexer_layers) + 1  # + the MTP block's
+    mtp_extra = 2 * h + 2 * h * h + h
+    blocks = a.n_layers * (attention + 2 * h) + a.n_dense_layers * 3 * h * a.dense_inter_dim
+    total = (2 * a.vocab_size * h + h + blocks + n_index * indexer + n_moe * (moe_shared + m.num_experts * routed)
+             + attention + 2 * h + moe_shared + m.num_experts * routed + mtp_extra)
+    active_matmul = (h + blocks + n_moe * (moe_shared + m.top_k * routed) + attention + 2 * h + moe_shared
+                     + m.top_k * routed + mtp_extra + 2 * a.vocab_size * h)  # the head runs twice
+    keys = min(seq_len, a.index_topk)
+    flops = 6 * active_matmul + 6 * (a.n_layers + 1) * n * (e + a.v_head_dim) * keys
+    if seq_len > a.index_topk:  # indexers: forward + weight grads, scores ×3, KL target forward
+        flops += 4 * n_index * indexer + 6 * n_index * a.index_n_heads * (a.index_head_dim + 1) * seq_len
+        flops += 2 * n_index * n * e * seq_len
+    return total, flops
+
+
+@pytest.mark.parametrize("seq_len", [1024, 4096], ids=["S<=topk", "S>topk"])
+def test_glm_counts_match_closed_form(seq_len):
+    a = registry.flavors("glm_5_2")["h200"]
+    assert a.mtp_loss_coef > 0 and a.index_loss_coef > 0
+    report = inspect_model("glm_5_2", "h200", seq_len=seq_len)
+    assert (report["total_params"], report["flops_per_token"]) == glm_closed_form(a, seq_len)
