@@ -7,33 +7,13 @@ accumulation, so what remains is the summation order and the rounding of bf16
 intermediates (g, u, h, dgate, dup), which can flip an occasional MXFP8 element downstream.
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit decorates the kernels
-
-    def _interpreter_numpy_shim():
-        """Triton 3.6's interpreter holds scalars as 1-element arrays and int()s them for loop
-        bounds, which NumPy >= 2.4 rejects; index through the single element instead."""
-        from triton.runtime import interpreter
-
-        patch_tensor = interpreter._patch_lang_tensor
-
-        def patched(tensor, scope):
-            patch_tensor(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        interpreter._patch_lang_tensor = patched
-
-    _interpreter_numpy_shim()
-
-from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn  # noqa: E402
-from titan_mok.kernels.grouped_gemm import grouped_mm, mxfp8_fake_quantize_groups, ref_grouped_mm  # noqa: E402
-from titan_mok.mxfp8 import fake_quantize_mxfp8  # noqa: E402
-from titan_mok.kernels.mxfp8_quant import mxfp8_quantize  # noqa: E402
+from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
+from titan_mok.kernels.grouped_gemm import grouped_mm, mxfp8_fake_quantize_groups, ref_grouped_mm
+from titan_mok.mxfp8 import fake_quantize_mxfp8
+from titan_mok.kernels.mxfp8_quant import mxfp8_quantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("y", "dx", "dw_gate", "dw_up", "dw_down")

@@ -6,19 +6,14 @@ symmetric-memory peer pointers are handed to them on the GPU. Determinism and eq
 reference are compared bit for bit (torch.equal). GPU and 2-process tests: test_mok_fused_gpu.py.
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit decorates the kernels
-
-from titan_mok.kernels.mok_combine import ref_slot_reduce, ref_slot_scale, slot_reduce, slot_scale  # noqa: E402
-from titan_mok.kernels.mok_rows import move_rows, ref_pull_rows, ref_push_rows  # noqa: E402
-from titan_mok.kernels.mok_schedule import mok_schedule, ref_mok_schedule  # noqa: E402
-from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch  # noqa: E402
-from titan_mok.moe.fused import build_fused_handle, fused_combine, fused_dispatch  # noqa: E402
+from titan_mok.kernels.mok_combine import ref_slot_reduce, ref_slot_scale, slot_reduce, slot_scale
+from titan_mok.kernels.mok_rows import move_rows, ref_pull_rows, ref_push_rows
+from titan_mok.kernels.mok_schedule import mok_schedule, ref_mok_schedule
+from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch
+from titan_mok.moe.fused import build_fused_handle, fused_combine, fused_dispatch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

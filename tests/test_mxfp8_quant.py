@@ -3,22 +3,17 @@
 On CPU the kernels run in Triton's interpreter (small sizes); on a GPU at real sizes.
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit decorates the kernels
-
-from titan_mok.kernels.mxfp8_quant import (  # noqa: E402
+from titan_mok.kernels.mxfp8_quant import (
     mxfp8_fake_quantize,
     mxfp8_quantize,
     ref_mxfp8_fake_quantize,
     ref_mxfp8_quantize,
 )
 
-from tests.test_mxfp8 import _edge_blocks  # noqa: E402
+from tests.test_mxfp8 import _edge_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,0 +1,29 @@
+"""Test-session set-up shared by every test module.
+
+Without CUDA, Triton kernels run in Triton's interpreter. TRITON_INTERPRET must
+be set before any kernel is decorated, i.e. before the first test module
+imports one: doing it per module breaks as soon as another module imported
+Triton first ("0 active drivers").
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    def _interpreter_numpy_shim():
+        """Triton 3.6's interpreter holds scalars as 1-element arrays and int()s them for loop
+        bounds, which NumPy >= 2.4 rejects; index through the single element instead."""
+        from triton.runtime import interpreter
+
+        patch_tensor = interpreter._patch_lang_tensor
+
+        def patched(tensor, scope):
+            patch_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        interpreter._patch_lang_tensor = patched
+
+    _interpreter_numpy_shim()
