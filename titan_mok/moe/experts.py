@@ -14,6 +14,11 @@ from titan_mok.moe.args import MoEArgs
 from titan_mok.moe.tiles import map_row_tiles, row_invariant_linear
 
 
+def local_expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w_gate_LIH, w_up_LIH, w_down_LHI) as plain tensors: this rank's experts (both backends)."""
+    return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (experts.w_gate, experts.w_up, experts.w_down))
+
+
 def init_expert_weights(experts: nn.Module, init_std: float) -> None:
     """w_gate ~ N(0, 0.02), then w_up, w_down ~ N(0, init_std), truncated (TorchTitan's
     scheme). One order for both backends, so one seed gives the same weights."""
@@ -44,8 +49,7 @@ class RoutedExperts(nn.Module):
         self.ep_mesh = None
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w_gate_LIH, w_up_LIH, w_down_LHI) as plain tensors: this rank's experts."""
-        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w_gate, self.w_up, self.w_down))
+        return local_expert_weights(self)
 
     def forward(self, x_RH: torch.Tensor, group_end_L: torch.Tensor) -> torch.Tensor:
         """Rows grouped by local expert ([R, H], ends [L]) → expert outputs [R, H] in x's dtype."""

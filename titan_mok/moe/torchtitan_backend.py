@@ -9,12 +9,11 @@ reach the experts and come back, and in the expert GEMMs.
 """
 
 import torch
-from torch.distributed.tensor import DTensor
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.tools.utils import has_cuda_capability
 
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
-from titan_mok.moe.experts import init_expert_weights
+from titan_mok.moe.experts import init_expert_weights, local_expert_weights
 
 # TorchTitan's parameter names → titan-mok's (the state dict is the same for both backends).
 _TT_TO_MOK = {"w1": "w_gate", "w3": "w_up", "w2": "w_down"}
@@ -51,7 +50,7 @@ class TorchTitanExperts(GroupedExperts):
         init_expert_weights(self, init_std)  # TorchTitan draws w2 (down) before w3 (up)
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w_gate, self.w_up, self.w_down))
+        return local_expert_weights(self)
 
 
 def routed_torchtitan(experts: TorchTitanExperts, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
