@@ -36,7 +36,8 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 def test_resumed_pretraining_continues_bitwise(tmp_path):
     full = _run(tmp_path / "full")
     assert sorted(full) == list(range(1, STEPS + 1))
-    shutil.copytree(tmp_path / "full" / "checkpoint" / f"step-{MID}", tmp_path / "resumed" / "checkpoint" / f"step-{MID}")
+    mid = Path("checkpoint") / f"step-{MID}"
+    shutil.copytree(tmp_path / "full" / mid, tmp_path / "resumed" / mid)
     resumed = _run(tmp_path / "resumed")
     assert resumed == {step: full[step] for step in range(MID + 1, STEPS + 1)}
     a, b = _weights(tmp_path / "full"), _weights(tmp_path / "resumed")

@@ -96,7 +96,8 @@ def test_batch_invariant_ops_match_reference_and_rows():
     k2, v2 = k[:, :1], v[:, :1]  # grouped-query attention: one kv head for two query heads
     with BatchInvariantMode():
         gqa = F.scaled_dot_product_attention(q, k2, v2, is_causal=True, scale=0.3, enable_gqa=True)
-    torch.testing.assert_close(gqa, F.scaled_dot_product_attention(q, k2, v2, is_causal=True, scale=0.3, enable_gqa=True))
+    expected = F.scaled_dot_product_attention(q, k2, v2, is_causal=True, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(gqa, expected)
     # query 7 of sequence 1, alone against the same keys: the same bits
     one = invariant_attention(q[1:2, :, 7:8], k[1:2], v[1:2], 0.3, torch.tensor([7]))
     assert torch.equal(one[0, :, 0], out[1, :, 7])
@@ -128,7 +129,8 @@ def test_grpo_maths():
     new = torch.tensor([[0.5, 0.0, 0.0], [-0.5, 0.0, 0.0]])
     mask = torch.tensor([[True, True, False], [True, False, False]])
     loss, stats = clipped_pg_loss_sum(new, old, torch.tensor([1.0, -1.0]), mask, clip_eps=0.2)
-    # token (0,0): ratio e^0.5 clipped to 1.2; token (0,1): 1; token (1,0): ratio e^-0.5 → min picks clipped 0.8·(−1)
+    # token (0,0): ratio e^0.5 clipped to 1.2; token (0,1): 1;
+    # token (1,0): ratio e^-0.5, A = −1 → min picks the clipped 0.8·(−1)
     torch.testing.assert_close(loss, torch.tensor(-(1.2 + 1.0 - 0.8)))
     assert stats["clipped_tokens"] == 2
     with pytest.raises(ValueError, match="group_size"):

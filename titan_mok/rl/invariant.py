@@ -70,7 +70,9 @@ def invariant_attention(
     device = q_BNQE.device
     if isinstance(q_start, int):
         if n_q > 1 and q_start % TILE_Q:
-            raise ValueError(f"invariant_attention: {n_q} queries must start at a multiple of TILE_Q = {TILE_Q}, got {q_start}")
+            raise ValueError(
+                f"invariant_attention: {n_q} queries must start at a multiple of TILE_Q = {TILE_Q}, got {q_start}"
+            )
         q_start = torch.full((bsz,), q_start, device=device)
     elif n_q != 1 or q_start.shape != (bsz,):
         raise ValueError(f"invariant_attention: a q_start tensor must be [B] = [{bsz}] with one query, got Q = {n_q}")
@@ -99,7 +101,8 @@ def invariant_attention(
         probs_xTK = torch.softmax(scores_BNTK, dim=-1).to(v_xKD.dtype).view(bsz * n_heads, TILE_Q, n_k)
         out_tiles.append(torch.bmm(probs_xTK, v_xKD).view(bsz, n_heads, TILE_Q, d_dim))
     out_BNSD = torch.cat(out_tiles, dim=2)
-    return out_BNSD[torch.arange(bsz, device=device)[:, None], :, slot_BQ].transpose(1, 2)  # [B, Q, N, D] -> [B, N, Q, D]
+    out_BQND = out_BNSD[torch.arange(bsz, device=device)[:, None], :, slot_BQ]  # indexed: [B, Q, N, D]
+    return out_BQND.transpose(1, 2)
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

@@ -33,7 +33,7 @@ from titan_mok.rl.grpo import clipped_pg_loss_sum, group_advantages
 from titan_mok.rl.invariant import BatchInvariantMode
 from titan_mok.rl.reference import ReferencePolicy
 from titan_mok.rl.sampling import sequence_key, token_logprobs
-from titan_mok.rl.tasks import completion_text, make_prompt, reward
+from titan_mok.rl.tasks import make_prompt, reward
 
 
 class ParityError(RuntimeError):
@@ -94,10 +94,8 @@ class RlTrainer(Trainer):
     def __init__(self, job_config):
         super().__init__(job_config)
         self.model = self.model_parts[0]
-        logger.info(
-            "RL rollouts: "
-            + ("KV-cache decoding" if has_kv_cache_step(self.model) else "decoding by recomputation (no KV-cache step for this attention yet)")
-        )
+        cached = has_kv_cache_step(self.model)
+        logger.info("RL rollouts: " + ("KV-cache decoding" if cached else "recomputation (no KV-cache step yet)"))
         self.seed = job_config.debug.seed
         if self.parallel_dims.dp_enabled:
             batch_mesh = self.parallel_dims.get_mesh("batch")
@@ -195,7 +193,9 @@ class RlTrainer(Trainer):
         self.ntokens_seen += train_tokens
         self.metrics_processor.ntokens_since_last_log += train_tokens
 
-        metrics = self._metrics(rewards_B, advantages_B, rollout, stats, global_tokens, rollout_s, train_s)
+        metrics = self._metrics(
+            rewards_B, advantages_B, rollout, stats, global_tokens, rollout_s, train_tokens / train_s
+        )
         metrics.update({"rl/logprob_max_abs_diff": parity, "lr": lr})
         if self.metrics_processor.should_log(self.step):
             loss_global = self._all_reduce(loss.detach().clone()).item()
@@ -227,7 +227,7 @@ class RlTrainer(Trainer):
             logger.warning(message)
         return diff
 
-    def _metrics(self, rewards_B, advantages_B, rollout, stats, global_tokens, rollout_s, train_s) -> dict[str, Any]:
+    def _metrics(self, rewards_B, advantages_B, rollout, stats, global_tokens, rollout_s, train_tps) -> dict[str, Any]:
         rewards_X, advantages_X = self._all_gather(rewards_B), self._all_gather(advantages_B)
         sums = self._all_reduce(torch.stack([stats["kl_sum"], stats["clipped_tokens"], stats["ref_kl_sum"]]).detach())
         digests = [_digest(rollout.tokens_BS, rollout.logprobs_BG, rewards_B)] * self.dp_degree
@@ -247,7 +247,7 @@ class RlTrainer(Trainer):
             "rl/kl_to_reference": sums[2].item() / tokens,
             "rl/completion_tokens": tokens,
             "rl/rollout_tokens_per_s": tokens / rollout_s,
-            "rl/train_tokens_per_s": rollout.tokens_BS.numel() * self.dp_degree / train_s,
+            "rl/train_tokens_per_s": train_tps * self.dp_degree,  # all ranks (each trains as long)
             # the sampled tokens, their logprobs and rewards of every rank: equal values, equal rollouts
             "rl/rollout_digest": _as_float(hashlib.sha256("".join(digests).encode()).hexdigest()),
         }
@@ -269,5 +269,7 @@ class RlTrainer(Trainer):
         self.prompt_index = state_dict["rl_prompt_index"]
         if self.reference is not None:
             if "rl_reference" not in state_dict:
-                raise ValueError("[rl] kl_coef > 0 but the checkpoint holds no reference policy (saved with kl_coef = 0)")
+                raise ValueError(
+                    "[rl] kl_coef > 0 but the checkpoint holds no reference policy (it was saved with kl_coef = 0)"
+                )
             self.reference_restored = True  # DCP loaded into self.reference.state in place
