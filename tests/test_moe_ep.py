@@ -21,8 +21,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+from torchtitan.distributed.expert_parallel import ExpertParallel
 
+from titan_mok import cpu_compat
 from titan_mok.moe import MoE, MoEArgs
+from titan_mok.moe.expert_parallel import MokExpertParallel
 
 WORLD = 4
 H, I, E = 32, 16, 8
@@ -65,19 +70,17 @@ def _local_batch(name: str, rank: int):
 
 
 def _ep_mesh(ep: int):
-    from torch.distributed.device_mesh import init_device_mesh
-
     return init_device_mesh("cpu", (WORLD // ep, ep), mesh_dim_names=("dp", "ep"))["ep"]
 
 
+def _shard(moe: MoE, ep_mesh) -> MoE:
+    style = MokExpertParallel() if moe.args.backend == "mok" else ExpertParallel()
+    parallelize_module(moe.experts, ep_mesh, style)
+    return moe
+
+
 def _run_ep(name: str, ep_mesh, rank: int, backend: str = "mok") -> dict:
-    from torch.distributed.tensor.parallel import parallelize_module
-    from torchtitan.distributed.expert_parallel import ExpertParallel
-
-    from titan_mok.moe.expert_parallel import MokExpertParallel
-
-    moe = _layer(name, backend)
-    parallelize_module(moe.experts, ep_mesh, MokExpertParallel() if backend == "mok" else ExpertParallel())
+    moe = _shard(_layer(name, backend), ep_mesh)
     x, dy, token_ids = _local_batch(name, rank)
     x.requires_grad_(True)
     y = moe(x, token_ids)
@@ -105,22 +108,10 @@ def _bad_inputs(rank: int) -> dict:
     results = {}
     mesh4 = _ep_mesh(4)
 
-    def uneven():
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from titan_mok.moe.expert_parallel import MokExpertParallel
-
-        parallelize_module(MoE(MoEArgs(num_experts=6, top_k=2), H).experts, mesh4, MokExpertParallel())
-
-    results["uneven"] = _expect_error(uneven)
+    results["uneven"] = _expect_error(lambda: _shard(MoE(MoEArgs(num_experts=6, top_k=2), H), mesh4))
 
     def nan_on_rank_1():
-        moe = _layer("kimi_like")
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from titan_mok.moe.expert_parallel import MokExpertParallel
-
-        parallelize_module(moe.experts, mesh4, MokExpertParallel())
+        moe = _shard(_layer("kimi_like"), mesh4)
         x = torch.randn(1, 4, H)
         if rank == 1:
             x[0, 2, 3] = float("nan")
@@ -129,13 +120,8 @@ def _bad_inputs(rank: int) -> dict:
     results["nan"] = _expect_error(nan_on_rank_1)
 
     def overflow():
-        moe = _layer("one_expert")
+        moe = _shard(_layer("one_expert"), mesh4)
         moe.args.max_rows_per_rank = 20  # rank 2 receives 5+8+11+14 = 38 rows
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from titan_mok.moe.expert_parallel import MokExpertParallel
-
-        parallelize_module(moe.experts, mesh4, MokExpertParallel())
         moe(_local_batch("one_expert", rank)[0])
 
     results["overflow"] = _expect_error(overflow)
@@ -145,8 +131,6 @@ def _bad_inputs(rank: int) -> dict:
 def _worker(rank: int, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from titan_mok import cpu_compat
-
     cpu_compat.apply()  # TorchTitan's EP permutation on CPU tensors
     dist.init_process_group(
         "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=WORLD,
