@@ -103,6 +103,9 @@ def test_batch_invariant_ops_match_reference_and_rows():
     assert torch.equal(one[0, :, 0], out[1, :, 7])
     with BatchInvariantMode():
         assert torch.equal(F.linear(x[2, 3:4], w), y[2, 3:4])
+        means = x.mean(-1, keepdim=True)
+        assert torch.equal(torch.mean(x[2, 3:4], dim=-1), means[2, 3:4, 0])
+    torch.testing.assert_close(means, x.mean(dim=-1, keepdim=True))
 
 
 def test_sampling_streams():

@@ -21,16 +21,20 @@ same kernels, the same shapes and the same reduction order in both passes:
   Cost: no fused/flash kernel — the ``[B, N, TQ, K]`` score tile is materialised
   (O(Q·K) memory per head) and a decode step computes a full ``TQ``-row tile.
 
+- ``mean`` over the last dim (RMSNorm's ``mean(x²)``) → the same mean on
+  ``TILE_M``-row tiles: a GPU reduction's thread layout, hence its summation
+  order, depends on how many rows it reduces. Cost: the padded last tile.
+
 The MoE layer is batch-invariant by construction (``titan_mok.moe.tiles``);
-norms, RoPE, embeddings and residual adds are per-row or elementwise and need no
-replacement (the parity test checks the whole path, bit for bit).
+RoPE, embeddings and residual adds are elementwise and need no replacement (the
+parity tests check the whole path, bit for bit).
 """
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from titan_mok.moe.tiles import row_invariant_linear
+from titan_mok.moe.tiles import map_row_tiles, row_invariant_linear
 
 TILE_Q = 16
 """Queries per attention GEMM tile (fixed: a decode step pads its one query to it)."""
@@ -48,6 +52,16 @@ def invariant_linear(x_xK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.
     if bias_N is not None:
         y_MN = y_MN + bias_N
     return y_MN.view(*lead, weight_NK.shape[0])
+
+
+def _is_last_dim_mean(x, dim=None, keepdim=False, *, dtype=None) -> bool:
+    return dtype is None and isinstance(x, torch.Tensor) and x.dim() >= 2 and dim in (-1, x.dim() - 1, [-1], (-1,))
+
+
+def invariant_last_dim_mean(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    """``x.mean(-1, keepdim)`` computed on ``TILE_M``-row tiles (row-batch-invariant)."""
+    mean_M1 = map_row_tiles(lambda rows: rows.mean(-1, keepdim=True), x.reshape(-1, x.shape[-1]))  # [..., H] -> [M, H]
+    return mean_M1.view(*x.shape[:-1], 1) if keepdim else mean_M1.view(x.shape[:-1])
 
 
 def invariant_attention(
@@ -123,9 +137,10 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
 
 class BatchInvariantMode(TorchFunctionMode):
-    """Inside this context, ``F.linear`` and ``F.scaled_dot_product_attention`` on
-    plain tensors run their batch-invariant versions (autograd-capable); every
-    other op is untouched. Used by both the rollout and the trainer's forward."""
+    """Inside this context, ``F.linear``, ``F.scaled_dot_product_attention`` and
+    last-dim ``mean`` on plain tensors run their batch-invariant versions
+    (autograd-capable); every other op is untouched. Used by both the rollout and
+    the trainer's forward."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -133,4 +148,6 @@ class BatchInvariantMode(TorchFunctionMode):
             return invariant_linear(*args, **kwargs)
         if func is F.scaled_dot_product_attention and _is_plain(*args[:3]):
             return _sdpa(*args, **kwargs)
+        if func in (torch.mean, torch.Tensor.mean) and _is_plain(args[0]) and _is_last_dim_mean(*args, **kwargs):
+            return invariant_last_dim_mean(*args, **kwargs)
         return func(*args, **kwargs)
