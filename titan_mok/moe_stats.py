@@ -113,11 +113,18 @@ class MoEStats:
         self._handles = []
 
     @staticmethod
+    def _training_forward() -> bool:
+        """A forward that trains: grad enabled (not validation, not rollouts) and not an
+        activation-checkpoint recompute (that runs inside backward; counting it would count
+        the layer twice, and its extra ops would break selective AC's op matching)."""
+        return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+    @staticmethod
     def _input(args, kwargs) -> torch.Tensor:
         return args[0] if args else kwargs["x_BSH"]
 
     def _before_moe(self, layer: _Layer, module, args, kwargs) -> None:
-        if not torch.is_grad_enabled():
+        if not self._training_forward():
             return
         x_BSH = self._input(args, kwargs)
         layer.tokens += x_BSH.shape[0] * x_BSH.shape[1]
@@ -125,7 +132,7 @@ class MoEStats:
         layer.forward_start = self._clock.stamp()
 
     def _after_moe(self, layer: _Layer, module, args, kwargs, y_BSH) -> None:
-        if not torch.is_grad_enabled():
+        if not self._training_forward():
             return
         layer.intervals.append((layer.forward_start, self._clock.stamp()))
         x_BSH = self._input(args, kwargs)
@@ -145,7 +152,6 @@ class MoEStats:
         if not (y_BSH.requires_grad and x_BSH.requires_grad):
             return
         # Backward of this layer: from the gradient of its output to the gradient of its input.
-        # (Hooks of an activation-checkpoint recompute never fire: nothing is recorded twice.)
         backward = {}
 
         def started(grad):
@@ -160,7 +166,7 @@ class MoEStats:
 
     def _after_router(self, layer: _Layer, module, args, output) -> None:
         _, _, scores_TE = output
-        if not torch.is_grad_enabled() or scores_TE.shape[0] == 0:
+        if not self._training_forward() or scores_TE.shape[0] == 0:
             return
         with torch.no_grad():
             scores_TE = scores_TE.detach().float()
