@@ -1,8 +1,8 @@
-"""The mok EP strategy with real multi-process gloo: EP degree 1, 2 and 4 against
+"""The mok EP strategy with real multi-process gloo: EP degree 1, 2, 4 and 8 against
 the single-process layer.
 
-Four processes are spawned once for the module; every scenario runs in each EP
-grouping of them (ep mesh = rows of a [4/ep, ep] mesh), saves its results, and
+Eight processes are spawned once for the module; every scenario runs in each EP
+grouping of them (ep mesh = rows of a [8/ep, ep] mesh), saves its results, and
 the tests compare them here with the single-process layer on the EP group's
 concatenated batch.
 
@@ -29,7 +29,7 @@ from titan_mok import cpu_compat
 from titan_mok.moe import MoE, MoEArgs
 from titan_mok.moe.expert_parallel import MokExpertParallel
 
-WORLD = 4
+WORLD = 8
 H, I, E = 32, 16, 8
 VOCAB = 40
 
@@ -42,7 +42,7 @@ SCENARIOS = {
     "one_expert": dict(top_k=1, shared_expert_dim=0),
     "mxfp8": dict(top_k=2, expert_dim=32, precision="mxfp8", shared_expert_dim=32),
 }
-EP_DEGREES = (1, 2, 4)
+EP_DEGREES = (1, 2, 4, 8)
 # TorchTitan's EP permutation runs on CPU tensors only with titan_mok.cpu_compat, which is for
 # CPU-only machines; there the torchtitan backend is tested on its GPU path by the benchmarks.
 CPU_ONLY = not torch.cuda.is_available()
@@ -113,10 +113,10 @@ def _bad_inputs(rank: int) -> dict:
 
     results["uneven"] = _expect_error(lambda: _shard(MoE(MoEArgs(num_experts=6, top_k=2), H), mesh4))
 
-    def nan_on_rank_1():
+    def nan_on_rank_1():  # of each ep group of 4
         moe = _shard(_layer("kimi_like"), mesh4)
         x = torch.randn(1, 4, H)
-        if rank == 1:
+        if rank % 4 == 1:
             x[0, 2, 3] = float("nan")
         moe(x)
 
@@ -124,7 +124,7 @@ def _bad_inputs(rank: int) -> dict:
 
     def overflow():
         moe = _shard(_layer("one_expert"), mesh4)
-        moe.args.max_rows_per_rank = 20  # rank 2 receives 5+8+11+14 = 38 rows
+        moe.args.max_rows_per_rank = 20  # in ranks 0-3, ep rank 2 receives 5+8+11+14 = 38 rows
         moe(_local_batch("one_expert", rank)[0])
 
     results["overflow"] = _expect_error(overflow)
@@ -237,4 +237,5 @@ def test_bad_inputs_raise_on_every_rank(ep_results):
         bad = ep_results[rank]["bad"]
         assert "expert_parallel_degree = 4 must divide the number of experts (6)" in bad["uneven"]
         assert bad["nan"].startswith("FloatingPointError") and "NaN or Inf" in bad["nan"]
-        assert "ep rank 2 receives 38 rows" in bad["overflow"] and "max_rows_per_rank = 20" in bad["overflow"]
+        rows = sum(5 + 3 * r for r in range(rank - rank % 4, rank - rank % 4 + 4))  # every token picks expert 5
+        assert f"ep rank 2 receives {rows} rows" in bad["overflow"] and "max_rows_per_rank = 20" in bad["overflow"]
