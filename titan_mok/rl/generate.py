@@ -4,19 +4,23 @@ Legend: B sequences, T new tokens per step, S cache length (= ``[training]
 seq_len``, also the trainer's sequence length), H hidden, N heads, E qk head dim
 (P nope + R rope), C kv latent rank, D v head dim, V vocab, G completion tokens.
 
-No second model: :func:`forward_step` walks the model's embedding, blocks
-(their norms, MLA projections, dense FFN or MoE) and head, and only the
-attention core differs from ``model.forward``: new keys/values are written into
-a cache at each sequence's own positions, and queries attend to the whole
-cache through ``invariant_attention`` (the function the trainer's forward uses
-under ``BatchInvariantMode``), so every logit equals, bit for bit, the one the
-trainer recomputes for the same position.
+No second model: a cached step is ``model(tokens_BT)`` itself — embedding,
+blocks (norms, residuals, dense FFN or MoE), head, and FSDP's hooks around them
+(gathering, mixed-precision casts) — with each layer's attention module swapped,
+for the rollout, for a stand-in that calls the module's own ``qkv`` and
+``project_out`` and only replaces the core: new keys/values are written into a
+cache at each sequence's own positions, and queries attend to the whole cache
+through ``invariant_attention`` (the function the trainer's forward uses under
+``BatchInvariantMode``). So every logit equals, bit for bit, the one the trainer
+recomputes for the same position.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from titan_mok.models.common.decoder import MLADecoder
 from titan_mok.models.common.mla import MLAttention
@@ -34,16 +38,27 @@ def has_kv_cache_step(model: torch.nn.Module) -> bool:
 
 class KVCache:
     """Per layer: keys ``[B, N, S, E]`` and values ``[B, N, S, D]`` after RoPE/up-projection
-    (the tensors the trainer's attention sees), zero where nothing was written."""
+    (the tensors the trainer's attention sees), zero where nothing was written. Allocated at
+    a layer's first write, in the dtype its projections produce (FSDP's compute dtype)."""
 
-    def __init__(self, model: MLADecoder, batch: int, seq_len: int, dtype: torch.dtype, device: torch.device):
-        a = model.model_args
-        self.k_BNSE = [
-            torch.zeros(batch, a.n_heads, seq_len, a.qk_head_dim, dtype=dtype, device=device) for _ in range(a.n_layers)
-        ]
-        self.v_BNSD = [
-            torch.zeros(batch, a.n_heads, seq_len, a.v_head_dim, dtype=dtype, device=device) for _ in range(a.n_layers)
-        ]
+    def __init__(self, n_layers: int, batch: int, seq_len: int):
+        self.batch, self.seq_len = batch, seq_len
+        self.k_BNSE: list[torch.Tensor | None] = [None] * n_layers
+        self.v_BNSD: list[torch.Tensor | None] = [None] * n_layers
+
+    def write(
+        self, layer: int, pos_BT: torch.Tensor, k_BNTE: torch.Tensor, v_BNTD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new keys/values at their positions; returns the layer's whole cache."""
+        if self.k_BNSE[layer] is None:
+            n_heads = k_BNTE.shape[1]
+            self.k_BNSE[layer] = k_BNTE.new_zeros(self.batch, n_heads, self.seq_len, k_BNTE.shape[-1])
+            self.v_BNSD[layer] = v_BNTD.new_zeros(self.batch, n_heads, self.seq_len, v_BNTD.shape[-1])
+        rows_BT = torch.arange(self.batch, device=pos_BT.device)[:, None].expand_as(pos_BT)
+        # [B, N, S, ·] caches seen as [B, S, N, ·]: each new token lands at (b, pos)
+        self.k_BNSE[layer].transpose(1, 2)[rows_BT, pos_BT] = k_BNTE.transpose(1, 2)
+        self.v_BNSD[layer].transpose(1, 2)[rows_BT, pos_BT] = v_BNTD.transpose(1, 2)
+        return self.k_BNSE[layer], self.v_BNSD[layer]
 
 
 def _per_sequence(x_1NMX: torch.Tensor, bsz: int, n_new: int) -> torch.Tensor:
@@ -51,66 +66,77 @@ def _per_sequence(x_1NMX: torch.Tensor, bsz: int, n_new: int) -> torch.Tensor:
     return x_1NMX.view(x_1NMX.shape[1], bsz, n_new, x_1NMX.shape[-1]).transpose(0, 1)
 
 
-def _mla_step(
-    attn: MLAttention,
-    x_BTH: torch.Tensor,
-    rope_BTR: torch.Tensor,
-    start: int | torch.Tensor,
-    pos_BT: torch.Tensor,
-    layer: int,
-    cache: KVCache,
-) -> torch.Tensor:
-    """``MLAttention.forward`` for T new tokens per sequence at positions ``pos_BT``
-    (``start`` + 0..T-1), with a cache: the module's own ``qkv`` and ``project_out``
-    around a cached attention core."""
-    bsz, n_new, dim = x_BTH.shape
-    # The B·T new tokens as one sequence whose rotary rows are their own positions: every op
-    # of qkv (projections, latent norms, RoPE) is per token.
-    x_1MH = x_BTH.reshape(1, bsz * n_new, dim)
-    q_1NME, k_1NME, v_1NMD = attn.qkv(x_1MH, attn.q_norm(attn.wq_a(x_1MH)), rope_BTR.reshape(bsz * n_new, -1))
-    q_BNTE = _per_sequence(q_1NME, bsz, n_new)
-    rows_BT = torch.arange(bsz, device=pos_BT.device)[:, None].expand(bsz, n_new)
-    # [B, N, S, ·] caches seen as [B, S, N, ·]: write each new token at (b, pos)
-    cache.k_BNSE[layer].transpose(1, 2)[rows_BT, pos_BT] = _per_sequence(k_1NME, bsz, n_new).transpose(1, 2)
-    cache.v_BNSD[layer].transpose(1, 2)[rows_BT, pos_BT] = _per_sequence(v_1NMD, bsz, n_new).transpose(1, 2)
-    out_BNTD = invariant_attention(q_BNTE, cache.k_BNSE[layer], cache.v_BNSD[layer], attn.softmax_scale, start)
-    return attn.project_out(out_BNTD)
+@dataclass
+class _Positions:
+    """Where the tokens of the next cached ``model(tokens_BT)`` call sit."""
+
+    start: int | torch.Tensor = 0
+    """0 for a prefill, a ``[B]`` tensor for one decoded token per sequence."""
+    pos_BT: torch.Tensor | None = None
 
 
-def forward_step(model: MLADecoder, tokens_BT: torch.Tensor, start: int | torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """``model(tokens)`` for T new tokens per sequence at positions ``start`` + 0..T-1
-    (``start``: 0 for a prefill, a ``[B]`` tensor for one decoded token); logits ``[B, T, V]``."""
-    bsz, n_new = tokens_BT.shape
-    start_B1 = torch.as_tensor(start, device=tokens_BT.device).view(-1, 1)
-    pos_BT = (start_B1 + torch.arange(n_new, device=tokens_BT.device)).expand(bsz, n_new)
-    h_BTH = model.tok_embeddings(tokens_BT)
-    rope_BTR = model.rope_cache[pos_BT]
-    for layer_id in range(model.model_args.n_layers):
-        block = model.layers[str(layer_id)]
-        h_BTH = h_BTH + _mla_step(
-            block.attention, block.attention_norm(h_BTH), rope_BTR, start, pos_BT, layer_id, cache
+class _CachedMLAttention(nn.Module):
+    """Stands in for one layer's MLAttention during a cached rollout (same call signature):
+    the module's own ``qkv`` and ``project_out`` around a cached attention core."""
+
+    def __init__(self, attn: MLAttention, layer: int, cache: KVCache, positions: _Positions):
+        super().__init__()
+        self.attn, self.layer, self.cache, self.positions = attn, layer, cache, positions
+
+    def forward(self, x_BTH: torch.Tensor, rope_SR: torch.Tensor, topk_idx_BSK: torch.Tensor | None = None):
+        """``rope_SR``: the model's whole rotary cache, as the block received it (FSDP casts it
+        like any input); each new token takes the row of its own position."""
+        attn, pos_BT = self.attn, self.positions.pos_BT
+        bsz, n_new, dim = x_BTH.shape
+        # The B·T new tokens as one sequence whose rotary rows are their own positions: every op
+        # of qkv (projections, latent norms, RoPE) is per token.
+        x_1MH = x_BTH.reshape(1, bsz * n_new, dim)
+        rope_MR = rope_SR[pos_BT.reshape(-1)]
+        q_1NME, k_1NME, v_1NMD = attn.qkv(x_1MH, attn.q_norm(attn.wq_a(x_1MH)), rope_MR)
+        k_BNSE, v_BNSD = self.cache.write(
+            self.layer, pos_BT, _per_sequence(k_1NME, bsz, n_new), _per_sequence(v_1NMD, bsz, n_new)
         )
-        ffn = block.moe if block.moe_enabled else block.feed_forward
-        h_BTH = h_BTH + ffn(block.ffn_norm(h_BTH))
-    return model.output(model.norm(h_BTH))
+        q_BNTE = _per_sequence(q_1NME, bsz, n_new)
+        out_BNTD = invariant_attention(q_BNTE, k_BNSE, v_BNSD, attn.softmax_scale, self.positions.start)
+        return attn.project_out(out_BNTD), topk_idx_BSK
 
 
 class CachedDecoder:
-    """Prefill the prompts once, then one token per sequence per step against the KV cache."""
+    """Prefill the prompts once, then one token per sequence per step against the KV cache.
+    Use as a context: the layers' attention modules are swapped for the duration."""
 
     def __init__(self, model: MLADecoder, tokens_BS: torch.Tensor):
         self.model = model
         self.tokens_BS = tokens_BS
-        self.cache = KVCache(model, *tokens_BS.shape, model.tok_embeddings.weight.dtype, tokens_BS.device)
+        self.positions = _Positions()
+        self.cache = KVCache(model.model_args.n_layers, *tokens_BS.shape)
+
+    @contextmanager
+    def swapped_attention(self):
+        blocks = [self.model.layers[str(i)] for i in range(self.model.model_args.n_layers)]
+        originals = [block.attention for block in blocks]
+        for layer, block in enumerate(blocks):
+            block.attention = _CachedMLAttention(block.attention, layer, self.cache, self.positions)
+        try:
+            yield self
+        finally:
+            for block, attention in zip(blocks, originals):
+                block.attention = attention
+
+    def _step(self, tokens_BT: torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
+        bsz, n_new = tokens_BT.shape
+        start_B1 = torch.as_tensor(start, device=tokens_BT.device).view(-1, 1)
+        self.positions.start = start
+        self.positions.pos_BT = (start_B1 + torch.arange(n_new, device=tokens_BT.device)).expand(bsz, n_new)
+        return self.model(tokens_BT)
 
     def prefill(self, prompt_len_B: torch.Tensor, max_prompt: int) -> torch.Tensor:
-        logits_BPV = forward_step(self.model, self.tokens_BS[:, :max_prompt], 0, self.cache)
+        logits_BPV = self._step(self.tokens_BS[:, :max_prompt], 0)
         return logits_BPV[torch.arange(len(prompt_len_B), device=prompt_len_B.device), prompt_len_B - 1]
 
     def next_logits(self, pos_B: torch.Tensor) -> torch.Tensor:
         """Logits after the token just written at ``pos_B`` of each sequence."""
-        token_B1 = self.tokens_BS.gather(1, pos_B[:, None])
-        return forward_step(self.model, token_B1, pos_B, self.cache)[:, 0]
+        return self._step(self.tokens_BS.gather(1, pos_B[:, None]), pos_B)[:, 0]
 
 
 class RecomputeDecoder:
@@ -122,6 +148,10 @@ class RecomputeDecoder:
     def __init__(self, model: torch.nn.Module, tokens_BS: torch.Tensor):
         self.model = model
         self.tokens_BS = tokens_BS
+
+    @contextmanager
+    def swapped_attention(self):
+        yield self  # nothing to swap: the model runs as it is
 
     def _logits_at(self, pos_B: torch.Tensor) -> torch.Tensor:
         return self.model(self.tokens_BS)[torch.arange(len(pos_B), device=pos_B.device), pos_B]
@@ -183,25 +213,26 @@ def generate(
     for b, prompt in enumerate(prompts):
         tokens_BS[b, : len(prompt)] = torch.tensor(prompt, device=device)
 
-    decoder = (CachedDecoder if has_kv_cache_step(model) else RecomputeDecoder)(model, tokens_BS)
-    logits_BV = decoder.prefill(prompt_len_B, max(len(p) for p in prompts))
-
     rows_B = torch.arange(bsz, device=device)
     stop_ids_X = torch.tensor(stop_ids, device=device)
     completion_BG = torch.full((bsz, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs_BG = torch.zeros(bsz, max_new_tokens, dtype=torch.float32, device=device)
     mask_BG = torch.zeros(bsz, max_new_tokens, dtype=torch.bool, device=device)
     done_B = torch.zeros(bsz, dtype=torch.bool, device=device)
-    for t in range(max_new_tokens):
-        token_B, logprob_B = sample(logits_BV, keys_B, t, temperature, top_p)
-        active_B = ~done_B
-        token_B = torch.where(active_B, token_B, pad_id)
-        completion_BG[:, t] = token_B
-        logprobs_BG[:, t] = torch.where(active_B, logprob_B, 0.0)
-        mask_BG[:, t] = active_B
-        tokens_BS[rows_B, prompt_len_B + t] = token_B
-        done_B = done_B | torch.isin(token_B, stop_ids_X)
-        if t + 1 == max_new_tokens or _all_done_across_ranks(done_B):
-            break
-        logits_BV = decoder.next_logits(prompt_len_B + t)
+
+    decoder = (CachedDecoder if has_kv_cache_step(model) else RecomputeDecoder)(model, tokens_BS)
+    with decoder.swapped_attention():
+        logits_BV = decoder.prefill(prompt_len_B, max(len(p) for p in prompts))
+        for t in range(max_new_tokens):
+            token_B, logprob_B = sample(logits_BV, keys_B, t, temperature, top_p)
+            active_B = ~done_B
+            token_B = torch.where(active_B, token_B, pad_id)
+            completion_BG[:, t] = token_B
+            logprobs_BG[:, t] = torch.where(active_B, logprob_B, 0.0)
+            mask_BG[:, t] = active_B
+            tokens_BS[rows_B, prompt_len_B + t] = token_B
+            done_B = done_B | torch.isin(token_B, stop_ids_X)
+            if t + 1 == max_new_tokens or _all_done_across_ranks(done_B):
+                break
+            logits_BV = decoder.next_logits(prompt_len_B + t)
     return Rollout(tokens_BS, prompt_len_B, completion_BG, logprobs_BG, mask_BG)

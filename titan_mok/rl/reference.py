@@ -10,8 +10,14 @@ against the same reference. Cost: two extra copies of the rank's model shards
 from contextlib import contextmanager
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
-from titan_mok.rl.fsdp import reshard
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Free every FSDP-gathered parameter copy: the next forward gathers the shards afresh."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 class ReferencePolicy:
@@ -30,7 +36,7 @@ class ReferencePolicy:
         """The model computes with the reference state for the duration, then gets its own back
         (state_dict tensors alias the parameters and buffers, FSDP2 shards included; gathered
         copies are dropped on both sides of the swap, so no forward reads stale weights)."""
-        reshard(model)
+        _reshard(model)
         live = model.state_dict()
         saved = {k: v.clone() for k, v in live.items()}
         for k, v in live.items():
@@ -38,6 +44,6 @@ class ReferencePolicy:
         try:
             yield
         finally:
-            reshard(model)
+            _reshard(model)
             for k, v in live.items():
                 v.copy_(saved[k])

@@ -27,7 +27,6 @@ from torchtitan.train import Trainer
 
 from titan_mok.config_check import ConfigError
 from titan_mok.moe import MoE
-from titan_mok.rl.fsdp import unsharded
 from titan_mok.rl.generate import Rollout, generate, has_kv_cache_step
 from titan_mok.rl.grpo import clipped_pg_loss_sum, group_advantages
 from titan_mok.rl.invariant import BatchInvariantMode
@@ -134,7 +133,7 @@ class RlTrainer(Trainer):
             device=self.device,
         )
         start = time.perf_counter()
-        with BatchInvariantMode(), moe_counts_kept(self.model), unsharded(self.model):
+        with BatchInvariantMode(), moe_counts_kept(self.model):
             rollout = generate(
                 self.model,
                 token_ids,
