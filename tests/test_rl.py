@@ -17,7 +17,8 @@ from titan_mok.rl.invariant import BatchInvariantMode, invariant_attention
 from titan_mok.rl.reference import ReferencePolicy
 from titan_mok.rl.sampling import sample, sequence_key, token_logprobs
 from titan_mok.rl.tasks import make_prompt, reward
-from titan_mok.rl.trainer import completion_logprobs
+from titan_mok.config_check import ConfigError, MokConfigManager
+from titan_mok.rl.trainer import ParityError, check_rl_job, completion_logprobs, judge_parity
 
 SEQ_LEN, NEW = 48, 20
 TOK = CharTokenizer()
@@ -186,3 +187,20 @@ def test_prompt_too_long_is_an_error(model):
             model, [[1] * 11], torch.tensor([0]), seq_len=30, max_new_tokens=20, temperature=1.0, top_p=1.0,
             stop_ids=(2,), pad_id=0,
         )
+
+
+def test_parity_verdict(caplog):
+    judge_parity(0.0, 3, "fail")
+    with pytest.raises(ParityError, match=r"step 3: .*max abs diff 1e-07"):
+        judge_parity(1e-7, 3, "fail")
+    judge_parity(1e-7, 4, "warn")
+    assert "step 4: rollout and trainer logprobs differ" in caplog.text
+
+
+def test_rl_job_checks(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the config's 2 ranks
+    registry.register_all()
+    base = ["--job.config_file", "train_configs/kimi_k2_7_code/rl_debug.toml"]
+    check_rl_job(MokConfigManager().parse_args(base))
+    with pytest.raises(ConfigError, match=r"\[training\] seq_len = 20 must exceed \[rl\] max_new_tokens = 20"):
+        check_rl_job(MokConfigManager().parse_args([*base, "--training.seq_len", "20"]))

@@ -39,6 +39,20 @@ class ParityError(RuntimeError):
     """The trainer's recomputed logprobs differ from the rollout's ([rl] parity = "fail")."""
 
 
+def judge_parity(diff: float, step: int, mode: str) -> None:
+    """``[rl] parity``: a nonzero rollout/trainer logprob difference warns or stops the run
+    (every rank sees the same all-reduced ``diff``, so all stop together)."""
+    if diff == 0:
+        return
+    message = (
+        f"step {step}: rollout and trainer logprobs differ (max abs diff {diff:.3g}); "
+        "an op on the forward path is not batch-invariant"
+    )
+    if mode == "fail":
+        raise ParityError(message + " ([rl] parity = 'fail')")
+    logger.warning(message)
+
+
 def check_rl_job(job_config) -> None:
     """RL-specific config checks, before any process group exists."""
     if job_config.debug.seed is None:
@@ -216,14 +230,7 @@ class RlTrainer(Trainer):
         """Max |trainer − rollout| logprob over every rank's generated tokens."""
         diff_BG = torch.where(rollout.mask_BG, (logprobs_BG - rollout.logprobs_BG).abs(), 0.0)
         diff = self._all_reduce(diff_BG.max(), op=dist.ReduceOp.MAX).item()  # NOTE: host sync
-        if diff != 0:
-            message = (
-                f"step {self.step}: rollout and trainer logprobs differ (max abs diff {diff:.3g}); "
-                "an op on the forward path is not batch-invariant"
-            )
-            if self.job_config.rl.parity == "fail":
-                raise ParityError(message + " ([rl] parity = 'fail')")
-            logger.warning(message)
+        judge_parity(diff, self.step, self.job_config.rl.parity)
         return diff
 
     def _metrics(self, rewards_B, advantages_B, rollout, stats, global_tokens, rollout_s, train_tps) -> dict[str, Any]:
