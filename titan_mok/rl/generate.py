@@ -103,7 +103,7 @@ class _CachedMLAttention(nn.Module):
 
 class CachedDecoder:
     """Prefill the prompts once, then one token per sequence per step against the KV cache.
-    Use as a context: the layers' attention modules are swapped for the duration."""
+    Decode inside ``running()``: the layers' attention modules are swapped for its duration."""
 
     def __init__(self, model: MLADecoder, tokens_BS: torch.Tensor):
         self.model = model
@@ -112,7 +112,7 @@ class CachedDecoder:
         self.cache = KVCache(model.model_args.n_layers, *tokens_BS.shape)
 
     @contextmanager
-    def swapped_attention(self):
+    def running(self):
         blocks = [self.model.layers[str(i)] for i in range(self.model.model_args.n_layers)]
         originals = [block.attention for block in blocks]
         for layer, block in enumerate(blocks):
@@ -150,8 +150,8 @@ class RecomputeDecoder:
         self.tokens_BS = tokens_BS
 
     @contextmanager
-    def swapped_attention(self):
-        yield self  # nothing to swap: the model runs as it is
+    def running(self):
+        yield self  # the model runs as it is
 
     def _logits_at(self, pos_B: torch.Tensor) -> torch.Tensor:
         return self.model(self.tokens_BS)[torch.arange(len(pos_B), device=pos_B.device), pos_B]
@@ -221,7 +221,7 @@ def generate(
     done_B = torch.zeros(bsz, dtype=torch.bool, device=device)
 
     decoder = (CachedDecoder if has_kv_cache_step(model) else RecomputeDecoder)(model, tokens_BS)
-    with decoder.swapped_attention():
+    with decoder.running():
         logits_BV = decoder.prefill(prompt_len_B, max(len(p) for p in prompts))
         for t in range(max_new_tokens):
             token_B, logprob_B = sample(logits_BV, keys_B, t, temperature, top_p)

@@ -92,6 +92,7 @@ def completion_logprobs(logits_BSV: torch.Tensor, rollout: Rollout, temperature:
 
 
 def _digest(*tensors: torch.Tensor) -> str:
+    """SHA-256 of the tensors' bytes. NOTE: host copies (once per step, for the metrics)."""
     h = hashlib.sha256()
     for t in tensors:
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
