@@ -59,19 +59,24 @@ def test_rollout_logprobs_equal_trainer_recompute(model):
     _assert_parity(model, _rollout(model, list(range(6))))
 
 
-@pytest.mark.parametrize("name", ["glm_5_2", "qwen3_5_397b_a17b", "deepseek_v4_pro"])
-def test_recompute_rollouts_of_the_other_models(name):
-    """Attentions without a cache step decode by recomputation: still bitwise parity, still
-    the same sample alone and in a batch."""
+@pytest.mark.parametrize(
+    "name, cached", [("glm_5_2", True), ("qwen3_5_397b_a17b", False), ("deepseek_v4_pro", False)]
+)
+def test_rollouts_of_the_other_models(name, cached):
+    """GLM's DSA decodes with the cache (the indexer's keys cached too, its top-k per new
+    query); attentions without a cache step decode by recomputation: bitwise parity and the
+    same sample alone and in a batch either way."""
     args = copy.deepcopy(registry.flavors(name)["debug"])
     args.max_seq_len = SEQ_LEN
     torch.manual_seed(0)
     other = registry.model_module(name).get_train_spec().model_cls(args)
     other.init_weights()
-    assert not has_kv_cache_step(other)
-    batch = _rollout(other, [0, 1, 2], new=10)
+    assert has_kv_cache_step(other) == cached
+    new = 20 if cached else 10  # GLM: positions past index_topk = 32, where DSA really selects
+    batch = _rollout(other, [0, 1, 2], new=new)
     _assert_parity(other, batch)
-    alone = _rollout(other, [1], new=10)
+    assert not cached or (batch.prompt_len_B[:, None] + batch.mask_BG.sum(1, keepdim=True)).max() > 33
+    alone = _rollout(other, [1], new=new)
     assert torch.equal(alone.completion_BG, batch.completion_BG[2:4])
     assert torch.equal(alone.logprobs_BG, batch.logprobs_BG[2:4])
 

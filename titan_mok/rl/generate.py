@@ -12,7 +12,9 @@ for the rollout, for a stand-in that calls the module's own ``qkv`` and
 cache at each sequence's own positions, and queries attend to the whole cache
 through ``invariant_attention`` (the function the trainer's forward uses under
 ``BatchInvariantMode``). So every logit equals, bit for bit, the one the trainer
-recomputes for the same position.
+recomputes for the same position. DSA layers (GLM-5.2) also cache the lightning
+indexer's keys and select each new query's top-k keys over the whole cache, as
+the trainer's full pass does.
 """
 
 from contextlib import contextmanager
@@ -20,19 +22,22 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from titan_mok.models.common.decoder import MLADecoder
 from titan_mok.models.common.mla import MLAttention
+from titan_mok.models.common.rope import apply_rope
+from titan_mok.models.glm_5_2.dsa import DSAttention
 from titan_mok.rl.invariant import invariant_attention
 from titan_mok.rl.sampling import sample
 
 
 def has_kv_cache_step(model: torch.nn.Module) -> bool:
-    """True for MLA decoders with plain MLAttention layers (Kimi K2.7 Code): the cached path.
-    Other attentions (DSA, Gated DeltaNet, DeepSeek-V4's) decode by recomputation."""
+    """True for MLA decoders with MLA or DSA layers (Kimi K2.7 Code, GLM-5.2): the cached path.
+    Other attentions (Gated DeltaNet, DeepSeek-V4's) decode by recomputation."""
     return isinstance(model, MLADecoder) and all(
-        type(model.layers[str(i)].attention) is MLAttention for i in range(model.model_args.n_layers)
+        type(model.layers[str(i)].attention) in (MLAttention, DSAttention) for i in range(model.model_args.n_layers)
     )
 
 
@@ -76,12 +81,14 @@ class _Positions:
 
 
 class _CachedMLAttention(nn.Module):
-    """Stands in for one layer's MLAttention during a cached rollout (same call signature):
-    the module's own ``qkv`` and ``project_out`` around a cached attention core."""
+    """Stands in for one layer's MLAttention or DSAttention during a cached rollout (same call
+    signature): the module's own ``qkv`` and ``project_out`` around a cached attention core;
+    DSA layers also select their keys from a cache of the lightning indexer's keys."""
 
     def __init__(self, attn: MLAttention, layer: int, cache: KVCache, positions: _Positions):
         super().__init__()
         self.attn, self.layer, self.cache, self.positions = attn, layer, cache, positions
+        self.index_k_BSJ: torch.Tensor | None = None  # DSA: the indexer's (rotated) key per position
 
     def forward(self, x_BTH: torch.Tensor, rope_SR: torch.Tensor, topk_idx_BSK: torch.Tensor | None = None):
         """``rope_SR``: the model's whole rotary cache, as the block received it (FSDP casts it
@@ -92,13 +99,49 @@ class _CachedMLAttention(nn.Module):
         # of qkv (projections, latent norms, RoPE) is per token.
         x_1MH = x_BTH.reshape(1, bsz * n_new, dim)
         rope_MR = rope_SR[pos_BT.reshape(-1)]
-        q_1NME, k_1NME, v_1NMD = attn.qkv(x_1MH, attn.q_norm(attn.wq_a(x_1MH)), rope_MR)
+        q_latent_1MQ = attn.q_norm(attn.wq_a(x_1MH))
+        q_1NME, k_1NME, v_1NMD = attn.qkv(x_1MH, q_latent_1MQ, rope_MR)
         k_BNSE, v_BNSD = self.cache.write(
             self.layer, pos_BT, _per_sequence(k_1NME, bsz, n_new), _per_sequence(v_1NMD, bsz, n_new)
         )
+        keep_B1TS = None
+        if isinstance(attn, DSAttention):
+            if attn.indexer is not None:  # a "full" IndexShare layer selects; the others reuse its choice
+                topk_idx_BSK = self._select(x_1MH, q_latent_1MQ, rope_MR, bsz, n_new)
+            if topk_idx_BSK is not None:
+                keep_BTS = torch.zeros(bsz, n_new, self.cache.seq_len, dtype=torch.bool, device=x_BTH.device)
+                keep_B1TS = keep_BTS.scatter_(-1, topk_idx_BSK, True).unsqueeze(1)  # broadcast over heads
         q_BNTE = _per_sequence(q_1NME, bsz, n_new)
-        out_BNTD = invariant_attention(q_BNTE, k_BNSE, v_BNSD, attn.softmax_scale, self.positions.start)
+        out_BNTD = invariant_attention(q_BNTE, k_BNSE, v_BNSD, attn.softmax_scale, self.positions.start, keep_B1TS)
         return attn.project_out(out_BNTD), topk_idx_BSK
+
+    def _select(self, x_1MH, q_latent_1MQ, rope_MR, bsz: int, n_new: int) -> torch.Tensor | None:
+        """``LightningIndexer.forward`` + ``select`` for the new queries against every cached
+        position (the trainer's sequence is the whole cache: same per-query shapes, same ops)."""
+        indexer, seq_len = self.attn.indexer, self.cache.seq_len
+        if seq_len <= self.attn.index_topk:
+            return None  # as in training: every causal key is selected, the indexer is skipped
+        rope_dim, head_dim = indexer.rope_dim, indexer.head_dim
+        q_1MIJ = indexer.wq_b(q_latent_1MQ).view(1, bsz * n_new, -1, head_dim)
+        q_rope_1MIR, q_rest_1MIU = q_1MIJ.split([rope_dim, head_dim - rope_dim], dim=-1)
+        k_1M1J = indexer.k_norm(indexer.wk(x_1MH)).unsqueeze(2)
+        k_rope_1M1R, k_rest_1M1U = k_1M1J.split([rope_dim, head_dim - rope_dim], dim=-1)
+        q_1MIJ = torch.cat([apply_rope(q_rope_1MIR, rope_MR, indexer.rope_interleaved), q_rest_1MIU], dim=-1)
+        k_1MJ = torch.cat([apply_rope(k_rope_1M1R, rope_MR, indexer.rope_interleaved), k_rest_1M1U], dim=-1)
+        k_BTJ = k_1MJ.view(bsz, n_new, head_dim)  # [1, B·T, 1, J] -> [B, T, J]
+        if self.index_k_BSJ is None:
+            self.index_k_BSJ = k_BTJ.new_zeros(bsz, seq_len, head_dim)
+        pos_BT = self.positions.pos_BT
+        self.index_k_BSJ[torch.arange(bsz, device=pos_BT.device)[:, None], pos_BT] = k_BTJ
+        q_BTIJ = q_1MIJ.view(bsz, n_new, -1, head_dim)
+        # [B, T, I, J] @ [B, 1, J, S] -> [B, T, I, S]: per query the trainer's [I, J] @ [J, S]
+        scores_BTIS = F.relu(
+            torch.matmul(q_BTIJ.float(), self.index_k_BSJ.float().transpose(-1, -2).unsqueeze(1)) * head_dim**-0.5
+        )
+        weights_BT1I = (indexer.weights_proj(x_1MH).float() * indexer.n_heads**-0.5).view(bsz, n_new, 1, -1)
+        index_BTS = torch.matmul(weights_BT1I, scores_BTIS).squeeze(-2)
+        future_BTS = torch.arange(seq_len, device=pos_BT.device) > pos_BT[..., None]
+        return indexer.select(index_BTS.masked_fill(future_BTS, float("-inf")))
 
 
 class CachedDecoder:
