@@ -6,5 +6,6 @@ model's own modules and bitwise rollout/trainer logprob parity (DESIGN §8).
 Modules: ``invariant`` (batch-invariant linear and attention), ``sampling``
 (per-sequence streams, temperature/top-p, logprobs), ``generate`` (KV-cache decode),
 ``tasks`` (verifiable prompts and rewards), ``grpo`` (advantages, clipped loss),
+``reference`` (the KL penalty's frozen policy),
 ``trainer`` (the step, on TorchTitan's Trainer).
 """
