@@ -2,10 +2,11 @@
 
 Loads TorchTitan's TOML sections plus `[mok]`, checks them before any process
 group exists, registers titan-mok's models and runs TorchTitan's Trainer
-(gloo on CPU, NCCL on GPU).
+(gloo on CPU, NCCL on GPU). `launch` is shared with `titan_mok.rl`.
 """
 
 import sys
+from typing import Callable
 
 import torch
 
@@ -15,32 +16,47 @@ def _normalise_args(argv: list[str]) -> list[str]:
     return ["--job.config_file" if a == "--config" else a.replace("--config=", "--job.config_file=", 1) for a in argv]
 
 
-def main(argv: list[str] | None = None) -> None:
+def launch(prog: str, load_trainer: Callable[[], tuple[type, Callable | None]], argv: list[str] | None) -> None:
+    """Parse and check the config, then train. `load_trainer()` returns the Trainer
+    class and an extra config check; it is called after the CPU adaptations, so the
+    trainer's modules import TorchTitan already adapted."""
     if not torch.cuda.is_available():
         from titan_mok import cpu_compat
 
         cpu_compat.apply()
 
     from torchtitan.tools.logging import init_logger
-    from torchtitan.train import Trainer
 
     from titan_mok import registry
     from titan_mok.config_check import ConfigError, MokConfigManager
 
+    trainer_cls, extra_check = load_trainer()
     init_logger()
     registry.register_all()
     try:
         config = MokConfigManager().parse_args(_normalise_args(sys.argv[1:] if argv is None else argv))
+        if extra_check is not None:
+            extra_check(config)
     except ConfigError as e:
-        sys.exit(f"titan_mok.train: config error: {e}")
+        sys.exit(f"{prog}: config error: {e}")
 
-    trainer = Trainer(config)
+    trainer = trainer_cls(config)
     try:
         trainer.train()
     finally:
         trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _pretraining():
+    from torchtitan.train import Trainer
+
+    return Trainer, None
+
+
+def main(argv: list[str] | None = None) -> None:
+    launch("titan_mok.train", _pretraining, argv)
 
 
 if __name__ == "__main__":
