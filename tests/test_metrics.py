@@ -117,6 +117,26 @@ def test_moe_stats_match_a_recount():
     assert 0 < metrics["moe/time_share"] < 1  # fwd + bwd of the MoE layers over a 10 s interval
 
 
+def test_tokens_dropped_counts_rows_the_experts_did_not_compute():
+    torch.manual_seed(0)
+    model = _TwoLayers(MoEArgs(num_experts=4, top_k=2, expert_dim=16), dim=8)
+    experts = model.layers["1"]["moe"].experts
+    compute = experts.forward
+
+    def drop_three_rows(x_RH, group_end_L):  # a dispatch bug that loses 3 rows
+        y_RH = compute(x_RH, group_end_L)
+        experts.rows_computed.sub_(3)
+        return y_RH
+
+    experts.forward = drop_three_rows
+    stats = MoEStats([model], group=None, hooks=True)
+    model(torch.randn(2, 5, 8, requires_grad=True)).sum().backward()
+    metrics = stats.collect(1.0)
+    stats.remove()
+    assert metrics["moe/layers_0/tokens_dropped"] == 0 and metrics["moe/layers_1/tokens_dropped"] == 3
+    assert metrics["moe/tokens_dropped"] == 3
+
+
 def test_moe_stats_reset_between_logs_and_without_hooks():
     torch.manual_seed(0)
     model = _TwoLayers(MoEArgs(num_experts=4, top_k=1, expert_dim=16), dim=8)

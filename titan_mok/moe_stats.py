@@ -16,8 +16,9 @@ from ``expert_load`` as read, and only load and bias norm are logged.
 
 Logged per layer (``moe/<layer>/...``): ``load_max_over_mean``,
 ``load_min_over_mean``, ``load_cv`` (std/mean of the picks per expert),
-``tokens_dropped`` (token slots to route, T·K for the T tokens that entered
-the layer, minus the picks the layer counted: 0 for the dropless layer), ``router_entropy`` (mean over tokens
+``tokens_dropped`` (mok backend: token slots to route, T·K for the T tokens
+that entered the layer, minus the rows its experts computed after dispatch,
+both summed over the ranks: 0 when nothing was dropped), ``router_entropy`` (mean over tokens
 of the entropy, in nats, of the router scores normalised to sum to 1),
 ``aux_loss`` (the unscaled load-balancing loss E·Σ_e f_e·P_e that
 ``aux_loss_coef`` multiplies in training, f_e the share of top-k picks and P_e
@@ -76,6 +77,9 @@ class _Layer:
     sums: torch.Tensor | None = None
     """[2] fp64 on device: Σ token entropies, Σ aux losses (router hook)."""
     load_before: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    """[1] fp64 on device: rows the layer's experts computed over training forwards (mok backend)."""
+    rows_before: torch.Tensor | None = None
     router_out: tuple[torch.Tensor, torch.Tensor] | None = None
     """(Σ token entropies, mean score per expert [E]) of the current forward."""
     forward_start: object = None
@@ -129,6 +133,8 @@ class MoEStats:
         x_BSH = self._input(args, kwargs)
         layer.tokens += x_BSH.shape[0] * x_BSH.shape[1]
         layer.load_before = layer.moe.expert_load.clone()
+        if _counts_rows(layer.moe):
+            layer.rows_before = layer.moe.experts.rows_computed.clone()
         layer.forward_start = self._clock.stamp()
 
     def _after_moe(self, layer: _Layer, module, args, kwargs, y_BSH) -> None:
@@ -139,6 +145,9 @@ class MoEStats:
         with torch.no_grad():
             picks_E = layer.moe.expert_load - layer.load_before
             layer.load = picks_E.double() if layer.load is None else layer.load + picks_E.double()
+            if _counts_rows(layer.moe):
+                rows = (layer.moe.experts.rows_computed - layer.rows_before).double()
+                layer.rows = rows if layer.rows is None else layer.rows + rows
             if layer.router_out is not None:
                 entropy_sum, mean_score_E = layer.router_out
                 # load_balance_aux_loss (titan_mok.moe.aux_loss) from the layer's own pick counts:
@@ -179,7 +188,7 @@ class MoEStats:
         NOTE: one all-reduce and one host sync; called on logged steps only."""
         if not self.layers:
             return {}
-        packed = torch.cat([self._counts(layer) for layer in self.layers])  # [Σ_layers (E + 4)]
+        packed = torch.cat([self._counts(layer) for layer in self.layers])  # [Σ_layers (E + 5)]
         if self.group is not None:
             dist.all_reduce(packed, group=self.group)
         bias_norms = torch.stack([layer.moe.expert_bias.double().norm() for layer in self.layers])
@@ -191,17 +200,19 @@ class MoEStats:
         for i, layer in enumerate(self.layers):
             num_experts = layer.moe.args.num_experts
             load = values[offset : offset + num_experts]
-            entropy_sum, aux_sum, tokens, forwards = values[offset + num_experts : offset + num_experts + 4]
-            offset += num_experts + 4
+            entropy_sum, aux_sum, rows, tokens, forwards = values[offset + num_experts : offset + num_experts + 5]
+            offset += num_experts + 5
             prefix = f"moe/{layer.label}"
             metrics.update(_load_metrics(prefix, load))
             metrics[f"{prefix}/bias_norm"] = values[len(packed) + i]
-            if self.hooks:
-                layer_dropped = tokens * layer.moe.args.top_k - sum(load)
+            if self.hooks and _counts_rows(layer.moe):
+                # Routed slots (T·K over the ranks) minus rows the experts computed (over the ranks).
+                layer_dropped = tokens * layer.moe.args.top_k - rows
                 metrics[f"{prefix}/tokens_dropped"] = layer_dropped
+                dropped += layer_dropped
+            if self.hooks:
                 metrics[f"{prefix}/router_entropy"] = entropy_sum / tokens if tokens else float("nan")
                 metrics[f"{prefix}/aux_loss"] = aux_sum / forwards if forwards else float("nan")
-                dropped += layer_dropped
                 moe_seconds += sum(self._clock.seconds(start, end) for start, end in layer.intervals)
             self._reset(layer)
         if self.hooks:
@@ -210,7 +221,7 @@ class MoEStats:
         return metrics
 
     def _counts(self, layer: _Layer) -> torch.Tensor:
-        """[E + 4] fp64: picks per expert, Σ entropy, Σ aux loss, tokens, forwards."""
+        """[E + 5] fp64: picks per expert, Σ entropy, Σ aux loss, rows computed, tokens, forwards."""
         device = layer.moe.expert_load.device
         if not self.hooks:
             load_E = layer.moe.expert_load.double()
@@ -219,15 +230,21 @@ class MoEStats:
         else:
             load_E = layer.load
         sums = layer.sums if layer.sums is not None else torch.zeros(2, dtype=torch.float64, device=device)
+        rows = layer.rows if layer.rows is not None else torch.zeros(1, dtype=torch.float64, device=device)
         counts = torch.tensor([layer.tokens, layer.forwards], dtype=torch.float64, device=device)
-        return torch.cat([load_E, sums, counts])
+        return torch.cat([load_E, sums, rows, counts])
 
     @staticmethod
     def _reset(layer: _Layer) -> None:
         layer.moe.expert_load.zero_()
-        layer.load = layer.sums = layer.router_out = None
+        layer.load = layer.sums = layer.rows = layer.router_out = None
         layer.tokens = layer.forwards = 0
         layer.intervals = []
+
+
+def _counts_rows(moe: MoE) -> bool:
+    """The mok backend's experts count the rows they compute; TorchTitan's do not."""
+    return hasattr(moe.experts, "rows_computed")
 
 
 def _load_metrics(prefix: str, load: list[float]) -> dict[str, float]:

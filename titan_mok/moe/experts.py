@@ -47,12 +47,17 @@ class RoutedExperts(nn.Module):
         self.swiglu_limit = args.swiglu_limit
         self.use_triton = use_triton
         self.ep_mesh = None
+        # Rows these experts computed on this rank (after dispatch), accumulated: summed over the
+        # ranks it equals T·K routed slots exactly when no row was dropped (the metrics check it).
+        self.register_buffer("rows_computed", torch.zeros(1, dtype=torch.float32), persistent=False)
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return local_expert_weights(self)
 
     def forward(self, x_RH: torch.Tensor, group_end_L: torch.Tensor) -> torch.Tensor:
         """Rows grouped by local expert ([R, H], ends [L]) → expert outputs [R, H] in x's dtype."""
+        with torch.no_grad():
+            self.rows_computed.add_(group_end_L[-1])  # rows past group_end_L[-1] are padding
         w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_RH.dtype) for w in self.local_weights())
         return grouped_swiglu_ffn(
             x_RH, group_end_L, w_gate_LIH, w_up_LIH, w_down_LHI,
@@ -61,6 +66,7 @@ class RoutedExperts(nn.Module):
 
     def init_weights(self, init_std: float) -> None:
         init_expert_weights(self, init_std)
+        self.rows_computed.zero_()
 
 
 class SharedExpert(nn.Module):

@@ -176,7 +176,10 @@ class MoE(nn.Module):
         weights_TK, topk_idx_TK, scores_TE = self.router(logits_TE, expert_bias_E, token_ids_T)
 
         with torch.no_grad():
-            picks_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.args.num_experts).float()
+            # index_add_, not bincount: bincount's output size needs a host sync on CUDA.
+            idx_N = topk_idx_TK.reshape(-1)  # [T·K]
+            ones_N = torch.ones_like(idx_N, dtype=torch.float32)
+            picks_E = torch.zeros(self.args.num_experts, device=idx_N.device).index_add_(0, idx_N, ones_N)
             self.tokens_per_expert.add_(picks_E)
             self.expert_load.add_(picks_E)
 
