@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from titan_mok.data import VOCAB_SIZE, CharTokenizer, TaskDataset, make_line
+from titan_mok.data import UNKNOWN, VOCAB_SIZE, CharTokenizer, TaskDataset, make_line
 
 
 def test_tokenizer_round_trip_and_vocab():
@@ -13,6 +13,12 @@ def test_tokenizer_round_trip_and_vocab():
     ids = tok.encode(text, add_bos=True, add_eos=True)
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and max(ids) < VOCAB_SIZE
     assert tok.decode(ids) == text
+
+
+def test_ids_without_a_character_stay_visible():
+    tok = CharTokenizer()
+    one, two = tok.encode("12")
+    assert tok.decode([tok.bos_id, one, 120, two, tok.eos_id, tok.pad_id]) == "1" + UNKNOWN + "2"
 
 
 def test_tokenizer_rejects_unknown_characters():

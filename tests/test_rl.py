@@ -209,3 +209,7 @@ def test_rl_job_checks(monkeypatch):
     check_rl_job(MokConfigManager().parse_args(base))
     with pytest.raises(ConfigError, match=r"\[training\] seq_len = 20 must exceed \[rl\] max_new_tokens = 20"):
         check_rl_job(MokConfigManager().parse_args([*base, "--training.seq_len", "20"]))
+    config = MokConfigManager().parse_args(base)
+    config.mok.kernels = "triton"  # (on CPU the general check rejects it first)
+    with pytest.raises(ConfigError, match=r"\[mok\] kernels = 'triton' is not supported by RL rollouts"):
+        check_rl_job(config)

@@ -33,6 +33,9 @@ VOCAB_SIZE = 128
 """Tokenizer vocabulary, rounded up to a multiple of 64 (debug flavors use it)."""
 assert len(_SPECIALS) + len(_CHARS) <= VOCAB_SIZE
 
+UNKNOWN = "\ufffd"
+"""What an id without a character decodes to."""
+
 _WORDS = ("kitten", "tabby", "whisker", "paw", "purr", "mouse", "yarn", "meow", "claw", "nap")
 
 
@@ -53,7 +56,9 @@ class CharTokenizer(BaseTokenizer):
         return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(self._char_of.get(int(i), "") for i in ids)
+        """Special tokens decode to nothing; an id with no character (99..127, which a
+        sampler can still pick) to U+FFFD, so it is visible in the text, never dropped."""
+        return "".join(self._char_of.get(int(i), "" if int(i) < len(_SPECIALS) else UNKNOWN) for i in ids)
 
     def get_vocab_size(self) -> int:
         return VOCAB_SIZE
@@ -111,6 +116,8 @@ def build_char_tokenizer(job_config=None) -> CharTokenizer:
 
 
 def build_task_dataloader(dp_world_size: int, dp_rank: int, tokenizer: BaseTokenizer, job_config, infinite: bool = True):
+    if not infinite:
+        raise ValueError("the task corpus is an endless stream: build_task_dataloader needs infinite=True")
     if job_config.training.dataset != "tasks":
         raise ValueError(f"[training] dataset = {job_config.training.dataset!r}: titan-mok's models train on the embedded dataset \"tasks\"")
     dataset = TaskDataset(tokenizer, job_config.training.seq_len, dp_rank, seed=job_config.debug.seed or 0)
