@@ -1,4 +1,4 @@
-"""Routed-expert SwiGLU FFN on rows grouped by expert — seam #2 (SEAMS.md).
+"""Routed-expert SwiGLU FFN on rows grouped by expert: the MoE layer's routed-expert compute (DESIGN §4, §6).
 
 Legend: R routed rows (grouped by expert), H hidden, I expert FFN size, E experts held here.
 

@@ -21,8 +21,10 @@ class Mok:
 
     kernels: Literal["auto", "reference", "triton"] = "auto"
     """Implementation of the mok backend. "reference": pure PyTorch, runs
-    anywhere. "triton": Hopper kernels (needs a CUDA GPU). "auto": triton on a
-    CUDA GPU with compute capability 9.0, reference otherwise."""
+    anywhere. "triton": the symmetric-memory dispatch/combine kernels plus the
+    Triton expert FFN (Hopper, needs a CUDA GPU; no host sync). "auto": the
+    reference dispatch/combine with the Triton expert FFN on SM90+, pure PyTorch
+    elsewhere."""
 
     def __post_init__(self):
         _check_choice("mok.backend", self.backend, ("mok", "torchtitan"))

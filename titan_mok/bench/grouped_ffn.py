@@ -1,4 +1,4 @@
-"""Benchmark: routed-expert grouped GEMMs (seam #2) against torch's grouped GEMMs, with roofline floors.
+"""Benchmark: routed-expert grouped GEMMs (kernels/grouped_ffn.py) against torch's grouped GEMMs, with roofline floors.
 
     python3 -m titan_mok.bench.grouped_ffn [--out DIR] [--quick] [--tune]
 

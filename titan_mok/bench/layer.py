@@ -7,7 +7,7 @@ The layer is the model's ``full`` flavor MoE (DESIGN §4 table), weights and act
 in bf16, T tokens per GPU (default 2048), the top-k router's layers (hash routing off).
 ``--backend`` and ``--kernels`` (comma lists) pick the implementations:
 - ``mok`` with ``--kernels reference``: titan-mok's pure-PyTorch reference backend (all-gathered
-  schedule with host syncs, gloo/NCCL all-to-all, seam #2's reference FFN in fp32);
+  schedule with host syncs, gloo/NCCL all-to-all, kernels/grouped_ffn.py's reference FFN in fp32);
 - ``torchtitan``: TorchTitan 0.2.2's GroupedExperts (``torch._grouped_mm``) + all-to-all
   ExpertParallel, the baseline. TorchTitan has no SwiGLU clamp: DeepSeek-V4's is dropped there.
 Timing: CUDA events around a fixed number of iterations (every rank runs the same count, the

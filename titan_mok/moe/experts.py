@@ -30,7 +30,7 @@ def init_expert_weights(experts: nn.Module, init_std: float) -> None:
 class RoutedExperts(nn.Module):
     """The E routed SwiGLU experts: ``w_gate, w_up [E, I, H]``, ``w_down [E, H, I]``.
 
-    ``forward(x_RH, group_end_L)`` runs the FFN (seam #2, ``grouped_swiglu_ffn``)
+    ``forward(x_RH, group_end_L)`` runs the FFN (``titan_mok.kernels.grouped_ffn.grouped_swiglu_ffn``)
     on rows grouped by this rank's experts. The layer calls it (rather than reading
     the weights itself) so that FSDP's hooks on this module gather the weights.
     Under expert parallelism the weights are DTensors ``Shard(0)`` on the ``ep``

@@ -97,7 +97,7 @@ class MoE(nn.Module):
         check_moe_args(args, dim)
         self.args = args
         self.dim = dim
-        # The routed experts' FFN (seam #2): Triton kernels on Hopper under "auto".
+        # The routed experts' FFN (kernels/grouped_ffn.py): Triton kernels on Hopper under "auto".
         self.use_triton = args.kernels == "triton" or (args.kernels == "auto" and has_cuda_capability(9, 0))
         self.router = TopKRouter(args, dim)
         if args.backend == "mok":

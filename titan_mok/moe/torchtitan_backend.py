@@ -41,7 +41,7 @@ class TorchTitanExperts(GroupedExperts):
         if self.swiglu_limit is None:
             return super().forward(x_RH, num_tokens_per_expert)
         # TorchTitan's grouped experts have no SwiGLU clamp (DeepSeek-V4): the reference FFN
-        # (seam #2) on TorchTitan's layout (groups padded with zero rows, rows past the groups unused).
+        # (kernels/grouped_ffn.py) on TorchTitan's layout (groups padded with zero rows, rows past the groups unused).
         group_end = torch.cumsum(num_tokens_per_expert, dim=0)
         weights = (w.to(x_RH.dtype) for w in self.local_weights())
         return grouped_swiglu_ffn(x_RH, group_end, *weights, precision="bf16", swiglu_limit=self.swiglu_limit)
