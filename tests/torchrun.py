@@ -34,5 +34,13 @@ def run(module: str, config: str, *overrides: str, nproc: int = 2, timeout: int 
 
 
 def losses(output: str) -> dict[int, float]:
-    """Step → loss as logged by TorchTitan (rank 0 and rank 1 log the same value)."""
-    return {int(step): float(loss) for step, loss in _STEP_LOSS.findall(output)}
+    """Step → loss as logged by TorchTitan. Every rank logs the (all-reduced) loss: they must agree."""
+    if "[retry]\n" in output:  # only the retry's lines count
+        output = output.split("[retry]\n", 1)[1]
+    by_step: dict[int, set[str]] = {}
+    for step, loss in _STEP_LOSS.findall(output):
+        by_step.setdefault(int(step), set()).add(loss)
+    disagreeing = {step: values for step, values in by_step.items() if len(values) > 1}
+    if disagreeing:
+        raise AssertionError(f"ranks logged different losses: {disagreeing}")
+    return {step: float(values.pop()) for step, values in by_step.items()}
