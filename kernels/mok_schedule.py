@@ -69,13 +69,8 @@ def _fill_kernel(ids_ptr, counts_ptr, group_end_ptr, row_slot_ptr, first_expert,
         row += tl.sum(hit, axis=0)
 
 
-def mok_schedule(
-    ids_PN: torch.Tensor, rank: int, num_local: int, num_experts: int, row_slot_R: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(group_end_L int32 [L], row_slot_R int32 [P·N]) for ep rank ``rank``; no host sync.
-
-    ``row_slot_R`` may be passed in (int32, at least P·N entries) to reuse a buffer.
-    """
+def mok_schedule(ids_PN: torch.Tensor, rank: int, num_local: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(group_end_L int32 [L], row_slot_R int32 [P·N]) for ep rank ``rank``; no host sync."""
     if ids_PN.dim() != 2 or ids_PN.dtype != torch.int32 or not ids_PN.is_contiguous():
         raise ValueError(f"mok_schedule: ids_PN must be contiguous int32 [P, N], got {ids_PN.dtype} {tuple(ids_PN.shape)}")
     num_ids = ids_PN.numel()
@@ -83,11 +78,7 @@ def mok_schedule(
         raise ValueError(
             f"mok_schedule: rank {rank}, num_local {num_local}, num_experts {num_experts} do not fit P = {ids_PN.shape[0]}"
         )
-    if row_slot_R is None:
-        row_slot_R = torch.empty(num_ids, dtype=torch.int32, device=ids_PN.device)
-    elif row_slot_R.dtype != torch.int32 or row_slot_R.numel() < num_ids:
-        raise ValueError(f"mok_schedule: row_slot_R must be int32 with >= {num_ids} entries, got {row_slot_R.dtype} "
-                         f"{tuple(row_slot_R.shape)}")
+    row_slot_R = torch.empty(num_ids, dtype=torch.int32, device=ids_PN.device)
     counts_L = torch.empty(num_local, dtype=torch.int32, device=ids_PN.device)
     group_end_L = torch.empty(num_local, dtype=torch.int32, device=ids_PN.device)
     first = rank * num_local

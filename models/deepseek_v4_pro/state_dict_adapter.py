@@ -29,7 +29,6 @@ BLOCK_NAMES = {
 }
 ATTENTION = ("attention.", "attn.")  # attention sub-tree: same leaves under another prefix
 EXPERT_NAMES = {"moe.experts.w_gate": "w1", "moe.experts.w_up": "w3", "moe.experts.w_down": "w2"}
-NATIVE_ONLY = ("moe.tokens_per_expert",)
 HEAD_NAMES = {"hc_head.fn": "hc_head_fn", "hc_head.base": "hc_head_base", "hc_head.scale": "hc_head_scale"}
 TOP_NAMES = {"tok_embeddings.weight": "embed.weight", "output.weight": "head.weight", "norm.weight": "norm.weight", **HEAD_NAMES}
 MTP_NAMES = {
@@ -63,7 +62,7 @@ class DeepSeekV4StateDictAdapter(StackedExpertsAdapter):
                 hf[split[0] + MTP_NAMES[split[1]]] = tensor
                 continue
             prefix, rest = split
-            if rest in NATIVE_ONLY or (rest == "moe.expert_bias" and f"{key[: -len(rest)]}moe.router.hash_table" in state_dict):
+            if rest == "moe.expert_bias" and f"{key[: -len(rest)]}moe.router.hash_table" in state_dict:
                 continue  # hash-routed layers have no correction bias
             if rest in EXPERT_NAMES:
                 # [E, I, H] (or [E, H, I]) -> E tensors of [I, H] ([H, I])

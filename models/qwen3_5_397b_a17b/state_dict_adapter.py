@@ -50,8 +50,8 @@ BLOCK_NAMES = {
 }
 # stacked native expert weights -> per-expert HF leaf
 EXPERT_NAMES = {"moe.experts.w_gate": "gate_proj", "moe.experts.w_up": "up_proj", "moe.experts.w_down": "down_proj"}
-# native buffers that have no HF counterpart (recomputed / running statistics)
-NATIVE_ONLY = ("moe.expert_bias", "moe.tokens_per_expert")
+# native buffers that have no HF counterpart (Qwen3.5's softmax router has no correction bias)
+NATIVE_ONLY = ("moe.expert_bias",)
 TOP_NAMES = {
     "tok_embeddings.weight": TEXT + "embed_tokens.weight",
     "norm.weight": TEXT + "norm.weight",
