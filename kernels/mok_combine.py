@@ -31,7 +31,10 @@ def ref_slot_reduce(slots_TKH: torch.Tensor, weights_TK: torch.Tensor | None, sh
 
 
 def ref_slot_scale(weights_TK: torch.Tensor, dout_TH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (weights_TK.unsqueeze(-1) * dout_TH.float().unsqueeze(1)).to(dtype)
+    """The reference backend's w·dY (``dispatch.scale_slots``)."""
+    from titan_mok.moe.dispatch import scale_slots  # NOTE: here: titan_mok.moe imports this module
+
+    return scale_slots(weights_TK, dout_TH, dtype)
 
 
 @triton.jit

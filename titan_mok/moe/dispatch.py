@@ -129,6 +129,16 @@ def reduce_slots(y_TKH, weights_TK, shared_TH, out_dtype: torch.dtype) -> torch.
     return acc_TH.to(out_dtype)
 
 
+def combine_weight_grads(dout32_TH: torch.Tensor, y_TKH: torch.Tensor) -> torch.Tensor:
+    """d(combine)/d(weights): [T, K] = Σ_h dout[t, h] · y[t, j, h] in fp32, on row tiles."""
+    return map_row_tiles(lambda dout, y: (dout.unsqueeze(1) * y.float()).sum(dim=-1), dout32_TH, y_TKH)
+
+
+def scale_slots(weights_TK: torch.Tensor, dout_TH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """d(combine)/d(y): [T, K, H] = w[t, j] · dout[t] in fp32, rounded once to dtype."""
+    return (weights_TK.unsqueeze(-1) * dout_TH.float().unsqueeze(1)).to(dtype)
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -162,8 +172,8 @@ class _Combine(torch.autograd.Function):
         y_TKH, weights_TK = ctx.saved_tensors
         handle = ctx.handle
         dout32_TH = dout_TH.float()
-        dweights_TK = map_row_tiles(lambda dout, y: (dout.unsqueeze(1) * y.float()).sum(dim=-1), dout32_TH, y_TKH)
-        dy_TKH = (weights_TK.unsqueeze(-1) * dout32_TH.unsqueeze(1)).to(y_TKH.dtype)
+        dweights_TK = combine_weight_grads(dout32_TH, y_TKH)
+        dy_TKH = scale_slots(weights_TK, dout32_TH, y_TKH.dtype)
         dy_send_RH = dy_TKH.view(-1, dy_TKH.shape[-1])[handle.send_order]
         dy_recv_RH = _all_to_all(dy_send_RH, handle.recv_splits, handle.send_splits, handle.group)
         dy_RH = dy_recv_RH[handle.recv_to_grouped]

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from titan_mok.kernels.mok_combine import slot_reduce, slot_scale
 from titan_mok.kernels.mok_rows import move_rows
 from titan_mok.kernels.mok_schedule import mok_schedule
-from titan_mok.moe.tiles import map_row_tiles
+from titan_mok.moe.dispatch import combine_weight_grads
 from titan_mok.moe.workspace import MokWorkspace, get_workspace
 
 
@@ -141,7 +141,7 @@ class _FusedCombine(torch.autograd.Function):
         dout_TH = dout_TH.contiguous()
         dweights_TK = None
         if y_TKH is not None:  # the reference's expression, row tile by row tile (bitwise equal)
-            dweights_TK = map_row_tiles(lambda d, y: (d.unsqueeze(1) * y.float()).sum(dim=-1), dout_TH.float(), y_TKH)
+            dweights_TK = combine_weight_grads(dout_TH.float(), y_TKH)
         slot_scale(weights_TK.contiguous(), dout_TH, ws.dy_NH.view(handle.num_tokens, handle.top_k, -1))
         ws.barrier()
         dy_RH = dout_TH.new_empty(handle.row_slot_R.shape[0], dout_TH.shape[1], dtype=ctx.row_dtype)
