@@ -1,4 +1,6 @@
-"""The training entry end to end: 2 ranks, gloo, EP=2, the Kimi debug flavor."""
+"""The training entry end to end: 2 ranks, gloo, EP=2; every model's debug flavor
+(GLM-5.2's with the sparse DSA path, IndexShare and the MTP loss on), then the
+Kimi debug flavor for same-seed bitwise runs."""
 
 import math
 
@@ -12,9 +14,10 @@ CONFIG = "train_configs/kimi_k2_7_code/debug.toml"
 pytestmark = pytest.mark.slow
 
 
-def test_loss_finite_and_falling(tmp_path):
-    _, out = torchrun.run("titan_mok.train", CONFIG, "--training.steps", "12", "--metrics.log_freq", "1",
-                          "--job.dump_folder", str(tmp_path))
+@pytest.mark.parametrize("model", ["kimi_k2_7_code", "glm_5_2", "qwen3_5_397b_a17b", "deepseek_v4_pro"])
+def test_loss_finite_and_falling(tmp_path, model):
+    _, out = torchrun.run("titan_mok.train", f"train_configs/{model}/debug.toml", "--training.steps", "12",
+                          "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path))
     loss = torchrun.losses(out)
     assert sorted(loss) == list(range(1, 13)), out[-3000:]
     assert all(math.isfinite(v) for v in loss.values())
