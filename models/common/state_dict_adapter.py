@@ -51,7 +51,50 @@ _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(.+)$")
 _HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-class MLAStateDictAdapter(MoEStateDictAdapter):
+def split_prefix(key: str, prefixes) -> tuple[str, str] | None:
+    """(translated block prefix, block-relative rest) of ``key``, or None."""
+    for pattern, replacement in prefixes:
+        match = pattern.match(key)
+        if match:
+            return match.expand(replacement), key[match.end() :]
+    return None
+
+
+class StackedExpertsAdapter(MoEStateDictAdapter):
+    """Splits stacked routed-expert tensors ``{prefix}{native leaf} [E, ·, ·]`` into one
+    HF tensor per expert and stacks them back, for plain tensors and for
+    EP/FSDP-sharded DTensors (this rank's experts only), with TorchTitan's
+    ``MoEStateDictAdapter`` helpers. A block ``prefix`` plays the helpers' layer id."""
+
+    def experts_to_hf(self, prefix: str, native_leaf: str, hf_template: str, value) -> dict:
+        """``hf_template`` has two ``{}``: the block prefix and the expert id."""
+        titan_template = "{}" + native_leaf
+        if isinstance(value, DTensor):
+            self.grouped_expert_weight_placements[titan_template] = value.placements
+            self.grouped_expert_weight_shape[titan_template] = value.shape
+            self.grouped_expert_weight_mesh[titan_template] = value.device_mesh
+            return self._get_local_experts_weights(hf_template, titan_template, prefix, value)
+        return {hf_template.format(prefix, e): w for e, w in enumerate(value.unbind(0))}
+
+    def collect_expert(self, pending: dict, prefix: str, native_leaf: str, expert: int, value, native: dict) -> None:
+        """Add one HF expert tensor; once the block's experts are all there, store the stack in ``native``."""
+        titan_template = "{}" + native_leaf
+        pending.setdefault(prefix, {}).setdefault(titan_template, {})[expert] = value
+        if titan_template in self.local_experts_indices:
+            stacked = self._concatenate_expert_weights_dtensor(pending, titan_template, prefix)
+        else:
+            stacked = self._concatenate_expert_weights(pending, titan_template, prefix, self.model_args.moe_args.num_experts)
+        if stacked is not None:
+            native[titan_template.format(prefix)] = stacked
+
+    @staticmethod
+    def check_complete(pending: dict) -> None:
+        incomplete = [f"{t.format(p)}: experts {sorted(e)}" for p, ts in pending.items() for t, e in ts.items()]
+        if incomplete:
+            raise KeyError(f"from_hf: incomplete routed experts (have only) {incomplete}")
+
+
+class MLAStateDictAdapter(StackedExpertsAdapter):
     """Subclasses extend ``block_keys`` (e.g. GLM's indexer and MTP names) and
     ``ignored_hf_keys`` (HF keys that hold copies of tensors we share)."""
 
@@ -92,23 +135,15 @@ class MLAStateDictAdapter(MoEStateDictAdapter):
             if inner in self.block_keys:
                 hf_state_dict[f"model.layers.{layer}.{self.block_keys[inner]}"] = value
             elif inner in EXPERT_KEYS:
-                hf_template = f"model.layers.{{}}.mlp.experts.{{}}.{EXPERT_KEYS[inner]}"
-                titan_template = f"layers.{{}}.{inner}"
-                if isinstance(value, DTensor):  # EP/FSDP-sharded: this rank's experts only
-                    self.grouped_expert_weight_placements[titan_template] = value.placements
-                    self.grouped_expert_weight_shape[titan_template] = value.shape
-                    self.grouped_expert_weight_mesh[titan_template] = value.device_mesh
-                    hf_state_dict.update(self._get_local_experts_weights(hf_template, titan_template, layer, value))
-                else:
-                    for expert, weight in enumerate(value.unbind(0)):
-                        hf_state_dict[hf_template.format(layer, expert)] = weight
+                hf_template = "{}mlp.experts.{}." + EXPERT_KEYS[inner]
+                hf_state_dict.update(self.experts_to_hf(f"model.layers.{layer}.", inner, hf_template, value))
             else:
                 raise KeyError(f"to_hf: no HF name for {key!r}")
         return hf_state_dict
 
     def _from_hf_unprefixed(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
         state_dict = {}
-        experts_by_layer: dict[str, dict[str, dict[int, Any]]] = {}  # layer -> titan template -> expert -> 2-D
+        pending: dict = {}  # routed experts read so far, per block
         for key, value in hf_state_dict.items():
             if key in self.from_hf_top:
                 state_dict[self.from_hf_top[key]] = value
@@ -117,16 +152,7 @@ class MLAStateDictAdapter(MoEStateDictAdapter):
             block_match = _HF_BLOCK.match(key)
             if expert_match is not None and expert_match.group(3) in self.from_hf_expert:
                 layer, expert, inner = expert_match.groups()
-                titan_template = f"layers.{{}}.{self.from_hf_expert[inner]}"
-                experts_by_layer.setdefault(layer, {}).setdefault(titan_template, {})[int(expert)] = value
-                if titan_template in self.local_experts_indices:  # rank-local experts (after to_hf of DTensors)
-                    stacked = self._concatenate_expert_weights_dtensor(experts_by_layer, titan_template, layer)
-                else:
-                    stacked = self._concatenate_expert_weights(
-                        experts_by_layer, titan_template, layer, self.model_args.moe_args.num_experts
-                    )
-                if stacked is not None:
-                    state_dict[titan_template.format(layer)] = stacked
+                self.collect_expert(pending, f"layers.{layer}.", self.from_hf_expert[inner], int(expert), value, state_dict)
             elif block_match is not None and block_match.group(2) in self.from_hf_block:
                 layer, inner = block_match.groups()
                 state_dict[f"layers.{layer}.{self.from_hf_block[inner]}"] = value
@@ -134,11 +160,5 @@ class MLAStateDictAdapter(MoEStateDictAdapter):
                 continue
             else:
                 raise KeyError(f"from_hf: no titan-mok name for HF key {key!r}")
-        missing = {
-            f"{template.format(layer)}: experts {sorted(experts)}"
-            for layer, templates in experts_by_layer.items()
-            for template, experts in templates.items()
-        }
-        if missing:
-            raise KeyError(f"from_hf: incomplete routed experts (have only) {sorted(missing)}")
+        self.check_complete(pending)
         return state_dict

@@ -11,7 +11,7 @@ Legend: E experts, I expert FFN size, H hidden.
 
 import re
 
-from titan_mok.models.qwen3_5_397b_a17b.state_dict_adapter import StackedExpertsAdapter, split_prefix
+from titan_mok.models.common.state_dict_adapter import StackedExpertsAdapter, split_prefix
 
 from .args import DeepSeekV4ModelArgs
 

@@ -11,8 +11,7 @@ Legend: E experts, I expert FFN size, H hidden.
 
 import re
 
-from torch.distributed.tensor import DTensor
-from torchtitan.models.utils import MoEStateDictAdapter
+from titan_mok.models.common.state_dict_adapter import StackedExpertsAdapter, split_prefix
 
 from .args import Qwen35ModelArgs
 
@@ -64,49 +63,6 @@ TOP_NAMES = {
 # native block prefix pattern -> HF block prefix
 BLOCK_PREFIXES = ((re.compile(r"^layers\.(\d+)\."), TEXT + r"layers.\1."), (re.compile(r"^mtp\.block\."), "mtp.layers.0."))
 HF_BLOCK_PREFIXES = ((re.compile(r"^model\.language_model\.layers\.(\d+)\."), r"layers.\1."), (re.compile(r"^mtp\.layers\.0\."), "mtp.block."))
-
-
-def split_prefix(key: str, prefixes) -> tuple[str, str] | None:
-    """(translated block prefix, block-relative rest) of ``key``, or None."""
-    for pattern, replacement in prefixes:
-        match = pattern.match(key)
-        if match:
-            return match.expand(replacement), key[match.end() :]
-    return None
-
-
-class StackedExpertsAdapter(MoEStateDictAdapter):
-    """Splits stacked routed-expert tensors ``{prefix}{native leaf} [E, ·, ·]`` into one
-    HF tensor per expert and stacks them back, for plain tensors and for
-    EP/FSDP-sharded DTensors (this rank's experts only), with TorchTitan's
-    ``MoEStateDictAdapter`` helpers. A block ``prefix`` plays the helpers' layer id."""
-
-    def experts_to_hf(self, prefix: str, native_leaf: str, hf_template: str, value) -> dict:
-        """``hf_template`` has two ``{}``: the block prefix and the expert id."""
-        titan_template = "{}" + native_leaf
-        if isinstance(value, DTensor):
-            self.grouped_expert_weight_placements[titan_template] = value.placements
-            self.grouped_expert_weight_shape[titan_template] = value.shape
-            self.grouped_expert_weight_mesh[titan_template] = value.device_mesh
-            return self._get_local_experts_weights(hf_template, titan_template, prefix, value)
-        return {hf_template.format(prefix, e): w for e, w in enumerate(value.unbind(0))}
-
-    def collect_expert(self, pending: dict, prefix: str, native_leaf: str, expert: int, value, native: dict) -> None:
-        """Add one HF expert tensor; once the block's experts are all there, store the stack in ``native``."""
-        titan_template = "{}" + native_leaf
-        pending.setdefault(prefix, {}).setdefault(titan_template, {})[expert] = value
-        if titan_template in self.local_experts_indices:
-            stacked = self._concatenate_expert_weights_dtensor(pending, titan_template, prefix)
-        else:
-            stacked = self._concatenate_expert_weights(pending, titan_template, prefix, self.model_args.moe_args.num_experts)
-        if stacked is not None:
-            native[titan_template.format(prefix)] = stacked
-
-    @staticmethod
-    def check_complete(pending: dict) -> None:
-        incomplete = [f"{t.format(p)}: experts {sorted(e)}" for p, ts in pending.items() for t, e in ts.items()]
-        if incomplete:
-            raise KeyError(f"from_hf: incomplete routed experts (have only) {incomplete}")
 
 
 class Qwen35StateDictAdapter(StackedExpertsAdapter):
