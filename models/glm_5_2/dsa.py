@@ -43,20 +43,29 @@ class LightningIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(a.index_head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(a.dim, a.index_n_heads, bias=False)
 
-    def forward(self, x_BSH: torch.Tensor, q_latent_BSQ: torch.Tensor, rope_SR: torch.Tensor) -> torch.Tensor:
-        """Index scores ``[B, S, T]`` fp32, −inf on future keys."""
+    def project(self, x_BSH: torch.Tensor, q_latent_BSQ: torch.Tensor, rope_SR: torch.Tensor):
+        """Rotated index queries ``q_BSIJ`` [B, S, I, J] and keys ``k_BSJ`` [B, S, J] (one key head)."""
         bsz, seqlen, _ = x_BSH.shape
         q_BSIJ = self.wq_b(q_latent_BSQ).view(bsz, seqlen, -1, self.head_dim)  # [B, S, I, J]
         q_rope_BSIR, q_rest_BSIU = q_BSIJ.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        k_BS1J = self.k_norm(self.wk(x_BSH)).unsqueeze(2)  # [B, T, 1, J]: one key head
+        k_BS1J = self.k_norm(self.wk(x_BSH)).unsqueeze(2)  # [B, S, 1, J]: one key head
         k_rope_BS1R, k_rest_BS1U = k_BS1J.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         q_BSIJ = torch.cat([apply_rope(q_rope_BSIR, rope_SR, self.rope_interleaved), q_rest_BSIU], dim=-1)
-        k_BTJ = torch.cat([apply_rope(k_rope_BS1R, rope_SR, self.rope_interleaved), k_rest_BS1U], dim=-1).squeeze(2)
+        k_BSJ = torch.cat([apply_rope(k_rope_BS1R, rope_SR, self.rope_interleaved), k_rest_BS1U], dim=-1).squeeze(2)
+        return q_BSIJ, k_BSJ
 
+    def score(self, q_BSIJ: torch.Tensor, k_BTJ: torch.Tensor, x_BSH: torch.Tensor) -> torch.Tensor:
+        """Unmasked index scores ``[B, S, T]`` fp32 of queries S against keys T."""
         # [B, S, I, J] @ [B, 1, J, T] -> [B, S, I, T]
         scores_BSIT = F.relu(torch.matmul(q_BSIJ.float(), k_BTJ.float().transpose(-1, -2).unsqueeze(1)) * self.head_dim**-0.5)
         weights_BS1I = (self.weights_proj(x_BSH).float() * self.n_heads**-0.5).unsqueeze(-2)
-        index_BST = torch.matmul(weights_BS1I, scores_BSIT).squeeze(-2)  # [B, S, 1, T] -> [B, S, T]
+        return torch.matmul(weights_BS1I, scores_BSIT).squeeze(-2)  # [B, S, 1, T] -> [B, S, T]
+
+    def forward(self, x_BSH: torch.Tensor, q_latent_BSQ: torch.Tensor, rope_SR: torch.Tensor) -> torch.Tensor:
+        """Index scores ``[B, S, T]`` fp32, −inf on future keys."""
+        seqlen = x_BSH.shape[1]
+        q_BSIJ, k_BTJ = self.project(x_BSH, q_latent_BSQ, rope_SR)
+        index_BST = self.score(q_BSIJ, k_BTJ, x_BSH)
         future_ST = torch.ones(seqlen, seqlen, dtype=torch.bool, device=x_BSH.device).triu(1)
         return index_BST.masked_fill(future_ST, float("-inf"))
 

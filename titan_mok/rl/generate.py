@@ -22,12 +22,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from titan_mok.models.common.decoder import MLADecoder
 from titan_mok.models.common.mla import MLAttention
-from titan_mok.models.common.rope import apply_rope
 from titan_mok.models.glm_5_2.dsa import DSAttention
 from titan_mok.rl.invariant import invariant_attention
 from titan_mok.rl.sampling import sample
@@ -121,25 +119,15 @@ class _CachedMLAttention(nn.Module):
         indexer, seq_len = self.attn.indexer, self.cache.seq_len
         if seq_len <= self.attn.index_topk:
             return None  # as in training: every causal key is selected, the indexer is skipped
-        rope_dim, head_dim = indexer.rope_dim, indexer.head_dim
-        q_1MIJ = indexer.wq_b(q_latent_1MQ).view(1, bsz * n_new, -1, head_dim)
-        q_rope_1MIR, q_rest_1MIU = q_1MIJ.split([rope_dim, head_dim - rope_dim], dim=-1)
-        k_1M1J = indexer.k_norm(indexer.wk(x_1MH)).unsqueeze(2)
-        k_rope_1M1R, k_rest_1M1U = k_1M1J.split([rope_dim, head_dim - rope_dim], dim=-1)
-        q_1MIJ = torch.cat([apply_rope(q_rope_1MIR, rope_MR, indexer.rope_interleaved), q_rest_1MIU], dim=-1)
-        k_1MJ = torch.cat([apply_rope(k_rope_1M1R, rope_MR, indexer.rope_interleaved), k_rest_1M1U], dim=-1)
-        k_BTJ = k_1MJ.view(bsz, n_new, head_dim)  # [1, B·T, 1, J] -> [B, T, J]
+        q_1MIJ, k_1MJ = indexer.project(x_1MH, q_latent_1MQ, rope_MR)
+        k_BTJ = k_1MJ.view(bsz, n_new, indexer.head_dim)  # [1, B·T, J] -> [B, T, J]
         if self.index_k_BSJ is None:
-            self.index_k_BSJ = k_BTJ.new_zeros(bsz, seq_len, head_dim)
+            self.index_k_BSJ = k_BTJ.new_zeros(bsz, seq_len, indexer.head_dim)
         pos_BT = self.positions.pos_BT
         self.index_k_BSJ[torch.arange(bsz, device=pos_BT.device)[:, None], pos_BT] = k_BTJ
-        q_BTIJ = q_1MIJ.view(bsz, n_new, -1, head_dim)
-        # [B, T, I, J] @ [B, 1, J, S] -> [B, T, I, S]: per query the trainer's [I, J] @ [J, S]
-        scores_BTIS = F.relu(
-            torch.matmul(q_BTIJ.float(), self.index_k_BSJ.float().transpose(-1, -2).unsqueeze(1)) * head_dim**-0.5
-        )
-        weights_BT1I = (indexer.weights_proj(x_1MH).float() * indexer.n_heads**-0.5).view(bsz, n_new, 1, -1)
-        index_BTS = torch.matmul(weights_BT1I, scores_BTIS).squeeze(-2)
+        q_BTIJ = q_1MIJ.view(bsz, n_new, -1, indexer.head_dim)  # [1, B·T, I, J] -> [B, T, I, J]
+        # per query the trainer's [I, J] @ [J, S] against every cached key
+        index_BTS = indexer.score(q_BTIJ, self.index_k_BSJ, x_1MH.view(bsz, n_new, -1))
         future_BTS = torch.arange(seq_len, device=pos_BT.device) > pos_BT[..., None]
         return indexer.select(index_BTS.masked_fill(future_BTS, float("-inf")))
 
