@@ -48,7 +48,7 @@ def _is_plain(*tensors) -> bool:
 def invariant_linear(x_xK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` whose output rows do not depend on the other rows of ``x``."""
     lead = x_xK.shape[:-1]
-    y_MN = row_invariant_linear(x_xK.reshape(-1, x_xK.shape[-1]), weight_NK)  # [..., K] -> [M, K]
+    y_MN = row_invariant_linear(x_xK.reshape(-1, x_xK.shape[-1]), weight_NK)  # [..., K] -> [M, N]
     if bias_N is not None:
         y_MN = y_MN + bias_N
     return y_MN.view(*lead, weight_NK.shape[0])
@@ -60,7 +60,7 @@ def _is_last_dim_mean(x, dim=None, keepdim=False, *, dtype=None) -> bool:
 
 def invariant_last_dim_mean(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
     """``x.mean(-1, keepdim)`` computed on ``TILE_M``-row tiles (row-batch-invariant)."""
-    mean_M1 = map_row_tiles(lambda rows: rows.mean(-1, keepdim=True), x.reshape(-1, x.shape[-1]))  # [..., H] -> [M, H]
+    mean_M1 = map_row_tiles(lambda rows: rows.mean(-1, keepdim=True), x.reshape(-1, x.shape[-1]))  # [..., H] -> [M, 1]
     return mean_M1.view(*x.shape[:-1], 1) if keepdim else mean_M1.view(x.shape[:-1])
 
 
