@@ -83,6 +83,15 @@ def check_job(job_config, world_size: int) -> None:
         raise ConfigError(f"[model] flavor = {flavor!r} for {name}: choose one of {list(flavors)}")
 
     par = job_config.parallelism
+    unsupported = {
+        "tensor_parallel_degree": par.tensor_parallel_degree,
+        "context_parallel_degree": par.context_parallel_degree,
+        "pipeline_parallel_degree": par.pipeline_parallel_degree,
+        "expert_tensor_parallel_degree": par.expert_tensor_parallel_degree,
+    }
+    for key, degree in unsupported.items():
+        if degree > 1:
+            raise ConfigError(f"[parallelism] {key} = {degree}: titan-mok's models support FSDP/HSDP and EP only; set it to 1")
     ep = par.expert_parallel_degree
     if ep < 1:
         raise ConfigError(f"[parallelism] expert_parallel_degree = {ep}: must be >= 1")
@@ -107,12 +116,12 @@ def check_job(job_config, world_size: int) -> None:
 class MokConfigManager(ConfigManager):
     """TorchTitan's ConfigManager, with titan-mok's checks run first."""
 
-    def _maybe_load_toml(self, args):
-        toml = super()._maybe_load_toml(args)
-        if toml is not None:
-            config_cls = self._maybe_add_custom_config(args, toml)
-            check_toml(config_cls, toml)
-        return toml
+    def _maybe_add_custom_config(self, args, toml_values):
+        # The one place TorchTitan holds both the merged config class and the TOML dict.
+        config_cls = super()._maybe_add_custom_config(args, toml_values)
+        if toml_values is not None:
+            check_toml(config_cls, toml_values)
+        return config_cls
 
     def parse_args(self, args: list[str]):
         config = super().parse_args(args)

@@ -28,14 +28,6 @@ _OP_SAC_SAVE_LIST = {
 }
 
 
-def check_parallel_dims(parallel_dims) -> None:
-    unsupported = {"tensor_parallel_degree": parallel_dims.tp, "context_parallel_degree": parallel_dims.cp,
-                   "pipeline_parallel_degree": parallel_dims.pp, "expert_tensor_parallel_degree": parallel_dims.etp}
-    for key, degree in unsupported.items():
-        if degree > 1:
-            raise ValueError(f"[parallelism] {key} = {degree}: titan-mok's models support FSDP/HSDP and EP only; set it to 1")
-
-
 def apply_ep(model: torch.nn.Module, ep_mesh) -> None:
     """Experts become DTensors Shard(0) on the ep mesh: titan-mok's style for a layer
     built with backend "mok", TorchTitan's all-to-all ExpertParallel for "torchtitan"
@@ -51,7 +43,7 @@ def apply_ep(model: torch.nn.Module, ep_mesh) -> None:
 
 
 def parallelize_moe_model(model: torch.nn.Module, parallel_dims, job_config) -> torch.nn.Module:
-    check_parallel_dims(parallel_dims)
+    # (tensor/context/pipeline parallel degrees > 1 are rejected by titan_mok.config_check)
     if parallel_dims.ep_enabled:
         apply_ep(model, parallel_dims.get_mesh("ep"))
 

@@ -57,8 +57,6 @@ def check_rl_job(job_config) -> None:
     """RL-specific config checks, before any process group exists."""
     if job_config.debug.seed is None:
         raise ConfigError("[debug] seed must be set for RL: prompts and sampling streams derive from it")
-    if job_config.parallelism.pipeline_parallel_degree != 1:
-        raise ConfigError("[parallelism] pipeline_parallel_degree must be 1 for RL (rollouts run the whole model)")
     if job_config.training.seq_len <= job_config.rl.max_new_tokens:
         raise ConfigError(
             f"[training] seq_len = {job_config.training.seq_len} must exceed [rl] max_new_tokens = "
