@@ -8,6 +8,7 @@ Triton first ("0 active drivers").
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -27,3 +28,17 @@ if not torch.cuda.is_available():
         interpreter._patch_lang_tensor = patched
 
     _interpreter_numpy_shim()
+
+
+@pytest.fixture
+def one_rank_gloo():
+    """A 1-rank gloo process group in this process, destroyed afterwards."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

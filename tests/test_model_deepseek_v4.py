@@ -163,29 +163,22 @@ def test_full_flavor_sizes_on_meta():
     assert 49e9 < active < 50.5e9, active
 
 
-def test_adapter_round_trips_sharded_experts():
+def test_adapter_round_trips_sharded_experts(one_rank_gloo):
     """EP/FSDP-sharded routed experts (DTensor Shard(0), here on a 1-rank gloo mesh)
     split into this rank's per-expert tensors and stack back."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        args = _our_args()
-        adapter = DeepSeekV4StateDictAdapter(args, None)
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
-        plain = _random_model(args).state_dict()
-        sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) if ".moe.experts." in k else v for k, v in plain.items()}
-        hf = adapter.to_hf(sharded)
-        assert isinstance(hf["layers.3.ffn.experts.0.w1.weight"], torch.Tensor)
-        back = adapter.from_hf(hf)
-        stacked = back["layers.3.moe.experts.w_gate"]
-        assert isinstance(stacked, DTensor) and torch.equal(stacked.full_tensor(), plain["layers.3.moe.experts.w_gate"])
-    finally:
-        dist.destroy_process_group()
+    args = _our_args()
+    adapter = DeepSeekV4StateDictAdapter(args, None)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+    plain = _random_model(args).state_dict()
+    sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) if ".moe.experts." in k else v for k, v in plain.items()}
+    hf = adapter.to_hf(sharded)
+    assert isinstance(hf["layers.3.ffn.experts.0.w1.weight"], torch.Tensor)
+    back = adapter.from_hf(hf)
+    stacked = back["layers.3.moe.experts.w_gate"]
+    assert isinstance(stacked, DTensor) and torch.equal(stacked.full_tensor(), plain["layers.3.moe.experts.w_gate"])
 
 
 def test_causal_and_bf16():

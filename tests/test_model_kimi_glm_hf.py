@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from safetensors.torch import load_file
@@ -84,31 +83,25 @@ def test_debug_flavor_is_causal_and_trains_in_bf16(name):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
-def test_adapter_round_trips_ep_sharded_experts():
+def test_adapter_round_trips_ep_sharded_experts(one_rank_gloo):
     """Routed experts as DTensors Shard(0) (EP/FSDP; here a 1-rank gloo mesh) split into
     this rank's per-expert HF tensors and stack back into the same DTensor layout."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        args = registry.flavors("glm_5_2")["debug"]
-        model = registry.model_module("glm_5_2").get_train_spec().model_cls(args)
-        model.init_weights(torch.device("cpu"))
-        plain = model.state_dict()
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
-        sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) if ".moe.experts." in k else v for k, v in plain.items()}
-        adapter = registry.model_module("glm_5_2").get_train_spec().state_dict_adapter(args, None)
-        hf = adapter.to_hf(sharded)
-        assert "model.layers.4.mlp.experts.7.down_proj.weight" in hf  # the MTP block's experts too
-        back = adapter.from_hf(hf)
-        assert set(back) == set(plain)
-        for key, value in back.items():
-            if ".moe.experts." in key:
-                assert isinstance(value, DTensor) and value.placements == (Shard(0),)
-                value = value.full_tensor()
-            assert torch.equal(value, plain[key]), key
-    finally:
-        dist.destroy_process_group()
+    args = registry.flavors("glm_5_2")["debug"]
+    model = registry.model_module("glm_5_2").get_train_spec().model_cls(args)
+    model.init_weights(torch.device("cpu"))
+    plain = model.state_dict()
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+    sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) if ".moe.experts." in k else v for k, v in plain.items()}
+    adapter = registry.model_module("glm_5_2").get_train_spec().state_dict_adapter(args, None)
+    hf = adapter.to_hf(sharded)
+    assert "model.layers.4.mlp.experts.7.down_proj.weight" in hf  # the MTP block's experts too
+    back = adapter.from_hf(hf)
+    assert set(back) == set(plain)
+    for key, value in back.items():
+        if ".moe.experts." in key:
+            assert isinstance(value, DTensor) and value.placements == (Shard(0),)
+            value = value.full_tensor()
+        assert torch.equal(value, plain[key]), key
 
 
 @pytest.mark.parametrize("name", ["kimi_k2_7_code", "glm_5_2"])
