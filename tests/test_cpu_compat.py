@@ -23,18 +23,6 @@ def test_torch_cpu_current_device_is_not_an_int():
     assert not isinstance(torch.cpu.current_device(), int)
 
 
-def test_cpu_histc_rejects_integer_tensors():
-    with pytest.raises(RuntimeError):
-        torch.histc(torch.tensor([0, 1, 1]), bins=2, min=0, max=1)
-
-
-def test_histc_adaptation_matches_float_counts():
-    from titan_mok.cpu_compat import _histc_any_dtype
-
-    counts = _histc_any_dtype(torch.tensor([0, 1, 1, 3]), bins=4, min=0, max=3)
-    assert counts.dtype == torch.int64 and counts.tolist() == [1, 2, 0, 1]
-
-
 def test_torchtitan_permute_kernel_is_triton_by_default():
     import inspect
 

@@ -48,21 +48,6 @@ class CpuDeviceModule:
         pass
 
 
-def _histc_any_dtype(input, *args, **kwargs):
-    # CPU torch.histc rejects integer tensors (router counts); CUDA returns the input's
-    # dtype. Counts < 2**24 are exact in fp32.
-    if input.is_floating_point():
-        return torch.histc(input, *args, **kwargs)
-    return torch.histc(input.float(), *args, **kwargs).to(input.dtype)
-
-
-def _torch_with_histc_for_ints() -> types.ModuleType:
-    proxy = types.ModuleType("torch")
-    proxy.__getattr__ = lambda name: getattr(torch, name)
-    proxy.histc = _histc_any_dtype
-    return proxy
-
-
 def apply() -> None:
     """Adapt TorchTitan for a CPU-only process. Idempotent."""
     global _applied
@@ -74,7 +59,6 @@ def apply() -> None:
     import torchtitan.components.metrics as metrics
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.distributed.utils as dist_utils
-    import torchtitan.models.moe.moe as tt_moe
     import torchtitan.models.moe.utils as tt_moe_utils
     import torchtitan.tools.profiling as profiling
     import torchtitan.tools.utils as tt_utils
@@ -86,9 +70,6 @@ def apply() -> None:
             module.device_module = cpu
     for module in (tt_utils, metrics, dist_utils, parallel_dims):
         module.device_type = "cpu"
-
-    # The router counts tokens per expert with torch.histc on an integer tensor.
-    tt_moe.torch = _torch_with_histc_for_ints()
 
     # The token permutation for EP>1 is a Triton kernel; on CPU tensors use TorchTitan's CPU path.
     triton_permute = tt_moe_utils.generate_permute_indices
