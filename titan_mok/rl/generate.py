@@ -1,8 +1,7 @@
 """KV-cache generation through the training model's own modules.
 
 Legend: B sequences, T new tokens per step, S cache length (= ``[training]
-seq_len``, also the trainer's sequence length), H hidden, N heads, E qk head dim
-(P nope + R rope), C kv latent rank, D v head dim, V vocab, G completion tokens.
+seq_len``, also the trainer's sequence length), V vocab, G completion tokens.
 
 No second model: a cached step is ``model(tokens_BT)`` itself — embedding,
 blocks (norms, residuals, dense FFN or MoE), head, and FSDP's hooks around them
@@ -12,9 +11,9 @@ for the rollout, for a stand-in that calls the module's own ``qkv`` and
 cache at each sequence's own positions, and queries attend to the whole cache
 through ``invariant_attention`` (the function the trainer's forward uses under
 ``BatchInvariantMode``). So every logit equals, bit for bit, the one the trainer
-recomputes for the same position. DSA layers (GLM-5.2) also cache the lightning
-indexer's keys and select each new query's top-k keys over the whole cache, as
-the trainer's full pass does.
+recomputes for the same position. Each model family's stand-ins live in their
+own module (``cached_mla``: Kimi K2.7 Code, GLM-5.2) behind ``supports`` and
+``stand_ins``; a model without one decodes by recomputation.
 """
 
 from contextlib import contextmanager
@@ -22,137 +21,46 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from titan_mok.models.common.decoder import MLADecoder
-from titan_mok.models.common.mla import MLAttention
-from titan_mok.models.glm_5_2.dsa import DSAttention
-from titan_mok.rl.invariant import invariant_attention
+from titan_mok.rl import cached_mla
+from titan_mok.rl.kv_cache import Positions
 from titan_mok.rl.sampling import sample
+
+_CACHED_FAMILIES = (cached_mla,)
+"""Modules with ``supports(model)`` and ``stand_ins(model, positions, batch, seq_len)``:
+each model family's cached decode step."""
+
+
+def _cached_family(model: torch.nn.Module):
+    return next((family for family in _CACHED_FAMILIES if family.supports(model)), None)
 
 
 def has_kv_cache_step(model: torch.nn.Module) -> bool:
-    """True for MLA decoders with MLA or DSA layers (Kimi K2.7 Code, GLM-5.2): the cached path.
-    Other attentions (Gated DeltaNet, DeepSeek-V4's) decode by recomputation."""
-    return isinstance(model, MLADecoder) and all(
-        type(model.layers[str(i)].attention) in (MLAttention, DSAttention) for i in range(model.model_args.n_layers)
-    )
-
-
-class KVCache:
-    """Per layer: keys ``[B, N, S, E]`` and values ``[B, N, S, D]`` after RoPE/up-projection
-    (the tensors the trainer's attention sees), zero where nothing was written. Allocated at
-    a layer's first write, in the dtype its projections produce (FSDP's compute dtype)."""
-
-    def __init__(self, n_layers: int, batch: int, seq_len: int):
-        self.batch, self.seq_len = batch, seq_len
-        self.k_BNSE: list[torch.Tensor | None] = [None] * n_layers
-        self.v_BNSD: list[torch.Tensor | None] = [None] * n_layers
-
-    def write(
-        self, layer: int, pos_BT: torch.Tensor, k_BNTE: torch.Tensor, v_BNTD: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new keys/values at their positions; returns the layer's whole cache."""
-        if self.k_BNSE[layer] is None:
-            n_heads = k_BNTE.shape[1]
-            self.k_BNSE[layer] = k_BNTE.new_zeros(self.batch, n_heads, self.seq_len, k_BNTE.shape[-1])
-            self.v_BNSD[layer] = v_BNTD.new_zeros(self.batch, n_heads, self.seq_len, v_BNTD.shape[-1])
-        rows_BT = torch.arange(self.batch, device=pos_BT.device)[:, None].expand_as(pos_BT)
-        # [B, N, S, ·] caches seen as [B, S, N, ·]: each new token lands at (b, pos)
-        self.k_BNSE[layer].transpose(1, 2)[rows_BT, pos_BT] = k_BNTE.transpose(1, 2)
-        self.v_BNSD[layer].transpose(1, 2)[rows_BT, pos_BT] = v_BNTD.transpose(1, 2)
-        return self.k_BNSE[layer], self.v_BNSD[layer]
-
-
-def _per_sequence(x_1NMX: torch.Tensor, bsz: int, n_new: int) -> torch.Tensor:
-    """``[1, N, B·T, X]`` → ``[B, N, T, X]``."""
-    return x_1NMX.view(x_1NMX.shape[1], bsz, n_new, x_1NMX.shape[-1]).transpose(0, 1)
-
-
-@dataclass
-class _Positions:
-    """Where the tokens of the next cached ``model(tokens_BT)`` call sit."""
-
-    start: int | torch.Tensor = 0
-    """0 for a prefill, a ``[B]`` tensor for one decoded token per sequence."""
-    pos_BT: torch.Tensor | None = None
-
-
-class _CachedMLAttention(nn.Module):
-    """Stands in for one layer's MLAttention or DSAttention during a cached rollout (same call
-    signature): the module's own ``qkv`` and ``project_out`` around a cached attention core;
-    DSA layers also select their keys from a cache of the lightning indexer's keys."""
-
-    def __init__(self, attn: MLAttention, layer: int, cache: KVCache, positions: _Positions):
-        super().__init__()
-        self.attn, self.layer, self.cache, self.positions = attn, layer, cache, positions
-        self.index_k_BSJ: torch.Tensor | None = None  # DSA: the indexer's (rotated) key per position
-
-    def forward(self, x_BTH: torch.Tensor, rope_SR: torch.Tensor, topk_idx_BSK: torch.Tensor | None = None):
-        """``rope_SR``: the model's whole rotary cache, as the block received it (FSDP casts it
-        like any input); each new token takes the row of its own position."""
-        attn, pos_BT = self.attn, self.positions.pos_BT
-        bsz, n_new, dim = x_BTH.shape
-        # The B·T new tokens as one sequence whose rotary rows are their own positions: every op
-        # of qkv (projections, latent norms, RoPE) is per token.
-        x_1MH = x_BTH.reshape(1, bsz * n_new, dim)
-        rope_MR = rope_SR[pos_BT.reshape(-1)]
-        q_latent_1MQ = attn.q_norm(attn.wq_a(x_1MH))
-        q_1NME, k_1NME, v_1NMD = attn.qkv(x_1MH, q_latent_1MQ, rope_MR)
-        k_BNSE, v_BNSD = self.cache.write(
-            self.layer, pos_BT, _per_sequence(k_1NME, bsz, n_new), _per_sequence(v_1NMD, bsz, n_new)
-        )
-        keep_B1TS = None
-        if isinstance(attn, DSAttention):
-            if attn.indexer is not None:  # a "full" IndexShare layer selects; the others reuse its choice
-                topk_idx_BSK = self._select(x_1MH, q_latent_1MQ, rope_MR, bsz, n_new)
-            if topk_idx_BSK is not None:
-                keep_BTS = torch.zeros(bsz, n_new, self.cache.seq_len, dtype=torch.bool, device=x_BTH.device)
-                keep_B1TS = keep_BTS.scatter_(-1, topk_idx_BSK, True).unsqueeze(1)  # broadcast over heads
-        q_BNTE = _per_sequence(q_1NME, bsz, n_new)
-        out_BNTD = invariant_attention(q_BNTE, k_BNSE, v_BNSD, attn.softmax_scale, self.positions.start, keep_B1TS)
-        return attn.project_out(out_BNTD), topk_idx_BSK
-
-    def _select(self, x_1MH, q_latent_1MQ, rope_MR, bsz: int, n_new: int) -> torch.Tensor | None:
-        """``LightningIndexer.forward`` + ``select`` for the new queries against every cached
-        position (the trainer's sequence is the whole cache: same per-query shapes, same ops)."""
-        indexer, seq_len = self.attn.indexer, self.cache.seq_len
-        if seq_len <= self.attn.index_topk:
-            return None  # as in training: every causal key is selected, the indexer is skipped
-        q_1MIJ, k_1MJ = indexer.project(x_1MH, q_latent_1MQ, rope_MR)
-        k_BTJ = k_1MJ.view(bsz, n_new, indexer.head_dim)  # [1, B·T, J] -> [B, T, J]
-        if self.index_k_BSJ is None:
-            self.index_k_BSJ = k_BTJ.new_zeros(bsz, seq_len, indexer.head_dim)
-        pos_BT = self.positions.pos_BT
-        self.index_k_BSJ[torch.arange(bsz, device=pos_BT.device)[:, None], pos_BT] = k_BTJ
-        q_BTIJ = q_1MIJ.view(bsz, n_new, -1, indexer.head_dim)  # [1, B·T, I, J] -> [B, T, I, J]
-        # per query the trainer's [I, J] @ [J, S] against every cached key
-        index_BTS = indexer.score(q_BTIJ, self.index_k_BSJ, x_1MH.view(bsz, n_new, -1))
-        future_BTS = torch.arange(seq_len, device=pos_BT.device) > pos_BT[..., None]
-        return indexer.select(index_BTS.masked_fill(future_BTS, float("-inf")))
+    """True where a model family has a cached decode step; others decode by recomputation."""
+    return _cached_family(model) is not None
 
 
 class CachedDecoder:
-    """Prefill the prompts once, then one token per sequence per step against the KV cache.
-    Decode inside ``running()``: the layers' attention modules are swapped for its duration."""
+    """Prefill the prompts once, then one token per sequence per step against the caches.
+    Decode inside ``running()``: the modules the family's cached step replaces (each
+    layer's attention) are swapped for their stand-ins for its duration."""
 
-    def __init__(self, model: MLADecoder, tokens_BS: torch.Tensor):
+    def __init__(self, model: torch.nn.Module, tokens_BS: torch.Tensor):
         self.model = model
         self.tokens_BS = tokens_BS
-        self.positions = _Positions()
-        self.cache = KVCache(model.model_args.n_layers, *tokens_BS.shape)
+        self.positions = Positions()
+        self.swaps = _cached_family(model).stand_ins(model, self.positions, *tokens_BS.shape)
 
     @contextmanager
     def running(self):
-        blocks = [self.model.layers[str(i)] for i in range(self.model.model_args.n_layers)]
-        originals = [block.attention for block in blocks]
-        for layer, block in enumerate(blocks):
-            block.attention = _CachedMLAttention(block.attention, layer, self.cache, self.positions)
+        originals = [getattr(parent, name) for parent, name, _ in self.swaps]
+        for parent, name, stand_in in self.swaps:
+            setattr(parent, name, stand_in)
         try:
             yield self
         finally:
-            for block, attention in zip(blocks, originals):
-                block.attention = attention
+            for (parent, name, _), original in zip(self.swaps, originals):
+                setattr(parent, name, original)
 
     def _step(self, tokens_BT: torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
         bsz, n_new = tokens_BT.shape

@@ -1,0 +1,48 @@
+"""What every cached decode step shares: where the new tokens sit, and a per-layer
+key/value cache written at each sequence's own positions.
+
+Legend: B sequences, T new tokens per step, S cache length (= ``[training]
+seq_len``), N heads, E key head dim, D value head dim, M = B·T.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Positions:
+    """Where the tokens of the next cached ``model(tokens_BT)`` call sit; shared by a
+    rollout's stand-ins and updated by the decoder before each call."""
+
+    start: int | torch.Tensor = 0
+    """0 for a prefill, a ``[B]`` tensor for one decoded token per sequence."""
+    pos_BT: torch.Tensor | None = None
+
+
+class LayerKVCache:
+    """One layer's keys ``[B, N, S, E]`` and values ``[B, N, S, D]`` as the trainer's
+    attention sees them, zero where nothing was written. Allocated at the first write,
+    in the dtype the projections produce (FSDP's compute dtype)."""
+
+    def __init__(self, batch: int, seq_len: int):
+        self.batch, self.seq_len = batch, seq_len
+        self.k_BNSE: torch.Tensor | None = None
+        self.v_BNSD: torch.Tensor | None = None
+
+    def write(self, pos_BT: torch.Tensor, k_BNTE: torch.Tensor, v_BNTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new keys/values at their positions; returns the whole cache."""
+        if self.k_BNSE is None:
+            n_heads = k_BNTE.shape[1]
+            self.k_BNSE = k_BNTE.new_zeros(self.batch, n_heads, self.seq_len, k_BNTE.shape[-1])
+            self.v_BNSD = v_BNTD.new_zeros(self.batch, n_heads, self.seq_len, v_BNTD.shape[-1])
+        rows_BT = torch.arange(self.batch, device=pos_BT.device)[:, None].expand_as(pos_BT)
+        # [B, N, S, ·] caches seen as [B, S, N, ·]: each new token lands at (b, pos)
+        self.k_BNSE.transpose(1, 2)[rows_BT, pos_BT] = k_BNTE.transpose(1, 2)
+        self.v_BNSD.transpose(1, 2)[rows_BT, pos_BT] = v_BNTD.transpose(1, 2)
+        return self.k_BNSE, self.v_BNSD
+
+
+def per_sequence(x_1NMX: torch.Tensor, bsz: int, n_new: int) -> torch.Tensor:
+    """``[1, N, B·T, X]`` → ``[B, N, T, X]``."""
+    return x_1NMX.view(x_1NMX.shape[1], bsz, n_new, x_1NMX.shape[-1]).transpose(0, 1)
