@@ -60,7 +60,12 @@ def test_rollout_logprobs_equal_trainer_recompute(model):
 
 
 @pytest.mark.parametrize(
-    "name, cached", [("glm_5_2", True), ("qwen3_5_397b_a17b", False), ("deepseek_v4_pro", False)]
+    "name, cached",
+    [
+        ("glm_5_2", True),
+        ("qwen3_5_397b_a17b", False),
+        ("deepseek_v4_pro", False),
+    ],
 )
 def test_rollouts_of_the_other_models(name, cached):
     """GLM's DSA decodes with the cache (the indexer's keys cached too, its top-k per new
