@@ -2,6 +2,7 @@
 (GLM-5.2's with the sparse DSA path, IndexShare and the MTP loss on), then the
 Kimi debug flavor for same-seed bitwise runs."""
 
+import json
 import math
 
 import pytest
@@ -12,6 +13,9 @@ from tests import torchrun
 
 CONFIG = "train_configs/kimi_k2_7_code/debug.toml"
 pytestmark = pytest.mark.slow
+ATTACHED = {"kimi_k2_7_code": set(), "glm_5_2": {"mtp", "indexer_kl"}, "qwen3_5_397b_a17b": {"moe_aux"},
+            "deepseek_v4_pro": set()}
+"""Losses each debug flavor trains beside the cross-entropy (non-zero coefficients)."""
 
 
 @pytest.mark.parametrize("model", ["kimi_k2_7_code", "glm_5_2", "qwen3_5_397b_a17b", "deepseek_v4_pro"])
@@ -22,6 +26,11 @@ def test_loss_finite_and_falling(tmp_path, model):
     assert sorted(loss) == list(range(1, 13)), out[-3000:]
     assert all(math.isfinite(v) for v in loss.values())
     assert loss[12] < 0.75 * loss[1], loss
+    # the losses trained beside the cross-entropy are logged (titan_mok.attached_loss)
+    (jsonl,) = tmp_path.glob("tb/*/metrics.jsonl")
+    logged = json.loads(jsonl.read_text().splitlines()[-1])["metrics"]
+    attached = {k.split("/")[1]: v for k, v in logged.items() if k.startswith("attached_loss/")}
+    assert set(attached) == ATTACHED[model] and all(math.isfinite(v) and v >= 0 for v in attached.values()), logged
 
 
 def _final_weights(tmp_path, tag: str, seed: int) -> dict[str, torch.Tensor]:

@@ -20,7 +20,9 @@ GPU, ``tflops`` = TFLOP/s per GPU, ``mfu(%)``, memory, timings):
 logged loss so far: for runs with the same log_freq, different values at step N
 mean the loss curves differ by then, equal ones mean bitwise-equal curves up to
 CRC-32 collisions) and the MoE statistics of
-``titan_mok.moe_stats``.
+``titan_mok.moe_stats``, and ``attached_loss/<name>`` for every loss attached
+beside the cross-entropy (``titan_mok.attached_loss``: ``moe_aux``, ``mtp``,
+``indexer_kl``).
 """
 
 import dataclasses
@@ -46,6 +48,7 @@ from torchtitan.components.metrics import (
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
+from titan_mok.attached_loss import take_tally
 from titan_mok.moe_stats import MoEStats
 
 H200_BF16_PEAK_FLOPS = 800e12
@@ -221,17 +224,35 @@ class MokMetricsProcessor(MetricsProcessor):
         if parts and self.job_config.metrics.moe_stats:
             compile_cfg = self.job_config.compile
             compiled = compile_cfg.enable and "model" in compile_cfg.components
-            loss_mesh = self.parallel_dims.get_optional_mesh("loss") if self.parallel_dims.dp_cp_enabled else None
-            group = loss_mesh.get_group() if loss_mesh is not None else None
-            self.moe_stats = MoEStats(parts, group, hooks=not compiled)
+            self.moe_stats = MoEStats(parts, self._loss_group(), hooks=not compiled)
+
+    def _loss_group(self):
+        """The ranks whose losses TorchTitan averages (None: this rank alone)."""
+        loss_mesh = self.parallel_dims.get_optional_mesh("loss") if self.parallel_dims.dp_cp_enabled else None
+        return loss_mesh.get_group() if loss_mesh is not None else None
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float, extra_metrics=None):
         self.loss_checksum = zlib.crc32(struct.pack("<d", float(global_avg_loss)), self.loss_checksum)
         extra = {"determinism/loss_checksum": self.loss_checksum}
         if self.moe_stats is not None:
             extra.update(self.moe_stats.collect(time.perf_counter() - self.time_last_log))
+        extra.update(attached_loss_metrics(self._loss_group()))
         extra.update(extra_metrics or {})
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra)
+
+
+def attached_loss_metrics(group) -> dict[str, float]:
+    """``attached_loss/<name>``: the mean of each attached loss (MoE aux, MTP, DSA indexer;
+    unweighted, before its coefficient) over the training forwards of every rank since
+    the last log. NOTE: one all-reduce and one host sync; called on logged steps only.
+    Every rank attaches the same losses (one model, one sequence length)."""
+    tally = sorted(take_tally().items())
+    if not tally:
+        return {}
+    packed = torch.stack([torch.stack([total, total.new_tensor(float(count))]) for _, (total, count) in tally])
+    if group is not None:
+        torch.distributed.all_reduce(packed, group=group)
+    return {f"attached_loss/{name}": total / count for (name, _), (total, count) in zip(tally, packed.tolist())}
 
 
 def build_mok_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None):

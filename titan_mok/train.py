@@ -1,7 +1,8 @@
 """Training entry: `torchrun --nproc_per_node N -m titan_mok.train --config PATH [--section.key value ...]`.
 
 Loads TorchTitan's TOML sections plus `[mok]`, checks them before any process
-group exists, registers titan-mok's models and runs TorchTitan's Trainer
+group exists, registers titan-mok's models and runs its Trainer (TorchTitan's, see
+`titan_mok.trainer`)
 (gloo on CPU, NCCL on GPU). `launch` is shared with `titan_mok.rl`.
 """
 
@@ -66,9 +67,9 @@ def _exit_before_finalizing() -> None:
 
 
 def _pretraining():
-    from torchtitan.train import Trainer
+    from titan_mok.trainer import MokTrainer
 
-    return Trainer, None
+    return MokTrainer, None
 
 
 def main(argv: list[str] | None = None) -> None:

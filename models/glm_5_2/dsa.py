@@ -21,7 +21,7 @@ from torchtitan.models.utils import trunc_normal_
 
 from titan_mok.models.common.mla import MLAttention, keep_mask, sparse_causal_sdpa
 from titan_mok.models.common.rope import apply_rope
-from titan_mok.moe.aux_loss import attach_aux_loss
+from titan_mok.attached_loss import attach_loss
 
 
 class LightningIndexer(nn.Module):
@@ -109,7 +109,7 @@ class DSAttention(MLAttention):
         out_BSH = self.project_out(sparse_causal_sdpa(q_BNSE, k_BNSE, v_BNSD, self.softmax_scale, topk_idx_BSK))
         if index_BST is not None:
             loss = indexer_kl_loss(q_BNSE.detach(), k_BNSE.detach(), self.softmax_scale, index_BST, topk_idx_BSK)
-            out_BSH = attach_aux_loss(out_BSH, loss, self.index_loss_coef)  # trains the indexer, not reported
+            out_BSH = attach_loss(out_BSH, loss, self.index_loss_coef, "indexer_kl")  # trains the indexer
         return out_BSH, topk_idx_BSK
 
     def init_weights(self, init_std: float) -> None:

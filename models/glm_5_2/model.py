@@ -9,7 +9,7 @@ from torch import nn
 
 from titan_mok.models.common.decoder import MLADecoder
 from titan_mok.models.common.mtp import MTPBlock
-from titan_mok.moe.aux_loss import attach_aux_loss
+from titan_mok.attached_loss import attach_loss
 
 from .args import GLM52Args
 from .dsa import DSAttention
@@ -38,4 +38,4 @@ class GLM52Model(MLADecoder):
         logits_BSV, mtp_logits_BSV = self.output(torch.cat([h_BSH, mtp_BSH], dim=1)).split([seqlen, seqlen - 1], dim=1)
         # targets t_{i+2} exist in the input for i ≤ S-3
         mtp_loss = F.cross_entropy(mtp_logits_BSV[:, :-1].flatten(0, 1).float(), tokens_BS[:, 2:].flatten())
-        return attach_aux_loss(logits_BSV, mtp_loss, coef)  # trains the MTP block, not reported
+        return attach_loss(logits_BSV, mtp_loss, coef, "mtp")  # trains the MTP block

@@ -19,8 +19,9 @@ from torch import nn
 from torchtitan.tools.utils import has_cuda_capability
 
 
+from titan_mok.attached_loss import attach_loss
 from titan_mok.moe.args import MoEArgs
-from titan_mok.moe.aux_loss import attach_aux_loss, load_balance_aux_loss
+from titan_mok.moe.aux_loss import load_balance_aux_loss
 from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch, reduce_slots
 from titan_mok.moe.experts import RoutedExperts, SharedExpert
 from titan_mok.moe.fused import fused_routed_experts
@@ -190,7 +191,8 @@ class MoE(nn.Module):
             y_TKH = routed_torchtitan(self.experts, x_TH, topk_idx_TK)
             y_TH = reduce_slots(y_TKH, weights_TK, shared_TH, x_TH.dtype)
         if self.args.aux_loss_coef > 0 and torch.is_grad_enabled():
-            y_TH = attach_aux_loss(y_TH, load_balance_aux_loss(scores_TE, topk_idx_TK), self.args.aux_loss_coef)
+            aux_loss = load_balance_aux_loss(scores_TE, topk_idx_TK)
+            y_TH = attach_loss(y_TH, aux_loss, self.args.aux_loss_coef, "moe_aux")
         return y_TH.view(batch, seq, dim)
 
     @torch.no_grad()

@@ -25,6 +25,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
+from titan_mok.attached_loss import loss_weight
 from titan_mok.config_check import ConfigError
 from titan_mok.moe import MoE
 from titan_mok.rl.generate import Rollout, generate, has_kv_cache_step
@@ -177,13 +178,15 @@ class RlTrainer(Trainer):
         advantages_B = group_advantages(rewards_B, rl.group_size)
         mask_BG = rollout.mask_BG
         global_tokens = self._all_reduce(mask_BG.sum().float())
+        local_share = mask_BG.sum() / global_tokens
         ref_logprobs_BG = self._reference_logprobs(rollout) if self.reference is not None else None
 
         start = time.perf_counter()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         for update in range(rl.updates_per_rollout):
             self.optimizers.zero_grad()
-            with self.train_context(), self.maybe_enable_amp, BatchInvariantMode():
+            # attached losses (MoE aux) count as this rank's share of the step's completion tokens
+            with self.train_context(), self.maybe_enable_amp, BatchInvariantMode(), loss_weight(local_share):
                 logits_BSV = self.model(rollout.tokens_BS)
                 logprobs_BG = completion_logprobs(logits_BSV, rollout, rl.temperature)
                 del logits_BSV
