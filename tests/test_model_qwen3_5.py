@@ -6,11 +6,16 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from titan_mok.models.qwen3_5_397b_a17b import Qwen35Model, Qwen35ModelArgs, Qwen35StateDictAdapter
 from titan_mok.models.qwen3_5_397b_a17b import qwen3_5_397b_a17b_configs as configs
-from titan_mok.models.qwen3_5_397b_a17b.gated_deltanet import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+from titan_mok.models.qwen3_5_397b_a17b.gated_deltanet import (
+    causal_depthwise_conv,
+    chunk_gated_delta_rule,
+    naive_recurrent_gated_delta_rule,
+)
 from titan_mok.moe import MoEArgs
 
 transformers = pytest.importorskip("transformers")
@@ -43,6 +48,16 @@ def test_chunked_deltanet_matches_recurrent(seq_len, chunk_size):
     tri.backward(grad_o)
     for name in ref_in:
         assert rel_err(tri_in[name].grad, ref_in[name].grad) < 1e-4, f"d{name}"
+
+
+def test_causal_depthwise_conv_matches_conv1d_and_continues_from_history():
+    g = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(2, 11, 6, generator=g), torch.randn(6, 4, generator=g)
+    ref = F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), weight[:, None], groups=6).transpose(1, 2)
+    out = causal_depthwise_conv(x, weight)
+    torch.testing.assert_close(out, ref)
+    # rows 7.. from the 3 rows before them: the same bits as in the full pass
+    assert torch.equal(causal_depthwise_conv(x[:, 7:], weight, x[:, 4:7]), out[:, 7:])
 
 
 TINY = dict(

@@ -3,7 +3,8 @@ Qwen3.5: a pure-PyTorch chunked form (the training path, CPU and GPU) beside the
 token-by-token recurrence it must equal (``naive_recurrent_gated_delta_rule``).
 
 Legend: B batch, S sequence, H hidden, Hk query/key heads, Hv value heads,
-Dk key head dim, Dv value head dim, N chunks, C chunk length, W conv width.
+Dk key head dim, Dv value head dim, N chunks, C chunk length, W conv width,
+J conv channels (2·Hk·Dk + Hv·Dv).
 
 The recurrence per value head, with state ``S [Dk, Dv]`` and scalars ``g_t ≤ 0``
 (log decay) and ``beta_t ∈ (0, 1)`` (write strength)::
@@ -15,24 +16,66 @@ The recurrence per value head, with state ``S [Dk, Dv]`` and scalars ``g_t ≤ 0
 with q and k L2-normalised and q scaled by Dk^-0.5. Query/key head ``i`` serves
 value heads ``i·Hv/Hk … (i+1)·Hv/Hk − 1`` (grouped value attention), as in
 flash-linear-attention and the Qwen3.5 checkpoints.
+
+Row invariance (for RL's cached decode step, ``titan_mok.rl.cached_qwen``): the
+causal conv is W elementwise multiply-adds (not ``F.conv1d``, whose algorithm
+depends on the sequence length), the L2 norm reads a last-dim ``mean`` (which
+``BatchInvariantMode`` tiles), and SiLU, sigmoid and softplus run on fixed-size
+row tiles (``pointwise_in_row_tiles``), so every token's values have the same
+bits whatever the sequence or batch around it.
+The chunked rule reads a chunk's later tokens only through exactly-zero
+coefficients, so one chunk recomputed from its start state with zeros in its
+unwritten slots gives the full pass's bits for the written ones.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_mok.moe.tiles import map_row_tiles
 
-def _prepare_qkv(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv):
-    """fp32, heads first, q/k L2-normalised (eps 1e-6, as FLA), q scaled, q/k
-    heads repeated to the value heads. Returns tensors shaped [B, Hv, S, ·]."""
+
+def pointwise_in_row_tiles(fn, x_xD: torch.Tensor) -> torch.Tensor:
+    """An elementwise ``fn`` (SiLU, sigmoid, softplus) on ``TILE_M``-row tiles of x's last
+    dim: CPU kernels finish a tensor's tail with scalar code whose transcendentals can
+    differ from the vectorised body's in the last bit, so a value's bits would depend
+    on where it sits in the tensor; in a fixed-size tile every row meets the same code."""
+    return map_row_tiles(fn, x_xD.reshape(-1, x_xD.shape[-1])).view(x_xD.shape)  # [..., D] -> [M, D] -> back
+
+
+
+def causal_depthwise_conv(x_BSJ: torch.Tensor, weight_JW: torch.Tensor, history_BWJ: torch.Tensor | None = None):
+    """Causal depthwise conv along S: ``y_t = Σ_i w_i · x_{t−W+1+i}`` in fp32, cast back to
+    x's dtype. Positions before the first row read ``history`` (the W−1 rows before it;
+    zeros when None). W elementwise multiply-adds in a fixed order: each output's bits
+    depend only on its own window, whatever S or B."""
+    batch, seq_len, channels = x_BSJ.shape
+    width = weight_JW.shape[-1]
+    if history_BWJ is None:
+        history_BWJ = x_BSJ.new_zeros(batch, width - 1, channels)
+    window_BXJ = torch.cat([history_BWJ, x_BSJ], dim=1).float()  # X = W − 1 + S
+    weight_JW = weight_JW.float()
+    y_BSJ = window_BXJ[:, :seq_len] * weight_JW[:, 0]
+    for i in range(1, width):
+        y_BSJ = y_BSJ + window_BXJ[:, i : i + seq_len] * weight_JW[:, i]
+    return y_BSJ.to(x_BSJ.dtype)
+
+
+def _l2_normalise(x_xD: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(Σ x² + 1e-6)`` (eps as FLA), the sum read as ``D · mean``: a last-dim mean
+    is what ``BatchInvariantMode`` makes row-invariant."""
+    return x_xD * torch.rsqrt((x_xD * x_xD).mean(-1, keepdim=True) * x_xD.shape[-1] + 1e-6)
+
+
+def prepare_delta_inputs(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv):
+    """fp32, heads first, q/k L2-normalised, q scaled, q/k heads repeated to the value
+    heads. Every op is per token. Returns tensors shaped [B, Hv, S, ·]."""
     num_k_heads, num_v_heads = k_BSHkDk.shape[2], v_BSHvDv.shape[2]
     if num_v_heads % num_k_heads:
         raise ValueError(f"value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
     group = num_v_heads // num_k_heads
-    q_BSHvDk = q_BSHkDk.float().repeat_interleave(group, dim=2)
-    k_BSHvDk = k_BSHkDk.float().repeat_interleave(group, dim=2)
-    q_BSHvDk = q_BSHvDk * torch.rsqrt((q_BSHvDk * q_BSHvDk).sum(-1, keepdim=True) + 1e-6)
-    k_BSHvDk = k_BSHvDk * torch.rsqrt((k_BSHvDk * k_BSHvDk).sum(-1, keepdim=True) + 1e-6)
+    q_BSHvDk = _l2_normalise(q_BSHkDk.float().repeat_interleave(group, dim=2))
+    k_BSHvDk = _l2_normalise(k_BSHkDk.float().repeat_interleave(group, dim=2))
     q_BSHvDk = q_BSHvDk * q_BSHvDk.shape[-1] ** -0.5
     # [B, S, Hv, ·] -> [B, Hv, S, ·]
     return (
@@ -46,7 +89,7 @@ def _prepare_qkv(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv):
 
 def naive_recurrent_gated_delta_rule(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv):
     """Reference: one token at a time, fp32. Returns o [B, S, Hv, Dv] in v's dtype."""
-    q, k, v, g, beta = _prepare_qkv(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv)
+    q, k, v, g, beta = prepare_delta_inputs(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv)
     batch, heads, seq_len, dk = k.shape
     state_BHvDkDv = v.new_zeros(batch, heads, dk, v.shape[-1])
     outputs = []
@@ -59,22 +102,26 @@ def naive_recurrent_gated_delta_rule(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_
     return torch.stack(outputs, dim=1).to(v_BSHvDv.dtype)  # [B, S, Hv, Dv]
 
 
-def chunk_gated_delta_rule(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv, chunk_size: int = 64):
-    """Chunked form (the WY/UT representation of DeltaNet, with gating): inside a
-    chunk all tokens are handled by matrix products and one unit-lower-triangular
-    solve; only the [Dk, Dv] state crosses chunk boundaries. fp32 throughout.
-    Returns o [B, S, Hv, Dv] in v's dtype; equals the recurrence up to rounding."""
-    q, k, v, g, beta = _prepare_qkv(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv)
-    batch, heads, seq_len, dk = k.shape
-    dv = v.shape[-1]
+def gated_delta_chunks(
+    q_BHvSDk, k_BHvSDk, v_BHvSDv, g_BHvS, beta_BHvS, chunk_size: int, state_BHvDkDv=None, keep_states: bool = False
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The chunked rule (the WY/UT representation of DeltaNet, with gating) on prepared
+    inputs (``prepare_delta_inputs``), from ``state`` (zeros when None): inside a chunk all
+    tokens are handled by matrix products and one unit-lower-triangular solve; only the
+    [Dk, Dv] state crosses chunk boundaries. fp32 throughout.
+
+    Returns o [B, Hv, S, Dv] and the states: entering each chunk and after the last
+    (N + 1) with ``keep_states``, else only the one after the last."""
+    batch, heads, seq_len, dk = k_BHvSDk.shape
+    dv = v_BHvSDv.shape[-1]
     pad = (-seq_len) % chunk_size
     # zero-padded tail tokens have beta = 0 and g = 0: they neither write nor decay
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q_BHvSDk, k_BHvSDk, v_BHvSDv))
+    g, beta = (F.pad(x, (0, pad)) for x in (g_BHvS, beta_BHvS))
     n_chunks = (seq_len + pad) // chunk_size
-    # [B, Hv, S, ·] -> [B, Hv, N, C, ·]
-    q_BHNCDk, k_BHNCDk, v_BHNCDv = (x.reshape(batch, heads, n_chunks, chunk_size, -1) for x in (q, k, v))
-    beta_BHNC = beta.reshape(batch, heads, n_chunks, chunk_size)
+    # [B, Hv, S, ·] -> [B, Hv, N, C, ·] (contiguous: one layout whatever the caller's)
+    q_BHNCDk, k_BHNCDk, v_BHNCDv = (x.reshape(batch, heads, n_chunks, chunk_size, -1).contiguous() for x in (q, k, v))
+    beta_BHNC = beta.reshape(batch, heads, n_chunks, chunk_size).contiguous()
     gcum_BHNC = g.reshape(batch, heads, n_chunks, chunk_size).cumsum(-1)  # log decay since chunk start
 
     # decay between positions j ≤ i of one chunk: exp(gcum_i − gcum_j), zero above the diagonal
@@ -96,16 +143,28 @@ def chunk_gated_delta_rule(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv, chun
     k_to_end_BHNCDk = k_BHNCDk * (gcum_BHNC[..., -1:] - gcum_BHNC).exp()[..., None]
     chunk_decay_BHN = gcum_BHNC[..., -1].exp()
 
-    state_BHDkDv = q.new_zeros(batch, heads, dk, dv)
+    if state_BHvDkDv is None:
+        state_BHvDkDv = q.new_zeros(batch, heads, dk, dv)
+    states = [state_BHvDkDv]  # entering each chunk (with keep_states)
     outputs = []
     for n in range(n_chunks):
-        v_new_BHCDv = u_BHNCDv[:, :, n] - w_BHNCDk[:, :, n] @ state_BHDkDv
-        outputs.append(q_decayed_BHNCDk[:, :, n] @ state_BHDkDv + attn_BHNCC[:, :, n] @ v_new_BHCDv)
-        state_BHDkDv = (
-            state_BHDkDv * chunk_decay_BHN[:, :, n, None, None] + k_to_end_BHNCDk[:, :, n].transpose(-1, -2) @ v_new_BHCDv
+        v_new_BHCDv = u_BHNCDv[:, :, n] - w_BHNCDk[:, :, n] @ state_BHvDkDv
+        outputs.append(q_decayed_BHNCDk[:, :, n] @ state_BHvDkDv + attn_BHNCC[:, :, n] @ v_new_BHCDv)
+        state_BHvDkDv = (
+            state_BHvDkDv * chunk_decay_BHN[:, :, n, None, None]
+            + k_to_end_BHNCDk[:, :, n].transpose(-1, -2) @ v_new_BHCDv
         )
-    o_BHSDv = torch.cat(outputs, dim=2)[:, :, :seq_len]
-    return o_BHSDv.transpose(1, 2).to(v_BSHvDv.dtype)  # [B, S, Hv, Dv]
+        if keep_states:
+            states.append(state_BHvDkDv)
+    return torch.cat(outputs, dim=2)[:, :, :seq_len], states if keep_states else [state_BHvDkDv]
+
+
+def chunk_gated_delta_rule(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv, chunk_size: int = 64):
+    """The chunked rule from a zero state (``gated_delta_chunks``). Returns o [B, S, Hv, Dv]
+    in v's dtype; equals the recurrence up to rounding."""
+    prepared = prepare_delta_inputs(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv)
+    o_BHvSDv, _ = gated_delta_chunks(*prepared, chunk_size)
+    return o_BHvSDv.transpose(1, 2).to(v_BSHvDv.dtype)  # [B, S, Hv, Dv]
 
 
 class GatedRMSNorm(nn.Module):
@@ -120,7 +179,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x, z):
         x_f = x.float()
         x_f = x_f * torch.rsqrt(x_f.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x_f.to(x.dtype) * F.silu(z.float())).to(x.dtype)
+        return (self.weight * x_f.to(x.dtype) * pointwise_in_row_tiles(F.silu, z.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -158,18 +217,30 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, dim, bias=False)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv = self.delta_inputs(x_BSH, self.conv(self.in_proj_qkv(x_BSH)))
+        o_BSHvDv = chunk_gated_delta_rule(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv, self.chunk_size)
+        return self.project_out(o_BSHvDv, x_BSH)
+
+    def conv(self, qkv_BSJ: torch.Tensor, history_BWJ: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal depthwise conv + SiLU of the fused q/k/v projection (``history``: the W−1
+        projected rows before the first, zeros when None)."""
+        conv_BSJ = causal_depthwise_conv(qkv_BSJ, self.conv1d.weight[:, 0], history_BWJ)  # weight [J, 1, W] -> [J, W]
+        return pointwise_in_row_tiles(F.silu, conv_BSJ)
+
+    def delta_inputs(self, x_BSH: torch.Tensor, conv_BSJ: torch.Tensor):
+        """q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], log decay g and write strength beta [B, S, Hv]."""
         batch, seq_len, _ = x_BSH.shape
-        qkv_BSC = self.in_proj_qkv(x_BSH)
-        # causal depthwise conv over the sequence: [B, S, C] -> [B, C, S], left-pad W-1
-        qkv_BCS = F.pad(qkv_BSC.transpose(1, 2), (self.conv1d.kernel_size[0] - 1, 0))
-        qkv_BSC = F.silu(F.conv1d(qkv_BCS, self.conv1d.weight, groups=qkv_BCS.shape[1])).transpose(1, 2)
-        q, k, v = qkv_BSC.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = conv_BSJ.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q_BSHkDk = q.reshape(batch, seq_len, self.num_k_heads, self.k_head_dim)
         k_BSHkDk = k.reshape(batch, seq_len, self.num_k_heads, self.k_head_dim)
         v_BSHvDv = v.reshape(batch, seq_len, self.num_v_heads, self.v_head_dim)
-        beta_BSHv = self.in_proj_b(x_BSH).sigmoid()
-        g_BSHv = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BSH).float() + self.dt_bias)
-        o_BSHvDv = chunk_gated_delta_rule(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv, self.chunk_size)
+        beta_BSHv = pointwise_in_row_tiles(torch.sigmoid, self.in_proj_b(x_BSH))
+        g_BSHv = -self.A_log.float().exp() * pointwise_in_row_tiles(F.softplus, self.in_proj_a(x_BSH).float() + self.dt_bias)
+        return q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv
+
+    def project_out(self, o_BSHvDv: torch.Tensor, x_BSH: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm (gate from ``x``) and the output projection: [B, S, H]."""
+        batch, seq_len, _ = x_BSH.shape
         z_BSHvDv = self.in_proj_z(x_BSH).reshape(batch, seq_len, self.num_v_heads, self.v_head_dim)
         o_BSHvDv = self.norm(o_BSHvDv, z_BSHvDv)
         return self.out_proj(o_BSHvDv.reshape(batch, seq_len, self.value_dim))

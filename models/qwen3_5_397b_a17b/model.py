@@ -2,7 +2,7 @@
 512-expert MoE in every layer.
 
 Legend: B batch, S sequence, H hidden, V vocab, Hq query heads, Hkv key/value
-heads, D head dim, R rotary dims.
+heads, D head dim, R rotary dims, F = Hq·D.
 
 Checked against transformers' ``qwen3_5_moe`` (tests/test_model_qwen3_5.py).
 transformers lacks the MTP module (it drops ``mtp.*`` on load); ours follows
@@ -21,7 +21,7 @@ from titan_mok.models.common.rope import apply_rope, rope_cache
 from titan_mok.moe import MoE
 
 from .args import Qwen35ModelArgs
-from .gated_deltanet import GatedDeltaNet
+from .gated_deltanet import GatedDeltaNet, pointwise_in_row_tiles
 
 
 def zero_centred_norm(dim: int, eps: float) -> RMSNorm:
@@ -34,10 +34,11 @@ def qwen_rope_cache(args: Qwen35ModelArgs) -> torch.Tensor:
     return rope_cache(args.max_seq_len, args.rotary_dim, args.rope_theta)
 
 
-def apply_partial_rope(x_BSND: torch.Tensor, cache_SR: torch.Tensor) -> torch.Tensor:
-    """Rotate the first R dims of each head (half-split pairs, rotate_half), pass the rest through."""
-    rotary_dim = cache_SR.shape[-1]
-    return torch.cat([apply_rope(x_BSND[..., :rotary_dim], cache_SR, interleaved=False), x_BSND[..., rotary_dim:]], dim=-1)
+def apply_partial_rope(x_BSND: torch.Tensor, rope_SR: torch.Tensor) -> torch.Tensor:
+    """Rotate the first R dims of each head by the first S rows of ``rope_SR`` (half-split
+    pairs, rotate_half), pass the rest through."""
+    rotary_dim = rope_SR.shape[-1]
+    return torch.cat([apply_rope(x_BSND[..., :rotary_dim], rope_SR, interleaved=False), x_BSND[..., rotary_dim:]], dim=-1)
 
 
 class GatedAttention(nn.Module):
@@ -55,20 +56,30 @@ class GatedAttention(nn.Module):
         self.q_norm = zero_centred_norm(args.head_dim, args.norm_eps)
         self.k_norm = zero_centred_norm(args.head_dim, args.norm_eps)
 
-    def forward(self, x_BSH: torch.Tensor, cache_SR: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSH: torch.Tensor, rope_SR: torch.Tensor) -> torch.Tensor:
+        """``rope_SR``: the rotary cache from position 0 (its first S rows are used)."""
+        q_BHqSD, gate_BSF, k_BHkvSD, v_BHkvSD = self.project(x_BSH, rope_SR)
+        o_BHqSD = F.scaled_dot_product_attention(q_BHqSD, k_BHkvSD, v_BHkvSD, is_causal=True, enable_gqa=True)
+        return self.project_out(o_BHqSD, gate_BSF)
+
+    def project(self, x_BSH: torch.Tensor, rope_SR: torch.Tensor):
+        """Head-major queries [B, Hq, S, D], keys and values [B, Hkv, S, D] (normed, rotated
+        by the first S rows of ``rope_SR``), and the output gate's logits [B, S, F], F = Hq·D."""
         batch, seq_len, _ = x_BSH.shape
         # [B, S, Hq·2D] -> [B, S, Hq, 2D] -> query, gate [B, S, Hq, D]
         q_BSHqD, gate_BSHqD = self.wq(x_BSH).view(batch, seq_len, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q_BSHqD = apply_partial_rope(self.q_norm(q_BSHqD), cache_SR)
+        q_BSHqD = apply_partial_rope(self.q_norm(q_BSHqD), rope_SR)
         k_BSHkvD = self.wk(x_BSH).view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        k_BSHkvD = apply_partial_rope(self.k_norm(k_BSHkvD), cache_SR)
+        k_BSHkvD = apply_partial_rope(self.k_norm(k_BSHkvD), rope_SR)
         v_BSHkvD = self.wv(x_BSH).view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        o_BHqSD = F.scaled_dot_product_attention(
-            q_BSHqD.transpose(1, 2), k_BSHkvD.transpose(1, 2), v_BSHkvD.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
-        # [B, Hq, S, D] -> [B, S, Hq·D]
-        o_BSF = o_BHqSD.transpose(1, 2).reshape(batch, seq_len, -1)
-        return self.wo(o_BSF * torch.sigmoid(gate_BSHqD.reshape(batch, seq_len, -1)))
+        gate_BSF = gate_BSHqD.reshape(batch, seq_len, -1)
+        return q_BSHqD.transpose(1, 2), gate_BSF, k_BSHkvD.transpose(1, 2), v_BSHkvD.transpose(1, 2)
+
+    def project_out(self, o_BHqSD: torch.Tensor, gate_BSF: torch.Tensor) -> torch.Tensor:
+        """Sigmoid-gated attention output through ``wo``: [B, S, H]."""
+        batch, seq_len, _ = gate_BSF.shape
+        o_BSF = o_BHqSD.transpose(1, 2).reshape(batch, seq_len, -1)  # [B, Hq, S, D] -> [B, S, Hq·D]
+        return self.wo(o_BSF * pointwise_in_row_tiles(torch.sigmoid, gate_BSF))
 
     def init_weights(self, init_std: float):
         for linear in (self.wq, self.wk, self.wv):
@@ -104,10 +115,10 @@ class TransformerBlock(nn.Module):
         self.moe = MoE(args.moe_args, args.dim)
         self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x_BSH: torch.Tensor, cache_SR: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSH: torch.Tensor, rope_SR: torch.Tensor) -> torch.Tensor:
         h_BSH = self.attention_norm(x_BSH)
         if self.full_attention:
-            x_BSH = x_BSH + self.attention(h_BSH, cache_SR)
+            x_BSH = x_BSH + self.attention(h_BSH, rope_SR)
         else:
             x_BSH = x_BSH + self.linear_attention(h_BSH)
         return x_BSH + self.moe(self.ffn_norm(x_BSH))
@@ -132,9 +143,9 @@ class MultiTokenPrediction(nn.Module):
         self.block = TransformerBlock(layer_id, args, full_attention=True)
         self.norm = zero_centred_norm(args.dim, args.norm_eps)
 
-    def forward(self, h_BSH, next_embed_BSH, cache_SR) -> torch.Tensor:
+    def forward(self, h_BSH, next_embed_BSH, rope_SR) -> torch.Tensor:
         x_BS2H = torch.cat([self.pre_fc_norm_embedding(next_embed_BSH), self.pre_fc_norm_hidden(h_BSH)], dim=-1)
-        return self.norm(self.block(self.fc(x_BS2H), cache_SR))
+        return self.norm(self.block(self.fc(x_BS2H), rope_SR))
 
     def init_weights(self, buffer_device: torch.device):
         for norm in (self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm):
@@ -161,10 +172,9 @@ class Qwen35Model(ModelProtocol):
         seq_len = tokens_BS.shape[1]
         if seq_len > self.model_args.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.model_args.max_seq_len}")
-        cache_SR = self.rope_cache[:seq_len]
         h_BSH = self.tok_embeddings(tokens_BS)
         for layer in self.layers.values():
-            h_BSH = layer(h_BSH, cache_SR)
+            h_BSH = layer(h_BSH, self.rope_cache)  # the whole cache: attention reads its first S rows
         return h_BSH
 
     def forward(self, tokens_BS: torch.Tensor, attention_masks=None) -> torch.Tensor:
@@ -179,8 +189,7 @@ class Qwen35Model(ModelProtocol):
         whichever the caller passes."""
         if self.mtp is None:
             raise ValueError("this flavor has n_mtp_layers = 0: no MTP module")
-        cache_SR = self.rope_cache[: h_BSH.shape[1]]
-        return self.output(self.mtp(h_BSH, self.tok_embeddings(next_tokens_BS), cache_SR))
+        return self.output(self.mtp(h_BSH, self.tok_embeddings(next_tokens_BS), self.rope_cache))
 
     def init_weights(self, buffer_device: torch.device | None = None):
         buffer_device = buffer_device or self.rope_cache.device
