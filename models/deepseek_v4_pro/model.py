@@ -102,9 +102,11 @@ class DeepSeekV4Model(ModelProtocol):
         self.mtp = nn.ModuleDict({str(k): MultiTokenPrediction(args.n_layers + k, args) for k in range(args.n_mtp_layers)})
 
     def _angles(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole RoPE caches (each attention takes the rows of its own positions: the
+        first S in a forward, a new token's own row in RL's cached decode step)."""
         if seq_len > self.model_args.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.model_args.max_seq_len}")
-        return self.rope_plain[:seq_len], self.rope_compressed[:seq_len]
+        return self.rope_plain, self.rope_compressed
 
     def trunk(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """The C residual streams after the last block: [B, S, C, H]."""

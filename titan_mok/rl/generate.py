@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titan_mok.rl import cached_mla, cached_qwen
+from titan_mok.rl import cached_dsv4, cached_mla, cached_qwen
 from titan_mok.rl.kv_cache import Positions
 from titan_mok.rl.sampling import sample
 
-_CACHED_FAMILIES = (cached_mla, cached_qwen)
+_CACHED_FAMILIES = (cached_mla, cached_qwen, cached_dsv4)
 """Modules with ``supports(model)`` and ``stand_ins(model, positions, batch, seq_len)``:
 each model family's cached decode step."""
 
