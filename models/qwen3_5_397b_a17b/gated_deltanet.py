@@ -20,10 +20,9 @@ flash-linear-attention and the Qwen3.5 checkpoints.
 Row invariance (for RL's cached decode step, ``titan_mok.rl.cached_qwen``): the
 causal conv is W elementwise multiply-adds (not ``F.conv1d``, whose algorithm
 depends on the sequence length), the L2 norm reads a last-dim ``mean`` (which
-``BatchInvariantMode`` tiles), and SiLU, sigmoid and softplus run on fixed-size
-row tiles (``pointwise_in_row_tiles``), so every token's values have the same
-bits whatever the sequence or batch around it.
-The chunked rule reads a chunk's later tokens only through exactly-zero
+``BatchInvariantMode`` tiles), and SiLU, sigmoid and softplus run on tensors
+padded to a fixed multiple (``pointwise_padded``), so every token's values have
+the same bits whatever the sequence or batch around it. The chunked rule reads a chunk's later tokens only through exactly-zero
 coefficients, so one chunk recomputed from its start state with zeros in its
 unwritten slots gives the full pass's bits for the written ones.
 """
@@ -32,16 +31,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_mok.moe.tiles import map_row_tiles
+POINTWISE_MULTIPLE = 256
+"""``pointwise_padded`` pads to a multiple of this many elements: a multiple of the CPU
+vector loops' step (two vectors: 32 fp32 or 64 bf16 elements with AVX-512)."""
 
 
-def pointwise_in_row_tiles(fn, x_xD: torch.Tensor) -> torch.Tensor:
-    """An elementwise ``fn`` (SiLU, sigmoid, softplus) on ``TILE_M``-row tiles of x's last
-    dim: CPU kernels finish a tensor's tail with scalar code whose transcendentals can
-    differ from the vectorised body's in the last bit, so a value's bits would depend
-    on where it sits in the tensor; in a fixed-size tile every row meets the same code."""
-    return map_row_tiles(fn, x_xD.reshape(-1, x_xD.shape[-1])).view(x_xD.shape)  # [..., D] -> [M, D] -> back
-
+def pointwise_padded(fn, x: torch.Tensor) -> torch.Tensor:
+    """An elementwise ``fn`` (SiLU, sigmoid, softplus) on x flattened and zero-padded to a
+    multiple of ``POINTWISE_MULTIPLE`` elements. CPU kernels finish a tensor's tail (numel
+    mod two vectors) with scalar code whose transcendentals can differ from the vectorised
+    body's in the last bit, so a value's bits would depend on where it sits in the tensor;
+    with no tail every element meets the same code (one thread: threads split the loop at
+    size-dependent points)."""
+    flat_N = x.reshape(-1)
+    pad = (-flat_N.numel()) % POINTWISE_MULTIPLE
+    return fn(F.pad(flat_N, (0, pad)) if pad else flat_N)[: flat_N.numel()].view(x.shape)
 
 
 def causal_depthwise_conv(x_BSJ: torch.Tensor, weight_JW: torch.Tensor, history_BWJ: torch.Tensor | None = None):
@@ -179,7 +183,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x, z):
         x_f = x.float()
         x_f = x_f * torch.rsqrt(x_f.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x_f.to(x.dtype) * pointwise_in_row_tiles(F.silu, z.float())).to(x.dtype)
+        return (self.weight * x_f.to(x.dtype) * pointwise_padded(F.silu, z.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -225,7 +229,7 @@ class GatedDeltaNet(nn.Module):
         """Causal depthwise conv + SiLU of the fused q/k/v projection (``history``: the W−1
         projected rows before the first, zeros when None)."""
         conv_BSJ = causal_depthwise_conv(qkv_BSJ, self.conv1d.weight[:, 0], history_BWJ)  # weight [J, 1, W] -> [J, W]
-        return pointwise_in_row_tiles(F.silu, conv_BSJ)
+        return pointwise_padded(F.silu, conv_BSJ)
 
     def delta_inputs(self, x_BSH: torch.Tensor, conv_BSJ: torch.Tensor):
         """q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], log decay g and write strength beta [B, S, Hv]."""
@@ -234,8 +238,8 @@ class GatedDeltaNet(nn.Module):
         q_BSHkDk = q.reshape(batch, seq_len, self.num_k_heads, self.k_head_dim)
         k_BSHkDk = k.reshape(batch, seq_len, self.num_k_heads, self.k_head_dim)
         v_BSHvDv = v.reshape(batch, seq_len, self.num_v_heads, self.v_head_dim)
-        beta_BSHv = pointwise_in_row_tiles(torch.sigmoid, self.in_proj_b(x_BSH))
-        g_BSHv = -self.A_log.float().exp() * pointwise_in_row_tiles(F.softplus, self.in_proj_a(x_BSH).float() + self.dt_bias)
+        beta_BSHv = pointwise_padded(torch.sigmoid, self.in_proj_b(x_BSH))
+        g_BSHv = -self.A_log.float().exp() * pointwise_padded(F.softplus, self.in_proj_a(x_BSH).float() + self.dt_bias)
         return q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv
 
     def project_out(self, o_BSHvDv: torch.Tensor, x_BSH: torch.Tensor) -> torch.Tensor:

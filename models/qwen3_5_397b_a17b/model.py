@@ -21,7 +21,7 @@ from titan_mok.models.common.rope import apply_rope, rope_cache
 from titan_mok.moe import MoE
 
 from .args import Qwen35ModelArgs
-from .gated_deltanet import GatedDeltaNet, pointwise_in_row_tiles
+from .gated_deltanet import GatedDeltaNet, pointwise_padded
 
 
 def zero_centred_norm(dim: int, eps: float) -> RMSNorm:
@@ -79,7 +79,7 @@ class GatedAttention(nn.Module):
         """Sigmoid-gated attention output through ``wo``: [B, S, H]."""
         batch, seq_len, _ = gate_BSF.shape
         o_BSF = o_BHqSD.transpose(1, 2).reshape(batch, seq_len, -1)  # [B, Hq, S, D] -> [B, S, Hq·D]
-        return self.wo(o_BSF * pointwise_in_row_tiles(torch.sigmoid, gate_BSF))
+        return self.wo(o_BSF * pointwise_padded(torch.sigmoid, gate_BSF))
 
     def init_weights(self, init_std: float):
         for linear in (self.wq, self.wk, self.wv):
