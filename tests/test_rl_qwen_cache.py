@@ -22,6 +22,7 @@ def _decode_everywhere(mixer, stand_in, positions, x_BSH, *extra):
         full_BSH = mixer(x_BSH, *extra)
         bsz, max_prompt = len(PROMPT_LEN), int(PROMPT_LEN.max())
         positions.start, positions.pos_BT = 0, torch.arange(max_prompt).expand(bsz, max_prompt)
+        positions.prompt_len_B = PROMPT_LEN
         prefill_BPH = stand_in(x_BSH[:, :max_prompt], *extra)
         for b, prompt_len in enumerate(PROMPT_LEN.tolist()):
             assert torch.equal(prefill_BPH[b, :prompt_len], full_BSH[b, :prompt_len]), f"prefill of sequence {b}"
@@ -52,8 +53,9 @@ def test_gated_attention_decode_step_equals_the_full_pass():
     _decode_everywhere(attn, stand_in, positions, torch.randn(len(PROMPT_LEN), SEQ_LEN, DIM), qwen_rope_cache(args))
 
 
-def test_deltanet_stand_in_rejects_a_multi_token_step_after_the_prefill():
+@pytest.mark.parametrize("start, prompt_len_B", [(3, torch.tensor([5])), (0, None)], ids=["not-at-0", "no-prompt-lengths"])
+def test_deltanet_stand_in_rejects_a_multi_token_step_that_is_no_prefill(start, prompt_len_B):
     mixer = GatedDeltaNet(DIM, 2, 4, 8, 8, conv_kernel=4, norm_eps=1e-6, chunk_size=CHUNK)
-    positions = Positions(start=3, pos_BT=torch.arange(3, 5)[None])
+    positions = Positions(start=start, pos_BT=torch.arange(start, start + 2)[None], prompt_len_B=prompt_len_B)
     with pytest.raises(ValueError, match="must be the prefill"):
         CachedGatedDeltaNet(mixer, positions)(torch.randn(1, 2, DIM))

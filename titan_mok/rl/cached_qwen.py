@@ -85,15 +85,13 @@ class CachedGatedAttention(nn.Module):
 class CachedGatedDeltaNet(nn.Module):
     """Stands in for one layer's GatedDeltaNet during a cached rollout (same call signature).
 
-    The prefill runs the trainer's chunked pass over the padded prompts and keeps every
-    chunk's entering state; the first decode step, at each sequence's prompt length, takes
-    from it that sequence's current chunk. Then one token per sequence per step."""
+    The prefill runs the trainer's chunked pass over the padded prompts and keeps, per
+    sequence, what its first generated token (at its prompt length) needs; then one token
+    per sequence per step."""
 
     def __init__(self, mixer: GatedDeltaNet, positions: Positions):
         super().__init__()
         self.mixer, self.positions = mixer, positions
-        self.prefilled: tuple | None = None
-        """(pre-conv rows [B, P, J], prepared inputs [B, Hv, P, ·], states entering each chunk [B, N+1, Hv, Dk, Dv])."""
         self.state_BHvDkDv: torch.Tensor | None = None  # entering each sequence's current chunk
         self.chunk: list[torch.Tensor] | None = None
         """The current chunk's prepared q, k [B, Hv, C, Dk], v [B, Hv, C, Dv], g, beta [B, Hv, C]; zero in unwritten slots."""
@@ -102,31 +100,35 @@ class CachedGatedDeltaNet(nn.Module):
     def forward(self, x_BTH: torch.Tensor) -> torch.Tensor:
         start = self.positions.start
         if isinstance(start, int):
-            if start != 0:
-                raise ValueError(f"CachedGatedDeltaNet: a multi-token step must be the prefill (start 0), got start {start}")
-            return self._prefill(x_BTH)
+            if start != 0 or self.positions.prompt_len_B is None:
+                raise ValueError(
+                    "CachedGatedDeltaNet: a multi-token step must be the prefill (start 0, with "
+                    f"Positions.prompt_len_B set), got start {start}"
+                )
+            return self._prefill(x_BTH, self.positions.prompt_len_B)
         if x_BTH.shape[1] != 1:
             raise ValueError(f"CachedGatedDeltaNet: a decode step takes one token per sequence, got {x_BTH.shape[1]}")
         return self._decode(x_BTH, self.positions.pos_BT[:, 0])
 
-    def _prefill(self, x_BPH: torch.Tensor) -> torch.Tensor:
+    def _prefill(self, x_BPH: torch.Tensor, prompt_len_B: torch.Tensor) -> torch.Tensor:
         mixer = self.mixer
         qkv_BPJ = mixer.in_proj_qkv(x_BPH)
         inputs = mixer.delta_inputs(x_BPH, mixer.conv(qkv_BPJ))
         prepared = prepare_delta_inputs(*inputs)
         o_BHvPDv, states = gated_delta_chunks(*prepared, mixer.chunk_size, keep_states=True)
-        self.prefilled = (qkv_BPJ, prepared, torch.stack(states, dim=1))
+        self._start_at(prompt_len_B, qkv_BPJ, prepared, states)
         return mixer.project_out(o_BHvPDv.transpose(1, 2).to(inputs[2].dtype), x_BPH)
 
-    def _take_prefilled(self, pos_B: torch.Tensor) -> None:
+    def _start_at(self, pos_B: torch.Tensor, qkv_BPJ: torch.Tensor, prepared, states: list[torch.Tensor]) -> None:
         """Sequence b's first generated token sits at ``pos_B[b]`` (its prompt length): its
         state enters chunk pos // C, that chunk holds the prompt's positions from n·C to
         pos − 1, and the conv reads the W − 1 rows before pos (zeros before position 0)."""
-        qkv_BPJ, prepared, states_BNHvDkDv = self.prefilled
         chunk_size, width = self.mixer.chunk_size, self.mixer.conv1d.kernel_size[0]
         rows_B1 = torch.arange(len(pos_B), device=pos_B.device)[:, None]
         n_B = pos_B // chunk_size
-        self.state_BHvDkDv = states_BNHvDkDv[rows_B1[:, 0], n_B]
+        self.state_BHvDkDv = states[0]
+        for n, state_BHvDkDv in enumerate(states[1:], start=1):
+            self.state_BHvDkDv = torch.where((n_B == n)[:, None, None, None], state_BHvDkDv, self.state_BHvDkDv)
         chunk_pos_BC = n_B[:, None] * chunk_size + torch.arange(chunk_size, device=pos_B.device)
         written_BC = chunk_pos_BC < pos_B[:, None]
         taken_BC = torch.where(written_BC, chunk_pos_BC, 0)
@@ -140,12 +142,9 @@ class CachedGatedDeltaNet(nn.Module):
         hist_pos_BW = pos_B[:, None] - (width - 1) + torch.arange(width - 1, device=pos_B.device)
         history_BWJ = qkv_BPJ[rows_B1, hist_pos_BW.clamp(min=0)]
         self.history_BWJ = torch.where((hist_pos_BW >= 0)[..., None], history_BWJ, 0)
-        self.prefilled = None
 
     def _decode(self, x_B1H: torch.Tensor, pos_B: torch.Tensor) -> torch.Tensor:
         mixer, chunk_size = self.mixer, self.mixer.chunk_size
-        if self.prefilled is not None:
-            self._take_prefilled(pos_B)
         qkv_B1J = mixer.in_proj_qkv(x_B1H)
         inputs = mixer.delta_inputs(x_B1H, mixer.conv(qkv_B1J, self.history_BWJ))
         self.history_BWJ = torch.cat([self.history_BWJ, qkv_B1J], dim=1)[:, 1:]

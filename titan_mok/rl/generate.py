@@ -70,6 +70,7 @@ class CachedDecoder:
         return self.model(tokens_BT)
 
     def prefill(self, prompt_len_B: torch.Tensor, max_prompt: int) -> torch.Tensor:
+        self.positions.prompt_len_B = prompt_len_B
         logits_BPV = self._step(self.tokens_BS[:, :max_prompt], 0)
         return logits_BPV[torch.arange(len(prompt_len_B), device=prompt_len_B.device), prompt_len_B - 1]
 

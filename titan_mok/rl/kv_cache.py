@@ -18,6 +18,8 @@ class Positions:
     start: int | torch.Tensor = 0
     """0 for a prefill, a ``[B]`` tensor for one decoded token per sequence."""
     pos_BT: torch.Tensor | None = None
+    prompt_len_B: torch.Tensor | None = None
+    """Each sequence's prompt length, set before the prefill (its rows from there on are padding)."""
 
 
 class LayerKVCache:
