@@ -12,7 +12,8 @@ cache at each sequence's own positions, and queries attend to the whole cache
 through ``invariant_attention`` (the function the trainer's forward uses under
 ``BatchInvariantMode``). So every logit equals, bit for bit, the one the trainer
 recomputes for the same position. Each model family's stand-ins live in their
-own module (``cached_mla``: Kimi K2.7 Code, GLM-5.2) behind ``supports`` and
+own module (``cached_mla``: Kimi K2.7 Code, GLM-5.2; ``cached_qwen``: Qwen3.5, whose
+DeltaNet layers cache a chunk state, not keys/values) behind ``supports`` and
 ``stand_ins``; a model without one decodes by recomputation.
 """
 
