@@ -43,9 +43,9 @@ def pointwise_padded(fn, x: torch.Tensor) -> torch.Tensor:
     body's in the last bit, so a value's bits would depend on where it sits in the tensor;
     with no tail every element meets the same code (one thread: threads split the loop at
     size-dependent points)."""
-    flat_N = x.reshape(-1)
-    pad = (-flat_N.numel()) % POINTWISE_MULTIPLE
-    return fn(F.pad(flat_N, (0, pad)) if pad else flat_N)[: flat_N.numel()].view(x.shape)
+    flat = x.reshape(-1)  # [numel]
+    pad = (-flat.numel()) % POINTWISE_MULTIPLE
+    return fn(F.pad(flat, (0, pad)) if pad else flat)[: flat.numel()].view(x.shape)
 
 
 def causal_depthwise_conv(x_BSJ: torch.Tensor, weight_JW: torch.Tensor, history_BWJ: torch.Tensor | None = None):
