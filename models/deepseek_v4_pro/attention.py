@@ -171,7 +171,9 @@ class Indexer(nn.Module):
         return q_BSIJ, self.weights_proj(x_BSH).float() * self.n_heads**-0.5
 
     def top(self, q_BSIJ, weights_BSI, k_BTJ, causal_xST) -> torch.Tensor:
-        """Each query's top-k of the causal entries ``k_BTJ``; ``causal_xST`` broadcasts to [B, S, T]."""
+        """Each query's top-k of the causal entries ``k_BTJ``; ``causal_xST`` broadcasts to [B, S, T].
+        Scores tie exactly where every head's ReLU is 0; which tied entries ``topk`` keeps is its
+        algorithm's (as in transformers): on CPU a function of the row alone."""
         scores_BSIT = F.relu(entry_products(q_BSIJ.float(), k_BTJ.float())) * self.head_dim**-0.5
         index_BST = (scores_BSIT * weights_BSI[..., None]).sum(dim=2).masked_fill(~causal_xST, float("-inf"))
         topk_BSK = index_BST.topk(min(self.topk, k_BTJ.shape[1]), dim=-1).indices
