@@ -107,15 +107,15 @@ def naive_recurrent_gated_delta_rule(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_
 
 
 def gated_delta_chunks(
-    q_BHvSDk, k_BHvSDk, v_BHvSDv, g_BHvS, beta_BHvS, chunk_size: int, state_BHvDkDv=None, keep_states: bool = False
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    q_BHvSDk, k_BHvSDk, v_BHvSDv, g_BHvS, beta_BHvS, chunk_size: int, state_BHvDkDv=None, chunk_B=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The chunked rule (the WY/UT representation of DeltaNet, with gating) on prepared
     inputs (``prepare_delta_inputs``), from ``state`` (zeros when None): inside a chunk all
     tokens are handled by matrix products and one unit-lower-triangular solve; only the
     [Dk, Dv] state crosses chunk boundaries. fp32 throughout.
 
-    Returns o [B, Hv, S, Dv] and the states: entering each chunk and after the last
-    (N + 1) with ``keep_states``, else only the one after the last."""
+    Returns o [B, Hv, S, Dv], the state after the last chunk and, with ``chunk_B``, the
+    state entering chunk ``chunk_B[b]`` (≤ N) of each sequence b, else None."""
     batch, heads, seq_len, dk = k_BHvSDk.shape
     dv = v_BHvSDv.shape[-1]
     pad = (-seq_len) % chunk_size
@@ -149,7 +149,7 @@ def gated_delta_chunks(
 
     if state_BHvDkDv is None:
         state_BHvDkDv = q.new_zeros(batch, heads, dk, dv)
-    states = [state_BHvDkDv]  # entering each chunk (with keep_states)
+    entering_BHvDkDv = None if chunk_B is None else state_BHvDkDv
     outputs = []
     for n in range(n_chunks):
         v_new_BHCDv = u_BHNCDv[:, :, n] - w_BHNCDk[:, :, n] @ state_BHvDkDv
@@ -158,16 +158,16 @@ def gated_delta_chunks(
             state_BHvDkDv * chunk_decay_BHN[:, :, n, None, None]
             + k_to_end_BHNCDk[:, :, n].transpose(-1, -2) @ v_new_BHCDv
         )
-        if keep_states:
-            states.append(state_BHvDkDv)
-    return torch.cat(outputs, dim=2)[:, :, :seq_len], states if keep_states else [state_BHvDkDv]
+        if chunk_B is not None:
+            entering_BHvDkDv = torch.where((chunk_B == n + 1)[:, None, None, None], state_BHvDkDv, entering_BHvDkDv)
+    return torch.cat(outputs, dim=2)[:, :, :seq_len], state_BHvDkDv, entering_BHvDkDv
 
 
 def chunk_gated_delta_rule(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv, chunk_size: int = 64):
     """The chunked rule from a zero state (``gated_delta_chunks``). Returns o [B, S, Hv, Dv]
     in v's dtype; equals the recurrence up to rounding."""
     prepared = prepare_delta_inputs(q_BSHkDk, k_BSHkDk, v_BSHvDv, g_BSHv, beta_BSHv)
-    o_BHvSDv, _ = gated_delta_chunks(*prepared, chunk_size)
+    o_BHvSDv, _, _ = gated_delta_chunks(*prepared, chunk_size)
     return o_BHvSDv.transpose(1, 2).to(v_BSHvDv.dtype)  # [B, S, Hv, Dv]
 
 

@@ -115,20 +115,19 @@ class CachedGatedDeltaNet(nn.Module):
         qkv_BPJ = mixer.in_proj_qkv(x_BPH)
         inputs = mixer.delta_inputs(x_BPH, mixer.conv(qkv_BPJ))
         prepared = prepare_delta_inputs(*inputs)
-        o_BHvPDv, states = gated_delta_chunks(*prepared, mixer.chunk_size, keep_states=True)
-        self._start_at(prompt_len_B, qkv_BPJ, prepared, states)
+        # each sequence's first generated token sits at its prompt length, in chunk prompt_len // C
+        chunk_B = prompt_len_B // mixer.chunk_size
+        o_BHvPDv, _, self.state_BHvDkDv = gated_delta_chunks(*prepared, mixer.chunk_size, chunk_B=chunk_B)
+        self._start_chunk_at(prompt_len_B, qkv_BPJ, prepared)
         return mixer.project_out(o_BHvPDv.transpose(1, 2).to(inputs[2].dtype), x_BPH)
 
-    def _start_at(self, pos_B: torch.Tensor, qkv_BPJ: torch.Tensor, prepared, states: list[torch.Tensor]) -> None:
-        """Sequence b's first generated token sits at ``pos_B[b]`` (its prompt length): its
-        state enters chunk pos // C, that chunk holds the prompt's positions from n·C to
-        pos − 1, and the conv reads the W − 1 rows before pos (zeros before position 0)."""
+    def _start_chunk_at(self, pos_B: torch.Tensor, qkv_BPJ: torch.Tensor, prepared) -> None:
+        """Sequence b's first generated token sits at ``pos_B[b]`` (its prompt length), in
+        chunk n = pos // C: that chunk holds the prompt's positions from n·C to pos − 1, and
+        the conv reads the W − 1 rows before pos (zeros before position 0)."""
         chunk_size, width = self.mixer.chunk_size, self.mixer.conv1d.kernel_size[0]
         rows_B1 = torch.arange(len(pos_B), device=pos_B.device)[:, None]
         n_B = pos_B // chunk_size
-        self.state_BHvDkDv = states[0]
-        for n, state_BHvDkDv in enumerate(states[1:], start=1):
-            self.state_BHvDkDv = torch.where((n_B == n)[:, None, None, None], state_BHvDkDv, self.state_BHvDkDv)
         chunk_pos_BC = n_B[:, None] * chunk_size + torch.arange(chunk_size, device=pos_B.device)
         written_BC = chunk_pos_BC < pos_B[:, None]
         taken_BC = torch.where(written_BC, chunk_pos_BC, 0)
@@ -152,7 +151,7 @@ class CachedGatedDeltaNet(nn.Module):
         slot_B = pos_B % chunk_size
         for buffer, new in zip(self.chunk, prepare_delta_inputs(*inputs)):  # new: [B, Hv, 1, ·]
             buffer[rows_B, :, slot_B] = new[:, :, 0]
-        o_BHvCDv, (end_BHvDkDv,) = gated_delta_chunks(*self.chunk, chunk_size, self.state_BHvDkDv)
+        o_BHvCDv, end_BHvDkDv, _ = gated_delta_chunks(*self.chunk, chunk_size, self.state_BHvDkDv)
         o_B1HvDv = o_BHvCDv[rows_B, :, slot_B][:, None].to(inputs[2].dtype)  # indexed: [B, Hv, Dv] -> [B, 1, Hv, Dv]
         # sequences whose token filled its chunk's last slot move on to the next chunk
         full_B = slot_B == chunk_size - 1
