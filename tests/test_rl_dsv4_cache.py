@@ -30,7 +30,9 @@ def model():
     return m
 
 
-def test_decoding_token_by_token_equals_the_full_pass(model):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: FSDP's mixed-precision compute
+def test_decoding_token_by_token_equals_the_full_pass(model, dtype):
+    model = copy.deepcopy(model).to(dtype)
     assert cached_dsv4.supports(model) and has_kv_cache_step(model)
     tokens_BS = torch.randint(3, 100, (3, SEQ_LEN), generator=torch.Generator().manual_seed(1))
     prompt_len_B = torch.tensor([5, 1, 18])
