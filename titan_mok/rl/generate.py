@@ -13,8 +13,9 @@ through ``invariant_attention`` (the function the trainer's forward uses under
 ``BatchInvariantMode``). So every logit equals, bit for bit, the one the trainer
 recomputes for the same position. Each model family's stand-ins live in their
 own module (``cached_mla``: Kimi K2.7 Code, GLM-5.2; ``cached_qwen``: Qwen3.5, whose
-DeltaNet layers cache a chunk state, not keys/values) behind ``supports`` and
-``stand_ins``; a model without one decodes by recomputation.
+DeltaNet layers cache a chunk state, not keys/values; ``cached_dsv4``: DeepSeek-V4,
+whose compressors cache per-position projections and pooled entries) behind
+``supports`` and ``stand_ins``; a model without one decodes by recomputation.
 """
 
 from contextlib import contextmanager
