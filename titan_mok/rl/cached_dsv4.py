@@ -3,7 +3,7 @@
 Legend: B sequences, T new tokens per step, S cache length (= ``[training] seq_len``),
 H hidden, N query heads, D head dim (the shared key/value), R rope dims, W window
 keys, E compressed entries (S // M), M compression ratio, P compressor projection
-width, I indexer heads, J indexer head dim, Y = B·T.
+width, I indexer heads, J indexer head dim, Y = B·T, X = E + 1 (the entries and a scratch row).
 
 Each layer's ``Attention`` is stood in for by one that runs the module's own pieces
 (``project``, ``attend``, ``project_out``; the compressors' ``project``/``windows``/
@@ -54,7 +54,7 @@ class CompressorCache:
         self.n_entries = seq_len // compressor.ratio
         self.kv_BSP: torch.Tensor | None = None
         self.score_BSP: torch.Tensor | None = None
-        self.entries_BXD: torch.Tensor | None = None  # X = E + 1: the scratch row last
+        self.entries_BXD: torch.Tensor | None = None  # the scratch row last
 
     def update(self, x_BTH: torch.Tensor, pos_BT: torch.Tensor, rope_SR: torch.Tensor) -> torch.Tensor:
         """Write the new tokens' projections, pool the entry each token completes; returns
