@@ -40,7 +40,8 @@ def test_deltanet_decode_step_equals_the_chunked_pass():
     mixer = GatedDeltaNet(DIM, 2, 4, 8, 8, conv_kernel=4, norm_eps=1e-6, chunk_size=CHUNK)
     mixer.init_weights(0.02)
     positions = Positions()
-    _decode_everywhere(mixer, CachedGatedDeltaNet(mixer, positions), positions, torch.randn(len(PROMPT_LEN), SEQ_LEN, DIM))
+    x_BSH = torch.randn(len(PROMPT_LEN), SEQ_LEN, DIM)
+    _decode_everywhere(mixer, CachedGatedDeltaNet(mixer, positions), positions, x_BSH)
 
 
 def test_gated_attention_decode_step_equals_the_full_pass():
@@ -53,7 +54,9 @@ def test_gated_attention_decode_step_equals_the_full_pass():
     _decode_everywhere(attn, stand_in, positions, torch.randn(len(PROMPT_LEN), SEQ_LEN, DIM), qwen_rope_cache(args))
 
 
-@pytest.mark.parametrize("start, prompt_len_B", [(3, torch.tensor([5])), (0, None)], ids=["not-at-0", "no-prompt-lengths"])
+@pytest.mark.parametrize(
+    "start, prompt_len_B", [(3, torch.tensor([5])), (0, None)], ids=["not-at-0", "no-prompt-lengths"]
+)
 def test_deltanet_stand_in_rejects_a_multi_token_step_that_is_no_prefill(start, prompt_len_B):
     mixer = GatedDeltaNet(DIM, 2, 4, 8, 8, conv_kernel=4, norm_eps=1e-6, chunk_size=CHUNK)
     positions = Positions(start=start, pos_BT=torch.arange(start, start + 2)[None], prompt_len_B=prompt_len_B)

@@ -22,9 +22,10 @@ causal conv is W elementwise multiply-adds (not ``F.conv1d``, whose algorithm
 depends on the sequence length), the L2 norm reads a last-dim ``mean`` (which
 ``BatchInvariantMode`` tiles), and SiLU, sigmoid and softplus run on tensors
 padded to a fixed multiple (``pointwise_padded``), so every token's values have
-the same bits whatever the sequence or batch around it. The chunked rule reads a chunk's later tokens only through exactly-zero
-coefficients, so one chunk recomputed from its start state with zeros in its
-unwritten slots gives the full pass's bits for the written ones.
+the same bits whatever the sequence or batch around it. The chunked rule reads a
+chunk's later tokens only through exactly-zero coefficients, so one chunk
+recomputed from its start state with zeros in its unwritten slots gives the full
+pass's bits for the written ones.
 """
 
 import torch

@@ -36,19 +36,24 @@ def supports(model: nn.Module) -> bool:
         return False
     blocks = [model.layers[str(i)] for i in range(model.model_args.n_layers)]
     return all(
-        type(block.attention) is GatedAttention if block.full_attention else type(block.linear_attention) is GatedDeltaNet
+        type(block.attention) is GatedAttention
+        if block.full_attention
+        else type(block.linear_attention) is GatedDeltaNet
         for block in blocks
     )
 
 
-def stand_ins(model: Qwen35Model, positions: Positions, batch: int, seq_len: int) -> list[tuple[nn.Module, str, nn.Module]]:
+def stand_ins(
+    model: Qwen35Model, positions: Positions, batch: int, seq_len: int
+) -> list[tuple[nn.Module, str, nn.Module]]:
     """(block, "attention" or "linear_attention", its cached stand-in) for every trunk layer
     (the MTP module is not part of ``forward``)."""
     swaps = []
     for i in range(model.model_args.n_layers):
         block = model.layers[str(i)]
         if block.full_attention:
-            swaps.append((block, "attention", CachedGatedAttention(block.attention, LayerKVCache(batch, seq_len), positions)))
+            cache = LayerKVCache(batch, seq_len)
+            swaps.append((block, "attention", CachedGatedAttention(block.attention, cache, positions)))
         else:
             swaps.append((block, "linear_attention", CachedGatedDeltaNet(block.linear_attention, positions)))
     return swaps
@@ -94,7 +99,8 @@ class CachedGatedDeltaNet(nn.Module):
         self.mixer, self.positions = mixer, positions
         self.state_BHvDkDv: torch.Tensor | None = None  # entering each sequence's current chunk
         self.chunk: list[torch.Tensor] | None = None
-        """The current chunk's prepared q, k [B, Hv, C, Dk], v [B, Hv, C, Dv], g, beta [B, Hv, C]; zero in unwritten slots."""
+        """The current chunk's prepared q, k [B, Hv, C, Dk], v [B, Hv, C, Dv], g, beta [B, Hv, C];
+        zero in unwritten slots."""
         self.history_BWJ: torch.Tensor | None = None  # the W − 1 pre-conv rows before the next position
 
     def forward(self, x_BTH: torch.Tensor) -> torch.Tensor:
@@ -133,7 +139,7 @@ class CachedGatedDeltaNet(nn.Module):
         taken_BC = torch.where(written_BC, chunk_pos_BC, 0)
         # [B, Hv, P, ·] indexed at (b, :, positions [B, C]) -> [B, C, Hv, ·] -> [B, Hv, C, ·]
         self.chunk = [
-            torch.where(written_BC[..., None] if x.dim() == 3 else written_BC[..., None, None], x[rows_B1, :, taken_BC], 0)
+            torch.where(written_BC.view(*written_BC.shape, *[1] * (x.dim() - 2)), x[rows_B1, :, taken_BC], 0)
             .transpose(1, 2)
             .contiguous()
             for x in prepared
