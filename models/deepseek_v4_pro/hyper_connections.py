@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_mok.moe.tiles import map_row_tiles
+from titan_mok.moe.tiles import pointwise_padded
 
 
 def sinkhorn(comb_BSCC: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -33,16 +33,6 @@ def stream_mixes(x_BSCH: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> tor
     """Linear map of the RMS-normalised flattened streams, fp32: [B, S, C·H] -> [B, S, out]."""
     x_BSF = x_BSCH.flatten(2).float()
     return F.linear(x_BSF * torch.rsqrt(x_BSF.square().mean(-1, keepdim=True) + norm_eps), fn.float())
-
-
-def sigmoid_rows(logits_BSX: torch.Tensor) -> torch.Tensor:
-    """``sigmoid`` of per-token logits on fixed-size row tiles (``map_row_tiles``, as the
-    MoE router's scores): a CPU elementwise kernel's vectorised and scalar paths round
-    differently, and which one an element takes depends on the whole tensor's size, so
-    a token's weights would otherwise depend on how many tokens the call has."""
-    lead = logits_BSX.shape[:-1]
-    # [B, S, X] -> [B·S, X]
-    return map_row_tiles(torch.sigmoid, logits_BSX.reshape(-1, logits_BSX.shape[-1]).contiguous()).view(*lead, -1)
 
 
 def collapse(x_BSCH: torch.Tensor, pre_BSC: torch.Tensor) -> torch.Tensor:
@@ -67,7 +57,9 @@ class HyperConnection(nn.Module):
         pre_w, post_w, comb_w = mixes.split([c, c, c * c], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([c, c, c * c])
         scale = self.scale.float()
-        pre_BSC, post_BSC = sigmoid_rows(torch.cat([pre_w * scale[0] + pre_b, post_w * scale[1] + post_b], dim=-1)).split(c, dim=-1)
+        # sigmoid on a padded flat tensor: a token's weights keep their bits whatever the call's size (RL decode)
+        pre_post_BS2C = torch.cat([pre_w * scale[0] + pre_b, post_w * scale[1] + post_b], dim=-1)
+        pre_BSC, post_BSC = pointwise_padded(torch.sigmoid, pre_post_BS2C).split(c, dim=-1)
         pre_BSC, post_BSC = pre_BSC + self.hc_eps, 2 * post_BSC
         # [B, S, C·C] -> [B, S, C, C]
         comb_logits = comb_w.unflatten(-1, (c, c)) * scale[2] + comb_b.view(c, c)
@@ -99,7 +91,7 @@ class HyperHead(nn.Module):
 
     def forward(self, x_BSCH: torch.Tensor) -> torch.Tensor:
         mixes = stream_mixes(x_BSCH, self.fn, self.norm_eps)
-        pre_BSC = sigmoid_rows(mixes * self.scale.float() + self.base.float()) + self.hc_eps
+        pre_BSC = pointwise_padded(torch.sigmoid, mixes * self.scale.float() + self.base.float()) + self.hc_eps
         return collapse(x_BSCH, pre_BSC)
 
     def init_weights(self):

@@ -32,22 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-POINTWISE_MULTIPLE = 256
-"""``pointwise_padded`` pads to a multiple of this many elements: a multiple of the CPU
-vector loops' step (two vectors: 32 fp32 or 64 bf16 elements with AVX-512)."""
-
-
-def pointwise_padded(fn, x: torch.Tensor) -> torch.Tensor:
-    """An elementwise ``fn`` (SiLU, sigmoid, softplus) on x flattened and zero-padded to a
-    multiple of ``POINTWISE_MULTIPLE`` elements. CPU kernels finish a tensor's tail (numel
-    mod two vectors) with scalar code whose transcendentals can differ from the vectorised
-    body's in the last bit, so a value's bits would depend on where it sits in the tensor;
-    with no tail every element meets the same code (one thread: threads split the loop at
-    size-dependent points)."""
-    flat = x.reshape(-1)  # [numel]
-    pad = (-flat.numel()) % POINTWISE_MULTIPLE
-    return fn(F.pad(flat, (0, pad)) if pad else flat)[: flat.numel()].view(x.shape)
-
+from titan_mok.moe.tiles import pointwise_padded
 
 def causal_depthwise_conv(x_BSJ: torch.Tensor, weight_JW: torch.Tensor, history_BWJ: torch.Tensor | None = None):
     """Causal depthwise conv along S: ``y_t = Σ_i w_i · x_{t−W+1+i}`` in fp32, cast back to

@@ -19,9 +19,10 @@ from torchtitan.protocols.model import ModelProtocol
 from titan_mok.models.common.norm import RMSNorm
 from titan_mok.models.common.rope import apply_rope, rope_cache
 from titan_mok.moe import MoE
+from titan_mok.moe.tiles import pointwise_padded
 
 from .args import Qwen35ModelArgs
-from .gated_deltanet import GatedDeltaNet, pointwise_padded
+from .gated_deltanet import GatedDeltaNet
 
 
 def zero_centred_norm(dim: int, eps: float) -> RMSNorm:

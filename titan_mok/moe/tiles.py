@@ -7,6 +7,9 @@ elementwise kernels switch between a vectorised and a scalar path (different
 exp/log rounding) at positions that depend on the tensor's size. With one
 fixed tile shape, every row meets the same kernels at the same positions, so
 its bits do not depend on the batch around it or on the EP degree (DESIGN §7).
+Elementwise transcendentals that sit on a decode/trainer path without a row
+structure run once on a flat tensor padded to a fixed multiple instead
+(``pointwise_padded``: one kernel, no tail).
 Weight gradients are one GEMM over all rows (deterministic; they are sums over
 the batch, not per-row results).
 
@@ -14,6 +17,7 @@ Legend: M rows, K reduction, N output features.
 """
 
 import torch
+import torch.nn.functional as F
 
 TILE_M = 64
 """Rows per GEMM tile: every forward and input-gradient product has this M."""
@@ -71,3 +75,20 @@ def row_invariant_linear(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor
     if x_MK.dtype != w_NK.dtype:
         raise TypeError(f"row_invariant_linear: x is {x_MK.dtype} but w is {w_NK.dtype}; cast one of them first")
     return _RowInvariantLinear.apply(x_MK.contiguous(), w_NK)
+
+
+POINTWISE_MULTIPLE = 256
+"""``pointwise_padded`` pads to a multiple of this many elements: a multiple of the CPU
+vector loops' step (two vectors: 32 fp32 or 64 bf16 elements with AVX-512)."""
+
+
+def pointwise_padded(fn, x: torch.Tensor) -> torch.Tensor:
+    """An elementwise ``fn`` (SiLU, sigmoid, softplus) on x flattened and zero-padded to a
+    multiple of ``POINTWISE_MULTIPLE`` elements. CPU kernels finish a tensor's tail (numel
+    mod two vectors) with scalar code whose transcendentals can differ from the vectorised
+    body's in the last bit, so a value's bits would depend on where it sits in the tensor;
+    with no tail every element meets the same code (one thread: threads split the loop at
+    size-dependent points)."""
+    flat = x.reshape(-1)  # [numel]
+    pad = (-flat.numel()) % POINTWISE_MULTIPLE
+    return fn(F.pad(flat, (0, pad)) if pad else flat)[: flat.numel()].view(x.shape)
