@@ -1,6 +1,7 @@
 """`titan_mok.rl` end to end under torchrun (2 ranks, gloo, the Kimi debug flavor):
 logprob parity 0 on every step, the reward rises, two runs are bitwise identical,
-and a run resumed from a mid-run DCP checkpoint continues bitwise.
+and a run resumed from a mid-run DCP checkpoint continues bitwise. The other three
+models: a short run each, cached decoding with parity 0.
 
 One 24-step run at EP 2 (checkpoints at steps 12 and 24) serves all tests; a second
 run of 12 steps, a resume from step 12 and one step at EP 1 compare against it.
@@ -98,3 +99,18 @@ def test_rollouts_do_not_depend_on_the_ep_degree(full_run, tmp_path):
     ep1 = _run(tmp_path / "ep1", 1, "--parallelism.expert_parallel_degree", "1")
     assert ep1[1]["rl/rollout_digest"] == metrics[1]["rl/rollout_digest"]
     assert ep1[1]["rl/reward_mean"] == metrics[1]["rl/reward_mean"]
+
+
+@pytest.mark.parametrize("model", ["glm_5_2", "qwen3_5_397b_a17b", "deepseek_v4_pro"])
+def test_other_models_decode_cached_with_parity_zero(model, tmp_path):
+    """The other three debug flavors, 3 RL steps at EP 2 under FSDP: each decodes through its
+    own cached step (titan_mok/rl/cached_*.py) and the trainer recomputes the same bits."""
+    _, out = torchrun.run(
+        "titan_mok.rl", f"train_configs/{model}/rl_debug.toml", "--training.steps", "3",
+        "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path), "--rl.parity", "fail",
+    )
+    assert "RL rollouts: KV-cache decoding" in out, out[-3000:]
+    (jsonl,) = tmp_path.glob("tb/*/metrics.jsonl")
+    metrics = [json.loads(line)["metrics"] for line in jsonl.read_text().splitlines()[1:]]
+    assert [m["rl/logprob_max_abs_diff"] for m in metrics] == [0.0, 0.0, 0.0]
+    assert all(m["rl/completion_tokens"] > 0 for m in metrics)
