@@ -37,7 +37,8 @@ def model():
 def _rollout(model, prompt_ids: list[int], samples: int = 2, top_p: float = 0.9, new: int = NEW):
     prompts = [make_prompt(3, i) for i in prompt_ids]
     ids = [TOK.encode(p.text, add_bos=True) for p in prompts for _ in range(samples)]
-    keys = torch.tensor([sequence_key(3, 1, p.index, j) for p in prompts for j in range(samples)])
+    device = next(model.parameters()).device
+    keys = torch.tensor([sequence_key(3, 1, p.index, j) for p in prompts for j in range(samples)], device=device)
     with BatchInvariantMode():
         return generate(
             model, ids, keys, seq_len=SEQ_LEN, max_new_tokens=new, temperature=1.0, top_p=top_p,
@@ -59,31 +60,43 @@ def test_rollout_logprobs_equal_trainer_recompute(model):
     _assert_parity(model, _rollout(model, list(range(6))))
 
 
-@pytest.mark.parametrize(
-    "name, cached",
-    [
-        ("glm_5_2", True),
-        ("qwen3_5_397b_a17b", True),
-        ("deepseek_v4_pro", True),
-    ],
-)
-def test_rollouts_of_the_other_models(name, cached):
-    """GLM's DSA decodes with the cache (the indexer's keys cached too, its top-k per new
-    query); attentions without a cache step decode by recomputation: bitwise parity and the
-    same sample alone and in a batch either way."""
+def _debug_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
     args = copy.deepcopy(registry.flavors(name)["debug"])
     args.max_seq_len = SEQ_LEN
     torch.manual_seed(0)
-    other = registry.model_module(name).get_train_spec().model_cls(args)
-    other.init_weights()
-    assert has_kv_cache_step(other) == cached
-    new = 20 if cached else 10  # GLM: positions past index_topk = 32, where DSA really selects
-    batch = _rollout(other, [0, 1, 2], new=new)
-    _assert_parity(other, batch)
-    assert not cached or (batch.prompt_len_B[:, None] + batch.mask_BG.sum(1, keepdim=True)).max() > 33
-    alone = _rollout(other, [1], new=new)
+    m = registry.model_module(name).get_train_spec().model_cls(args)
+    m.init_weights()
+    return m.to(device, dtype)
+
+
+def _check_cached_rollouts(model) -> None:
+    """Bitwise parity, and prompt 1's samples the same alone and in a batch."""
+    assert has_kv_cache_step(model)
+    batch = _rollout(model, [0, 1, 2])
+    _assert_parity(model, batch)
+    # GLM: positions past index_topk = 32, where DSA really selects; Qwen: past two DeltaNet chunks
+    assert (batch.prompt_len_B[:, None] + batch.mask_BG.sum(1, keepdim=True)).max() > 33
+    alone = _rollout(model, [1])
     assert torch.equal(alone.completion_BG, batch.completion_BG[2:4])
     assert torch.equal(alone.logprobs_BG, batch.logprobs_BG[2:4])
+
+
+@pytest.mark.parametrize("name", ["glm_5_2", "qwen3_5_397b_a17b", "deepseek_v4_pro"])
+def test_rollouts_of_the_other_models(name):
+    """Each model's own cached step (titan_mok/rl/cached_*.py): GLM's DSA also caches the
+    indexer's keys, Qwen3.5's DeltaNet its chunk state, DeepSeek-V4 its window and
+    compressed entries."""
+    _check_cached_rollouts(_debug_model(name))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["kimi_k2_7_code", "glm_5_2", "qwen3_5_397b_a17b", "deepseek_v4_pro"])
+def test_cached_rollouts_on_gpu_in_bf16(name):
+    """The same on CUDA in bf16 (FSDP's compute dtype on the GPU): checks the assumptions the
+    CPU cannot (cuBLAS batched GEMMs and solves, CUDA reductions, cumsum and topk giving
+    each row the same bits at the decode step's sizes as at the trainer's)."""
+    _check_cached_rollouts(_debug_model(name, "cuda", torch.bfloat16))
 
 
 def test_sample_is_the_same_alone_and_in_batches(model):
