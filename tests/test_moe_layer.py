@@ -377,3 +377,37 @@ def test_mxfp8_close_to_bf16_and_batch_invariant():
     x.requires_grad_(True)
     mx(x).sum().backward()
     assert torch.isfinite(x.grad).all() and mx.experts.w_down.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------- shared expert on the Triton FFN
+
+
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_shared_expert_triton_path_matches_tiles_and_is_row_invariant(limit):
+    """``use_triton`` (Hopper, BF16): the shared expert as one expert of the routed experts'
+    Triton FFN (here through TRITON_INTERPRET without a GPU) — close to the 64-row-tile path,
+    and each row's output and input gradient independent of the rows around it."""
+    from titan_mok.moe.experts import SharedExpert
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    tiles = SharedExpert(64, 96, output_gate=False, swiglu_limit=limit, use_triton=False)
+    for p in tiles.parameters():
+        torch.nn.init.normal_(p, std=0.15)
+    triton_ = SharedExpert(64, 96, output_gate=False, swiglu_limit=limit, use_triton=True)
+    triton_.load_state_dict(tiles.state_dict())
+    tiles, triton_ = tiles.to(device, torch.bfloat16), triton_.to(device, torch.bfloat16)
+    x = torch.randn(70, 64, device=device).to(torch.bfloat16)  # more than one 64-row tile
+
+    def run(module, x_TH):
+        x_TH = x_TH.detach().clone().requires_grad_()
+        y = module(x_TH)
+        y.float().square().sum().backward()
+        return y.detach(), x_TH.grad
+
+    y_tiles, dx_tiles = run(tiles, x)
+    y_triton, dx_triton = run(triton_, x)
+    for a, b in ((y_triton, y_tiles), (dx_triton, dx_tiles)):  # bf16 intermediates round differently
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 1e-2
+    y_alone, dx_alone = run(triton_, x[5:9])
+    assert torch.equal(y_alone, y_triton[5:9]) and torch.equal(dx_alone, dx_triton[5:9])

@@ -24,7 +24,8 @@ class Mok:
     anywhere. "triton": the symmetric-memory dispatch/combine kernels plus the
     Triton expert FFN (Hopper, needs a CUDA GPU; no host sync). "auto": the
     reference dispatch/combine with the Triton expert FFN on SM90+, pure PyTorch
-    elsewhere."""
+    elsewhere. Wherever the routed experts run the Triton FFN, a BF16 shared expert
+    runs it too (as one expert holding every token)."""
 
     def __post_init__(self):
         _check_choice("mok.backend", self.backend, ("mok", "torchtitan"))

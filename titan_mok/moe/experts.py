@@ -75,23 +75,38 @@ class SharedExpert(nn.Module):
     Parameters: ``w_gate.weight [I, H]``, ``w_up.weight [I, H]``, ``w_down.weight [H, I]``,
     and with ``output_gate``: ``output_gate.weight [1, H]`` (Qwen3.5's
     ``shared_expert_gate``: output · sigmoid(x · output_gate)).
+
+    With ``use_triton`` (the routed experts' setting) and BF16 activations it runs as one
+    expert through the routed experts' Triton FFN (``grouped_swiglu_ffn``, all T rows in
+    one group): row-invariant by construction, two launches forward instead of a GEMM
+    per 64-row tile. Otherwise on 64-row tiles (``row_invariant_linear``).
     """
 
-    def __init__(self, dim: int, hidden_dim: int, output_gate: bool, swiglu_limit: float | None):
+    def __init__(self, dim: int, hidden_dim: int, output_gate: bool, swiglu_limit: float | None, use_triton: bool):
         super().__init__()
         self.w_gate = nn.Linear(dim, hidden_dim, bias=False)
         self.w_up = nn.Linear(dim, hidden_dim, bias=False)
         self.w_down = nn.Linear(hidden_dim, dim, bias=False)
         self.output_gate = nn.Linear(dim, 1, bias=False) if output_gate else None
         self.swiglu_limit = swiglu_limit
+        self.use_triton = use_triton
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         """Returns the shared output [T, H]: x's dtype, or fp32 when gated (the
         combine adds it in fp32 and rounds once)."""
         dtype = x_TH.dtype
-        gate_TI = row_invariant_linear(x_TH, self.w_gate.weight.to(dtype))
-        up_TI = row_invariant_linear(x_TH, self.w_up.weight.to(dtype))
-        y_TH = row_invariant_linear(ref_swiglu(gate_TI, up_TI, self.swiglu_limit), self.w_down.weight.to(dtype))
+        w_gate_IH, w_up_IH, w_down_HI = (linear.weight.to(dtype) for linear in (self.w_gate, self.w_up, self.w_down))
+        if self.use_triton and dtype == torch.bfloat16:
+            group_end_1 = torch.full((1,), x_TH.shape[0], dtype=torch.int32, device=x_TH.device)
+            # [I, H] -> [1, I, H]: one expert holding every row
+            y_TH = grouped_swiglu_ffn(
+                x_TH, group_end_1, w_gate_IH[None], w_up_IH[None], w_down_HI[None],
+                swiglu_limit=self.swiglu_limit, use_triton=True,
+            )
+        else:
+            gate_TI = row_invariant_linear(x_TH, w_gate_IH)
+            up_TI = row_invariant_linear(x_TH, w_up_IH)
+            y_TH = row_invariant_linear(ref_swiglu(gate_TI, up_TI, self.swiglu_limit), w_down_HI)
         if self.output_gate is None:
             return y_TH
         gate_logit_T1 = row_invariant_linear(x_TH.float(), self.output_gate.weight.float())

@@ -98,7 +98,8 @@ class MoE(nn.Module):
         check_moe_args(args, dim)
         self.args = args
         self.dim = dim
-        # The routed experts' FFN (kernels/grouped_ffn.py): Triton kernels on Hopper under "auto".
+        # The experts' FFN (kernels/grouped_ffn.py): Triton kernels on Hopper under "auto" (routed and,
+        # in BF16, shared).
         self.use_triton = args.kernels == "triton" or (args.kernels == "auto" and has_cuda_capability(9, 0))
         self.router = TopKRouter(args, dim)
         if args.backend == "mok":
@@ -106,7 +107,9 @@ class MoE(nn.Module):
         else:
             self.experts = TorchTitanExperts(dim, args.expert_dim, args.num_experts, args.swiglu_limit)
         self.shared_expert = (
-            SharedExpert(dim, args.shared_expert_dim, args.shared_expert_gate, args.shared_expert_swiglu_limit)
+            SharedExpert(
+                dim, args.shared_expert_dim, args.shared_expert_gate, args.shared_expert_swiglu_limit, self.use_triton
+            )
             if args.shared_expert_dim > 0
             else None
         )
