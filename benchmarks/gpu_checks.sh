@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The first device call of a session on the 2×H200 machine, from the repo root:
+#   bash benchmarks/gpu_checks.sh            (logs in $OUT, else outputs/gpu_checks)
+# 1. every GPU test (`pytest -m gpu`: grouped FFN, MXFP8 quantization, fused path at EP=2,
+#    shared expert on the Triton FFN, the four models' cached RL rollouts in bf16);
+# 2. the MoE layer at EP=2, bf16, balanced: fused (triton) and auto vs the torchtitan backend.
+# Each stage runs even if an earlier one failed; the exit status is the first failure's.
+# Needs the wheels in .whl/ (README, "GPU machine"): pass them with the device tool's carry.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+LOGS=${OUT:-outputs/gpu_checks}
+mkdir -p "$LOGS"
+if ! python3 -c "import torchtitan" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+fi
+python3 -c "import titan_mok.models" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
+status=0
+run() {  # run NAME COMMAND...: output to $LOGS/NAME.log, a one-line summary here
+    local name=$1; shift
+    local start=$SECONDS
+    "$@" > "$LOGS/$name.log" 2>&1
+    local rc=$?
+    echo "$name: exit $rc in $((SECONDS - start)) s; $(tail -n 1 "$LOGS/$name.log")"
+    [ $status -eq 0 ] && status=$rc
+}
+run gpu_tests python3 -m pytest -q -m gpu tests
+run layer_ep2 torchrun --standalone --nproc_per_node 2 -m titan_mok.bench.mok_fused --precision bf16 \
+    --impl triton,auto,torchtitan --iters 20 --warmup 3
+exit $status
