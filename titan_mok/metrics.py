@@ -222,9 +222,7 @@ class MokMetricsProcessor(MetricsProcessor):
             self.moe_stats.remove()
         self.moe_stats = None
         if parts and self.job_config.metrics.moe_stats:
-            compile_cfg = self.job_config.compile
-            compiled = compile_cfg.enable and "model" in compile_cfg.components
-            self.moe_stats = MoEStats(parts, self._loss_group(), hooks=not compiled)
+            self.moe_stats = MoEStats(parts, self._loss_group())
 
     def _loss_group(self):
         """The ranks whose losses TorchTitan averages (None: this rank alone)."""

@@ -11,8 +11,8 @@ of forward and backward) and on its router (whose forward returns
 enabled: not validation, not RL rollouts). Everything accumulates on the device
 between two logged steps, without host syncs; ``collect`` reads it with one
 host sync and one all-reduce over the ranks that split the batch (the loss
-mesh), so load and drops are global. Without hooks (compiled models) load comes
-from ``expert_load`` as read, and only load and bias norm are logged.
+mesh), so load and drops are global. The MoE layer runs eager under
+``[compile]`` (``titan_mok.parallelize.apply_compile``), so the hooks always see it.
 
 Logged per layer (``moe/<layer>/...``): ``load_max_over_mean``,
 ``load_min_over_mean``, ``load_cv`` (std/mean of the picks per expert),
@@ -89,12 +89,10 @@ class _Layer:
 
 class MoEStats:
     """Hooks into every titan-mok ``MoE`` in ``model_parts``; ``collect`` turns what
-    accumulated since the last call into metrics. ``hooks=False`` (compiled models)
-    keeps only what the buffers give: load and bias norm."""
+    accumulated since the last call into metrics."""
 
-    def __init__(self, model_parts: list[nn.Module], group: dist.ProcessGroup | None, hooks: bool):
+    def __init__(self, model_parts: list[nn.Module], group: dist.ProcessGroup | None):
         self.group = group
-        self.hooks = hooks
         self.layers = [
             _Layer(layer_label(path), module)
             for part in model_parts
@@ -103,13 +101,12 @@ class MoEStats:
         ]
         self._handles = []
         self._clock = _Clock(self.layers[0].moe.expert_load.device) if self.layers else None
-        if hooks:
-            for layer in self.layers:
-                self._handles += [
-                    layer.moe.register_forward_pre_hook(partial(self._before_moe, layer), with_kwargs=True),
-                    layer.moe.register_forward_hook(partial(self._after_moe, layer), with_kwargs=True),
-                    layer.moe.router.register_forward_hook(partial(self._after_router, layer)),
-                ]
+        for layer in self.layers:
+            self._handles += [
+                layer.moe.register_forward_pre_hook(partial(self._before_moe, layer), with_kwargs=True),
+                layer.moe.register_forward_hook(partial(self._after_moe, layer), with_kwargs=True),
+                layer.moe.router.register_forward_hook(partial(self._after_router, layer)),
+            ]
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -193,7 +190,7 @@ class MoEStats:
             dist.all_reduce(packed, group=self.group)
         bias_norms = torch.stack([layer.moe.expert_bias.double().norm() for layer in self.layers])
         values = torch.cat([packed, bias_norms]).tolist()
-        if self._clock.cuda and self.hooks:
+        if self._clock.cuda:
             torch.cuda.synchronize()  # NOTE: host sync, so that every event has completed
 
         metrics, offset, dropped, moe_seconds = {}, 0, 0.0, 0.0
@@ -205,27 +202,23 @@ class MoEStats:
             prefix = f"moe/{layer.label}"
             metrics.update(_load_metrics(prefix, load))
             metrics[f"{prefix}/bias_norm"] = values[len(packed) + i]
-            if self.hooks and _counts_rows(layer.moe):
+            if _counts_rows(layer.moe):
                 # Routed slots (T·K over the ranks) minus rows the experts computed (over the ranks).
                 layer_dropped = tokens * layer.moe.args.top_k - rows
                 metrics[f"{prefix}/tokens_dropped"] = layer_dropped
                 dropped += layer_dropped
-            if self.hooks:
-                metrics[f"{prefix}/router_entropy"] = entropy_sum / tokens if tokens else float("nan")
-                metrics[f"{prefix}/aux_loss"] = aux_sum / forwards if forwards else float("nan")
-                moe_seconds += sum(self._clock.seconds(start, end) for start, end in layer.intervals)
+            metrics[f"{prefix}/router_entropy"] = entropy_sum / tokens if tokens else float("nan")
+            metrics[f"{prefix}/aux_loss"] = aux_sum / forwards if forwards else float("nan")
+            moe_seconds += sum(self._clock.seconds(start, end) for start, end in layer.intervals)
             self._reset(layer)
-        if self.hooks:
-            metrics["moe/tokens_dropped"] = dropped
-            metrics["moe/time_share"] = moe_seconds / interval_s
+        metrics["moe/tokens_dropped"] = dropped
+        metrics["moe/time_share"] = moe_seconds / interval_s
         return metrics
 
     def _counts(self, layer: _Layer) -> torch.Tensor:
         """[E + 5] fp64: picks per expert, Σ entropy, Σ aux loss, rows computed, tokens, forwards."""
         device = layer.moe.expert_load.device
-        if not self.hooks:
-            load_E = layer.moe.expert_load.double()
-        elif layer.load is None:
+        if layer.load is None:
             load_E = torch.zeros(layer.moe.args.num_experts, dtype=torch.float64, device=device)
         else:
             load_E = layer.load

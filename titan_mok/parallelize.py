@@ -2,17 +2,19 @@
 
 Every model's blocks sit in `model.layers` with `moe_enabled` and `moe`
 (`titan_mok.moe.MoE`), beside `tok_embeddings`, `norm` and `output`, so one
-checklist serves all four models. TorchTitan's own `apply_ac`, `apply_compile`
-and `apply_fsdp` do the work; only the expert-parallel step is ours.
+checklist serves all four models. TorchTitan's own `apply_ac` and `apply_fsdp` do
+the work; the expert-parallel step and the compile step (which leaves the MoE layer
+eager) are ours.
 """
 
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.tensor.parallel import parallelize_module
 
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.expert_parallel import ExpertParallel
-from torchtitan.models.llama4.infra.parallelize import apply_compile, apply_fsdp
+from torchtitan.models.llama4.infra.parallelize import apply_fsdp
 
 from titan_mok import cpu_compat
 from titan_mok.moe.expert_parallel import MokExpertParallel
@@ -42,6 +44,21 @@ def apply_ep(model: torch.nn.Module, ep_mesh) -> None:
                 block.moe.experts.ep_mesh = ep_mesh
 
 
+def apply_compile(model: torch.nn.Module, compile_config) -> None:
+    """``torch.compile`` (fullgraph) on every child of every block except its MoE layer,
+    which runs eager: its dispatch reads split sizes and its input checks read flags on
+    the host. (TorchTitan's ``apply_compile`` treats only its own MoE class so and would
+    compile ours whole.)"""
+    for block in model.layers.values():
+        inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
+        for name, child in inner.named_children():
+            if name != "moe":
+                # static shapes: a model's layers share code but not shapes (DeepSeek-V4's
+                # compress ratios), and inductor failed on the dynamic graph it then traced
+                compiled = torch.compile(child, backend=compile_config.backend, fullgraph=True, dynamic=False)
+                setattr(inner, name, compiled)
+
+
 def parallelize_moe_model(model: torch.nn.Module, parallel_dims, job_config) -> torch.nn.Module:
     # (tensor/context/pipeline parallel degrees > 1 are rejected by titan_mok.config_check)
     if parallel_dims.ep_enabled:
@@ -52,7 +69,7 @@ def parallelize_moe_model(model: torch.nn.Module, parallel_dims, job_config) -> 
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
                  op_sac_save_list=_OP_SAC_SAVE_LIST, base_folder=job_config.job.dump_folder)
     if compile_model:
-        apply_compile(model, job_config.compile, parallel_dims.ep_enabled)
+        apply_compile(model, job_config.compile)
 
     if parallel_dims.fsdp_enabled or parallel_dims.ep_enabled:
         replicate = ["dp_replicate"] if parallel_dims.dp_replicate_enabled else []
