@@ -28,7 +28,7 @@ from torch import nn
 
 from titan_mok.models.deepseek_v4_pro.attention import Attention, Compressor
 from titan_mok.models.deepseek_v4_pro.model import DeepSeekV4Model
-from titan_mok.rl.kv_cache import Positions
+from titan_mok.rl.kv_cache import PositionRows, Positions, write_at
 
 
 def supports(model: nn.Module) -> bool:
@@ -50,10 +50,9 @@ class CompressorCache:
     complete no window)."""
 
     def __init__(self, compressor: Compressor, batch: int, seq_len: int):
-        self.compressor, self.batch, self.seq_len = compressor, batch, seq_len
+        self.compressor, self.batch = compressor, batch
         self.n_entries = seq_len // compressor.ratio
-        self.kv_BSP: torch.Tensor | None = None
-        self.score_BSP: torch.Tensor | None = None
+        self.kv, self.score = PositionRows(batch, seq_len), PositionRows(batch, seq_len)
         self.entries_BXD: torch.Tensor | None = None  # the scratch row last
 
     def update(self, x_BTH: torch.Tensor, pos_BT: torch.Tensor, rope_SR: torch.Tensor) -> torch.Tensor:
@@ -61,19 +60,15 @@ class CompressorCache:
         all E entries [B, E, D] (zeros where never pooled: those are not causal yet)."""
         comp, m = self.compressor, self.compressor.ratio
         kv_BTP, score_BTP = comp.project(x_BTH, pos_BT)
-        if self.kv_BSP is None:
-            self.kv_BSP = kv_BTP.new_zeros(self.batch, self.seq_len, kv_BTP.shape[-1])
-            self.score_BSP = torch.zeros_like(self.kv_BSP)
+        kv_BSP, score_BSP = self.kv.write(pos_BT, kv_BTP), self.score.write(pos_BT, score_BTP)
+        if self.entries_BXD is None:
             self.entries_BXD = x_BTH.new_zeros(self.batch, self.n_entries + 1, comp.head_dim)
-        rows_BT = torch.arange(self.batch, device=pos_BT.device)[:, None].expand_as(pos_BT)
-        self.kv_BSP[rows_BT, pos_BT] = kv_BTP
-        self.score_BSP[rows_BT, pos_BT] = score_BTP
         # the entry whose window ends at or before each token (pooled for every token, kept
         # only where the token is that window's last position)
         entry_BT = ((pos_BT + 1) // m - 1).clamp(min=0)
-        pooled_BTD = comp.pool(*comp.windows(self.kv_BSP, self.score_BSP, entry_BT), entry_BT, rope_SR, x_BTH.dtype)
+        pooled_BTD = comp.pool(*comp.windows(kv_BSP, score_BSP, entry_BT), entry_BT, rope_SR, x_BTH.dtype)
         completes_BT = (pos_BT + 1) % m == 0
-        self.entries_BXD[rows_BT, torch.where(completes_BT, entry_BT, self.n_entries)] = pooled_BTD
+        write_at(self.entries_BXD, torch.where(completes_BT, entry_BT, self.n_entries), pooled_BTD)
         return self.entries_BXD[:, : self.n_entries]
 
 
@@ -82,9 +77,9 @@ class CachedDSV4Attention(nn.Module):
 
     def __init__(self, attn: Attention, positions: Positions, batch: int, seq_len: int):
         super().__init__()
-        self.attn, self.positions, self.batch, self.seq_len = attn, positions, batch, seq_len
+        self.attn, self.positions, self.batch = attn, positions, batch
         self.width = min(attn.window, seq_len)  # the trainer's window width (its S is the cache's)
-        self.kv_BSD: torch.Tensor | None = None
+        self.kv = PositionRows(batch, seq_len)  # the rotated shared key/value per position
         self.compressed = CompressorCache(attn.compressor, batch, seq_len) if attn.compressor is not None else None
         self.index_keys = CompressorCache(attn.indexer.compressor, batch, seq_len) if attn.indexer is not None else None
 
@@ -116,11 +111,9 @@ class CachedDSV4Attention(nn.Module):
     def _window(self, pos_BT: torch.Tensor, kv_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys at their positions; each new query's window: keep [B, T, W] and
         fp32 keys [B, T, W, D] (zero before position 0, as the trainer's padding)."""
-        if self.kv_BSD is None:
-            self.kv_BSD = kv_BTD.new_zeros(self.batch, self.seq_len, kv_BTD.shape[-1])
-        rows_BT = torch.arange(self.batch, device=pos_BT.device)[:, None].expand_as(pos_BT)
-        self.kv_BSD[rows_BT, pos_BT] = kv_BTD
+        kv_BSD = self.kv.write(pos_BT, kv_BTD)
         window_BTW = pos_BT[..., None] - (self.width - 1) + torch.arange(self.width, device=pos_BT.device)
         keep_BTW = window_BTW >= 0
-        kv_win_BTWD = self.kv_BSD[rows_BT[..., None], window_BTW.clamp(min=0)].float().masked_fill(~keep_BTW[..., None], 0.0)
+        rows_B11 = torch.arange(self.batch, device=pos_BT.device)[:, None, None]
+        kv_win_BTWD = kv_BSD[rows_B11, window_BTW.clamp(min=0)].float().masked_fill(~keep_BTW[..., None], 0.0)
         return keep_BTW, kv_win_BTWD

@@ -20,7 +20,7 @@ from titan_mok.models.common.decoder import MLADecoder
 from titan_mok.models.common.mla import MLAttention
 from titan_mok.models.glm_5_2.dsa import DSAttention
 from titan_mok.rl.invariant import invariant_attention
-from titan_mok.rl.kv_cache import LayerKVCache, Positions, per_sequence
+from titan_mok.rl.kv_cache import LayerKVCache, PositionRows, Positions, per_sequence
 
 
 def supports(model: nn.Module) -> bool:
@@ -47,7 +47,7 @@ class CachedMLAttention(nn.Module):
     def __init__(self, attn: MLAttention, cache: LayerKVCache, positions: Positions):
         super().__init__()
         self.attn, self.cache, self.positions = attn, cache, positions
-        self.index_k_BSJ: torch.Tensor | None = None  # DSA: the indexer's (rotated) key per position
+        self.index_keys = PositionRows(cache.batch, cache.seq_len)  # DSA: the indexer's (rotated) key per position
 
     def forward(self, x_BTH: torch.Tensor, rope_SR: torch.Tensor, topk_idx_BSK: torch.Tensor | None = None):
         """``rope_SR``: the model's whole rotary cache, as the block received it (FSDP casts it
@@ -80,12 +80,10 @@ class CachedMLAttention(nn.Module):
             return None  # as in training: every causal key is selected, the indexer is skipped
         q_1MIJ, k_1MJ = indexer.project(x_1MH, q_latent_1MQ, rope_MR)
         k_BTJ = k_1MJ.view(bsz, n_new, indexer.head_dim)  # [1, B·T, J] -> [B, T, J]
-        if self.index_k_BSJ is None:
-            self.index_k_BSJ = k_BTJ.new_zeros(bsz, seq_len, indexer.head_dim)
         pos_BT = self.positions.pos_BT
-        self.index_k_BSJ[torch.arange(bsz, device=pos_BT.device)[:, None], pos_BT] = k_BTJ
+        index_k_BSJ = self.index_keys.write(pos_BT, k_BTJ)
         q_BTIJ = q_1MIJ.view(bsz, n_new, -1, indexer.head_dim)  # [1, B·T, I, J] -> [B, T, I, J]
         # per query the trainer's [I, J] @ [J, S] against every cached key
-        index_BTS = indexer.score(q_BTIJ, self.index_k_BSJ, x_1MH.view(bsz, n_new, -1))
+        index_BTS = indexer.score(q_BTIJ, index_k_BSJ, x_1MH.view(bsz, n_new, -1))
         future_BTS = torch.arange(seq_len, device=pos_BT.device) > pos_BT[..., None]
         return indexer.select(index_BTS.masked_fill(future_BTS, float("-inf")))
