@@ -11,7 +11,7 @@ from torchtitan.models.utils import trunc_normal_
 
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, ref_swiglu
 from titan_mok.moe.args import MoEArgs
-from titan_mok.moe.tiles import map_row_tiles, row_invariant_linear
+from titan_mok.moe.tiles import pointwise_padded, row_invariant_linear
 
 
 def local_expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,7 +110,7 @@ class SharedExpert(nn.Module):
         if self.output_gate is None:
             return y_TH
         gate_logit_T1 = row_invariant_linear(x_TH.float(), self.output_gate.weight.float())
-        return y_TH.float() * map_row_tiles(torch.sigmoid, gate_logit_T1)
+        return y_TH.float() * pointwise_padded(torch.sigmoid, gate_logit_T1)
 
     def init_weights(self, init_std: float) -> None:
         trunc_normal_(self.w_gate.weight, mean=0.0, std=0.02)
