@@ -44,6 +44,8 @@ import triton
 import triton.language as tl
 
 from titan_mok.kernels.mxfp8_quant import (
+    _COLS_BQ,
+    _COLS_WARPS,
     mx_dequantize_bf16,
     mx_quantize_block,
     mx_scale_value,
@@ -55,13 +57,20 @@ from titan_mok.mxfp8 import BLOCK, MXTensor, fake_quantize_mxfp8
 # Kinds of grouped_mm (the MODE constexpr).
 PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 
-# Tile configs per precision: module-level so benchmarks can try others. They must not depend on
-# the number of rows (batch invariance). On the MXFP8 paths BK is a multiple of 32 (the K loop
-# takes one scale block at a time). Chosen by `python -m titan_mok.bench.grouped_ffn --tune` on
-# an H200 (benchmarks/NOTES.md, 2026-11-30).
+# Tile configs per precision, and on the MXFP8 path per kind of GEMM ("mxfp8/<mode>"):
+# module-level so benchmarks can try others. They must not depend on the number of rows (batch
+# invariance). On the MXFP8 paths BK is a multiple of 32 (the K loop takes one scale block at a
+# time). Chosen by `python -m titan_mok.bench.grouped_ffn --tune` on an H200 (benchmarks/NOTES.md):
+# bf16 on 2026-11-30, the MXFP8 kinds on 2026-12-01 (BK=32 with 4 stages keeps a program's shared
+# memory at 45 KB, against 144 KB at BK=128; the two-accumulator SwiGLU kind is fastest at 3).
+_MODE_NAMES = {PLAIN: "plain", SWIGLU: "swiglu", SWIGLU_BWD: "swiglu_bwd", DUAL: "dual"}
 _MM_CONFIGS = {
     "bf16": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
-    "mxfp8": dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),  # swapped: BN weight rows
+    # swapped operands: BN weight rows (the MMA's M), BM token rows (its N)
+    "mxfp8/plain": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=4),
+    "mxfp8/swiglu": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3),
+    "mxfp8/swiglu_bwd": dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
+    "mxfp8/dual": dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
 }
 _WGRAD_CONFIG = dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3)
@@ -436,7 +445,7 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     b2_data, b2_s = _b_operand(b2, "b2") if b2 is not None else (b1_data, b1_s)
     mx = b1_s is not None
     fp8_mma = fp8_mma and mx
-    cfg = _MM_CONFIGS["mxfp8_fp8_mma" if fp8_mma else ("mxfp8" if mx else "bf16")]
+    cfg = _MM_CONFIGS[mm_config_key(mode, mx, fp8_mma)]
     num_experts, n, k = b1_data.shape
     if a1.shape[1] != k:
         raise ValueError(f"A operand has K = {a1.shape[1]}, B has K = {k}")
@@ -468,6 +477,13 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         *b1_data.stride(), *(b1_s.stride() if mx else (0, 0, 0)),
         limit, MODE=mode, FP8_MMA=fp8_mma, **common,
     )
+
+
+def mm_config_key(mode: int, mx: bool, fp8_mma: bool) -> str:
+    """The ``_MM_CONFIGS`` entry a grouped_mm of this kind and precision runs with."""
+    if fp8_mma:
+        return "mxfp8_fp8_mma"
+    return f"mxfp8/{_MODE_NAMES[mode]}" if mx else "bf16"
 
 
 def _new_rows(like: torch.Tensor, n: int, zero: bool) -> torch.Tensor:
@@ -513,9 +529,10 @@ def mxfp8_fake_quantize_groups(x_RN: torch.Tensor, group_end_E: torch.Tensor) ->
     y_RN = torch.empty(num_rows, n, dtype=torch.bfloat16, device=x_RN.device)
     if num_experts and num_rows:
         block_end_E = _tile_ends(group_end_E, 32, 1)
-        grid = (triton.cdiv(num_rows, 32) + num_experts, triton.cdiv(n, 128))
+        # column blocks like mxfp8_quantize's columns kernel: the block reduction runs across rows
+        grid = (triton.cdiv(num_rows, 32) + num_experts, triton.cdiv(n, _COLS_BQ))
         _mx_fake_quant_groups_kernel[grid](x_RN.contiguous(), y_RN, group_end_E, block_end_E, n, num_experts,
-                                           LOG_E=num_experts.bit_length(), BQ=128)
+                                           LOG_E=num_experts.bit_length(), BQ=_COLS_BQ, num_warps=_COLS_WARPS)
     return y_RN
 
 

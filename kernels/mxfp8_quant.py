@@ -18,9 +18,10 @@ from titan_mok.mxfp8 import BLOCK, SCALE_DTYPE, MXTensor, _check_blockable, fake
 
 ref_mxfp8_quantize = to_mxfp8
 
-# Tile shapes: 16-byte bf16 loads along the contiguous dim, ~4K elements per program.
-_ROWS_BM, _ROWS_BK = 32, 128
-_COLS_BD, _COLS_BQ = 32, 128
+# Tile shapes and warps, measured on an H200 (benchmarks/NOTES.md, 2026-12-01). The columns
+# kernel reduces each block across rows: one warp per program keeps that reduction inside a warp.
+_ROWS_BM, _ROWS_BK = 16, 512
+_COLS_BD, _COLS_BQ, _COLS_WARPS = 32, 64, 1
 
 
 @triton.jit
@@ -165,7 +166,7 @@ def mxfp8_quantize(x: torch.Tensor, dim: int = -1, name: str = "x") -> MXTensor:
             _mx_quant_rows_kernel[grid](x, q, s, P, D, FAKE=False, BM=_ROWS_BM, BK=_ROWS_BK)
         else:
             grid = (triton.cdiv(Q, _COLS_BQ), triton.cdiv(D, _COLS_BD), P)
-            _mx_quant_cols_kernel[grid](x, q, s, D, Q, BD=_COLS_BD, BQ=_COLS_BQ)
+            _mx_quant_cols_kernel[grid](x, q, s, D, Q, BD=_COLS_BD, BQ=_COLS_BQ, num_warps=_COLS_WARPS)
     return MXTensor(data=q.view(torch.float8_e4m3fn), scale=s.view(SCALE_DTYPE), dim=dim)
 
 

@@ -311,57 +311,75 @@ def run_case(name, H, I, counts, ceil, impls, rep_ms, log):
     return res
 
 
+# Swapped-operand MXFP8 kernel: BN weight rows (the MMA's M), BM token rows (its N).
+_MX_VARIANTS = [dict(BM=128, BN=128, BK=bk, GROUP_M=8, num_warps=8, num_stages=st)
+                for bk in (32, 64, 128) for st in (2, 3, 4)]
 TUNE_VARIANTS = {
     "bf16": [dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
              dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
              dict(BM=64, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)],
-    # swapped-operand kernel: BN weight rows (the MMA's M), BM token rows (its N)
-    "mxfp8": [dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
-              dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
-              dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
-              dict(BM=64, BN=64, BK=128, GROUP_M=8, num_warps=4, num_stages=3),
-              dict(BM=128, BN=64, BK=128, GROUP_M=8, num_warps=4, num_stages=3),
-              dict(BM=32, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4)],
+    **{f"mxfp8/{kind}": _MX_VARIANTS for kind in ("plain", "swiglu", "swiglu_bwd", "dual")},
     "mxfp8_fp8_mma": [dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
                       dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)],
 }
 
 
+def mx_gemms_by_kind(c):
+    """One MXFP8 grouped GEMM of each kind (the four ``_MM_CONFIGS`` entries "mxfp8/<kind>")."""
+    wg, wu, wd = (mx_operand(w, 2) for w in (c.w_gate, c.w_up, c.w_down))
+    wg_t, wu_t, wd_t = (mx_operand(w, 1) for w in (c.w_gate, c.w_up, c.w_down))
+    ge = c.group_end
+    g, u, h = gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None)
+    dg, du = gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None)
+    return {
+        "mxfp8/swiglu": lambda: gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None),
+        "mxfp8/plain": lambda: gg.grouped_mm(h, ge, wd),
+        "mxfp8/swiglu_bwd": lambda: gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None),
+        "mxfp8/dual": lambda: gg.grouped_mm_sum(dg, du, ge, wg_t, wu_t),
+    }
+
+
 def tune(log, kernels):
-    """Forward tile-config sweep on one MoE-regime and one compute-regime case; installs the
-    config with the least summed time per kernel (so the runs that follow use it)."""
+    """Tile-config sweep on two MoE-regime cases and one compute-regime case; installs, per kernel
+    key, the config with the least summed time (so the runs that follow use it). bf16 and fp8-MMA
+    are timed on the forward phase, the MXFP8 kinds each on its own GEMM."""
     H, I, E, K = SHAPES["kimi"]
-    cases = {"kimi_ep2_balanced": route_counts(TOKENS_PER_GPU * K, E // 2, False),
+    cases = {"kimi_ep1_balanced": route_counts(TOKENS_PER_GPU * K, E, False),
+             "kimi_ep2_balanced": route_counts(TOKENS_PER_GPU * K, E // 2, False),
              "kimi_compute": torch.full((8,), 4096, dtype=torch.int64)}
     total = {key: [0.0] * len(TUNE_VARIANTS[key]) for key in kernels}
     for cname, counts in cases.items():
         c = Case(H, I, counts)
+        timed = mx_gemms_by_kind(c) if any(key.startswith("mxfp8/") for key in kernels) else {}
+        if "bf16" in kernels:
+            timed["bf16"] = phases_ours(c, "bf16")["fwd"]
+        if "mxfp8_fp8_mma" in kernels:
+            timed["mxfp8_fp8_mma"] = phases_ours(c, "mxfp8", fp8_mma=True)["fwd"]
         for key in kernels:
             default = dict(gg._MM_CONFIGS[key])
             for i, v in enumerate(TUNE_VARIANTS[key]):
                 gg._MM_CONFIGS[key] = v
                 try:
-                    prec = "bf16" if key == "bf16" else "mxfp8"
-                    ms = bench(phases_ours(c, prec, fp8_mma=key == "mxfp8_fp8_mma")["fwd"], 60)
-                    rec = {"case": cname, "kernel": key, "cfg": v, "fwd_ms": ms, "tflops": 6 * c.R * H * I / ms / 1e9}
+                    ms = bench(timed[key], 60)
+                    rec = {"case": cname, "kernel": key, "cfg": v, "ms": ms}
                 except Exception as e:
                     ms, rec = float("inf"), {"case": cname, "kernel": key, "cfg": v, "error": repr(e)[:200]}
                 total[key][i] += ms
                 log(json.dumps(rec))
             gg._MM_CONFIGS[key] = default
-        del c
+        del c, timed
         torch.cuda.empty_cache()
     for key in kernels:
         best = TUNE_VARIANTS[key][min(range(len(total[key])), key=total[key].__getitem__)]
         gg._MM_CONFIGS[key] = best
-        log(json.dumps({"tuned": key, "cfg": best}))
+        log(json.dumps({"tuned": key, "cfg": best, "summed_ms": min(total[key])}))
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--quick", action="store_true", help="one shape, balanced, EP=2 only")
-    p.add_argument("--tune", action="store_true", help="also sweep forward tile configs")
+    p.add_argument("--tune", action="store_true", help="first sweep tile configs (TUNE_VARIANTS) and use the best")
     p.add_argument("--rep-ms", type=float, default=100)
     p.add_argument("--impls", default="grouped_mm_bf16,scaled_grouped_mm_fp8,ours_bf16,ours_mxfp8,ours_mxfp8_fp8mma",
                    help="comma-separated implementations to time")
@@ -380,8 +398,9 @@ def main():
                     "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}))
     impls = args.impls.split(",")
     if args.tune:
-        kernels = {"ours_bf16": "bf16", "ours_mxfp8": "mxfp8", "ours_mxfp8_fp8mma": "mxfp8_fp8_mma"}
-        tune(log, [kernels[i] for i in impls if i in kernels])
+        kernels = {"ours_bf16": ["bf16"], "ours_mxfp8": [k for k in TUNE_VARIANTS if k.startswith("mxfp8/")],
+                   "ours_mxfp8_fp8mma": ["mxfp8_fp8_mma"]}
+        tune(log, [key for i in impls for key in kernels.get(i, [])])
     results = []
     shapes = ["kimi"] if args.quick else list(SHAPES)
     for shape in shapes:
