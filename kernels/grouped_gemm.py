@@ -5,12 +5,14 @@ H hidden, I expert FFN size.
 
 ``group_end_E`` (int32/int64 [E], on the rows' device) holds cumulative row counts: expert e
 owns rows ``group_end[e-1]:group_end[e]``; rows at or past ``group_end[E-1]`` are padding
-(outputs zero, never read). No launcher syncs with the host.
+(outputs zero; their values never reach a stored output). No launcher syncs with the host.
 
 Two GEMM shapes cover the expert FFN's forward and backward:
 - ``grouped_mm``: ``c_RN[r] = a_RK[r] @ b_ENK[e(r)].T`` — forward (b = w_gate, w_up, w_down)
-  and dgrad (b = a weight's transposed view, any strides). Fused variants: gate/up with the
-  SwiGLU epilogue, down-dgrad with the SwiGLU-backward epilogue, and a two-term sum (dx).
+  and dgrad (b = a weight's transposed view: any strides in bf16; MXFP8 weights are read by
+  TMA, so a contiguous [E, N, K] or the transposed view of a contiguous [E, K, N]). Fused
+  variants: gate/up with the SwiGLU epilogue, down-dgrad with the SwiGLU-backward epilogue,
+  and a two-term sum (dx).
 - ``grouped_wgrad``: ``c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e]``.
 
 Precision: bf16 operands, or MXFP8 (DESIGN §6). Weights arrive as ``MXTensor`` blocked along
@@ -42,6 +44,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from titan_mok.kernels.mxfp8_quant import (
     _COLS_BQ,
@@ -61,16 +64,16 @@ PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 # module-level so benchmarks can try others. They must not depend on the number of rows (batch
 # invariance). On the MXFP8 paths BK is a multiple of 32 (the K loop takes one scale block at a
 # time). Chosen by `python -m titan_mok.bench.grouped_ffn --tune` on an H200 (benchmarks/NOTES.md):
-# bf16 on 2026-11-30, the MXFP8 kinds on 2026-12-01 (BK=32 with 4 stages keeps a program's shared
-# memory at 45 KB, against 144 KB at BK=128; the two-accumulator SwiGLU kind is fastest at 3).
+# bf16 on 2026-11-30, the MXFP8 kinds (TMA loads) on 2026-12-01. BK=32 keeps a program's shared
+# memory small (33 KB at 3 stages, against 144 KB for BK=128 with pointer loads).
 _MODE_NAMES = {PLAIN: "plain", SWIGLU: "swiglu", SWIGLU_BWD: "swiglu_bwd", DUAL: "dual"}
 _MM_CONFIGS = {
     "bf16": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
     # swapped operands: BN weight rows (the MMA's M), BM token rows (its N)
-    "mxfp8/plain": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=4),
+    "mxfp8/plain": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3),
     "mxfp8/swiglu": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3),
-    "mxfp8/swiglu_bwd": dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
-    "mxfp8/dual": dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
+    "mxfp8/swiglu_bwd": dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4),
+    "mxfp8/dual": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3),
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
 }
 _WGRAD_CONFIG = dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3)
@@ -264,25 +267,30 @@ def _grouped_mm_kernel(
 
 @triton.jit
 def _grouped_mm_mx_kernel(
-    # pointers: A operands [R, K] row-major bf16 holding MXFP8 values; B operands E4M3 [E, N, K]
-    # (any strides) and their E8M0 bits [E, N, K/32]
-    a1_ptr, a2_ptr, b1_ptr, b2_ptr, sb1_ptr, sb2_ptr,
+    # tensor descriptors (TMA): A operands [R, K] bf16 holding MXFP8 values, blocks [BM, 32];
+    # weights E4M3 as 2D views, blocks [BN, 32] of [E*N, K] or, with B_KN, [32, BN] of [E*K, N]
+    a1_desc, a2_desc, b1_desc, b2_desc,
+    # E8M0 bits of the weights [E, N, K/32] (any strides)
+    sb1_ptr, sb2_ptr,
     # outputs [R, N] row-major; g/u inputs [R, N] of the SwiGLU backward
     c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
     group_end_ptr, tile_end_ptr,
     # dimensions and strides
     N, K, E,
-    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
+    stride_se, stride_sn, stride_sk,
     limit,
     # meta-parameters
-    MODE: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr,
+    MODE: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr, B_KN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """The MXFP8 grouped GEMM with swapped operands: C^T [BN, BM] = W [BN, K] @ A^T [K, BM].
 
     The weight tile is the MMA's first operand, dequantized (E4M3 * 2^e -> bf16, exact) in
     registers one 32-wide scale block at a time, so it can feed the tensor cores from registers;
-    the few token rows (BM) are the second operand. Same tiles, grid and epilogue as above.
+    the few token rows (BM) are the second operand. Operand tiles arrive by TMA (no per-element
+    address arithmetic); a tile reaching past its expert's rows or columns reads the next
+    expert's (or zeros past the tensor), which only meets outputs that are never stored.
+    Same tiles, grid and epilogue as ``_grouped_mm_kernel``.
     """
     t = tl.program_id(0)
     e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
@@ -292,9 +300,6 @@ def _grouped_mm_mx_kernel(
     row_ok = (rows < row_end) & valid
     offs_n = n0 + tl.arange(0, BN)
     n_ok = offs_n < N
-    offs_k = tl.arange(0, 32)
-    at_off = rows[None, :].to(tl.int64) * K + offs_k[:, None]  # [32, BM]: A^T
-    b_off = e.to(tl.int64) * stride_be + offs_n[:, None] * stride_bn + offs_k[None, :] * stride_bk  # [BN, 32]
     sb_off = e.to(tl.int64) * stride_se + offs_n * stride_sn  # [BN]
 
     acc1 = tl.zeros((BN, BM), dtype=tl.float32)
@@ -302,23 +307,19 @@ def _grouped_mm_mx_kernel(
     for k0 in range(0, k_end, BK):
         for j in tl.static_range(BK // 32):
             k = k0 + j * 32
-            k_ok = offs_k < K - k
-            at_ok = k_ok[:, None] & row_ok[None, :]
-            b_ok = n_ok[:, None] & k_ok[None, :]
+            at = tl.trans(a1_desc.load([m0, k]))  # [32, BM]
             sb_ok = n_ok & (k < K)
-            acc1 = _mma_block_swapped(acc1, a1_ptr + at_off + k, at_ok, b1_ptr + b_off + k * stride_bk, b_ok,
-                                      sb1_ptr + sb_off + (k // 32) * stride_sk, sb_ok, DOT_F32)
+            acc1 = _mma_block_swapped(acc1, at, b1_desc, e, n0, k, N, K, sb1_ptr + sb_off + (k // 32) * stride_sk,
+                                      sb_ok, B_KN, DOT_F32)
             if MODE == 1:  # SWIGLU: the second weight (w_up) shares the A tile
-                acc2 = _mma_block_swapped(acc2, a1_ptr + at_off + k, at_ok, b2_ptr + b_off + k * stride_bk, b_ok,
-                                          sb2_ptr + sb_off + (k // 32) * stride_sk, sb_ok, DOT_F32)
+                acc2 = _mma_block_swapped(acc2, at, b2_desc, e, n0, k, N, K, sb2_ptr + sb_off + (k // 32) * stride_sk,
+                                          sb_ok, B_KN, DOT_F32)
     if MODE == 3:  # DUAL: acc1 += A2 @ B2, continuing the same fixed K order
         for k0 in range(0, k_end, BK):
             for j in tl.static_range(BK // 32):
                 k = k0 + j * 32
-                k_ok = offs_k < K - k
-                acc1 = _mma_block_swapped(acc1, a2_ptr + at_off + k, k_ok[:, None] & row_ok[None, :],
-                                          b2_ptr + b_off + k * stride_bk, n_ok[:, None] & k_ok[None, :],
-                                          sb2_ptr + sb_off + (k // 32) * stride_sk, n_ok & (k < K), DOT_F32)
+                acc1 = _mma_block_swapped(acc1, tl.trans(a2_desc.load([m0, k])), b2_desc, e, n0, k, N, K,
+                                          sb2_ptr + sb_off + (k // 32) * stride_sk, n_ok & (k < K), B_KN, DOT_F32)
 
     c_off = rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BN, BM]: the transposed tile
     _epilogue(acc1, acc2, c_off, row_ok[None, :] & n_ok[:, None], c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
@@ -326,10 +327,12 @@ def _grouped_mm_mx_kernel(
 
 
 @triton.jit
-def _mma_block_swapped(acc, at_ptrs, at_ok, b_ptrs, b_ok, sb_ptrs, sb_ok, DOT_F32: tl.constexpr):
+def _mma_block_swapped(acc, at, b_desc, e, n0, k, N, K, sb_ptrs, sb_ok, B_KN: tl.constexpr, DOT_F32: tl.constexpr):
     """acc [BN, BM] += dequant(W [BN, 32]) @ A^T [32, BM] for one 32-wide scale block."""
-    at = tl.load(at_ptrs, mask=at_ok, other=0.0)
-    w = tl.load(b_ptrs, mask=b_ok, other=0.0)
+    if B_KN:  # weights stored [E, K, N]: the block is [32, BN]
+        w = tl.trans(b_desc.load([e * K + k, n0]))
+    else:
+        w = b_desc.load([e * N + n0, k])
     sb = mx_scale_value(tl.load(sb_ptrs, mask=sb_ok, other=127).to(tl.int32) - 127)  # [BN]
     return _dot((w.to(tl.float32) * sb[:, None]).to(tl.bfloat16), at, acc, DOT_F32)
 
@@ -432,6 +435,27 @@ def _a_operand(a, mx: bool, fp8_mma: bool, name: str):
     return mxfp8_fake_quantize(a, name), None
 
 
+def _mx_weight_descriptors(b1_data: torch.Tensor, b2_data: torch.Tensor, bn: int):
+    """(B_KN, TMA descriptors of both E4M3 weights [E, N, K]): each must be a contiguous [E, N, K]
+    (blocks [bn, 32]) or the transposed view of a contiguous [E, K, N] (B_KN; blocks [32, bn])."""
+    num_experts, n, k = b1_data.shape
+    descs = []
+    for name, b in (("b1", b1_data), ("b2", b2_data)):
+        if b.shape != b1_data.shape:
+            raise ValueError(f"{name}: shape {tuple(b.shape)} differs from b1's {tuple(b1_data.shape)}")
+        if b.is_contiguous():
+            descs.append(TensorDescriptor.from_tensor(b.view(num_experts * n, k), [bn, 32]))
+        elif b.transpose(1, 2).is_contiguous():
+            descs.append(TensorDescriptor.from_tensor(b.transpose(1, 2).reshape(num_experts * k, n), [32, bn]))
+        else:
+            raise ValueError(f"{name}: an MXFP8 weight must be a contiguous [E, N, K] or the transposed view of a "
+                             f"contiguous [E, K, N], got strides {b.stride()}")
+    kn = [not b.is_contiguous() for b in (b1_data, b2_data)]
+    if kn[0] != kn[1]:
+        raise ValueError("b1 and b2 must have the same layout (both [E, N, K] or both transposed [E, K, N])")
+    return kn[0], descs
+
+
 def _tile_ends(group_end_E: torch.Tensor, rows_per_tile: int, tiles_per_rows: int) -> torch.Tensor:
     """Cumulative tile counts per expert (int32, on the device: no host sync)."""
     counts_E = torch.diff(group_end_E, prepend=group_end_E.new_zeros(1))
@@ -464,9 +488,12 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     common = dict(HAS_LIMIT=swiglu_limit is not None, LOG_E=num_experts.bit_length(), DOT_F32=_DOT_F32, **cfg)
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
     if mx and not fp8_mma:
+        bm_, bn_ = cfg["BM"], cfg["BN"]
+        a_descs = [TensorDescriptor.from_tensor(a, [bm_, 32]) for a in (a1, a2)]
+        b_kn, b_descs = _mx_weight_descriptors(b1_data, b2_data, bn_)
         _grouped_mm_mx_kernel[grid](
-            a1, a2, b1_data, b2_data, b1_s, b2_s, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
-            *b1_data.stride(), *b1_s.stride(), limit, MODE=mode, **common,
+            *a_descs, *b_descs, b1_s, b2_s, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
+            *b1_s.stride(), limit, MODE=mode, B_KN=b_kn, **common,
         )
         return
     _grouped_mm_kernel[grid](

@@ -12,7 +12,7 @@ import torch
 
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
 from titan_mok.kernels.grouped_gemm import grouped_mm, mxfp8_fake_quantize_groups, ref_grouped_mm
-from titan_mok.mxfp8 import fake_quantize_mxfp8
+from titan_mok.mxfp8 import MXTensor, fake_quantize_mxfp8
 from titan_mok.kernels.mxfp8_quant import mxfp8_quantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,6 +99,18 @@ def test_fp8_mma_path_matches_reference():
     ref = ref_grouped_mm(x, group_end, w_gate, "mxfp8")
     tri = grouped_mm(x, group_end, mxfp8_quantize(w_gate, -1, "w_gate"), fp8_mma=True)
     assert rel_err(tri, ref) < 1e-2, f"rel err {rel_err(tri, ref):.2e}"
+
+
+def test_mxfp8_weight_layouts():
+    """MXFP8 weights are read by TMA: [E, N, K] contiguous and the transposed view of [E, K, N]
+    give the same bits; any other layout is refused by name."""
+    (x, w_gate, *_), group_end = make_case(counts=[5, 0, 37], dim_h=64, dim_i=96)
+    mx = mxfp8_quantize(w_gate, -1, "w_gate")  # [E, I, H] blocked along H
+    as_kn = MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2), mx.scale, dim=2)
+    assert torch.equal(grouped_mm(x, group_end, mx), grouped_mm(x, group_end, as_kn))
+    every_other_row = MXTensor(mx.data[:, ::2], mx.scale[:, ::2], dim=2)
+    with pytest.raises(ValueError, match="b1: an MXFP8 weight must be a contiguous"):
+        grouped_mm(x, group_end, every_other_row)
 
 
 def test_reference_backward_matches_autograd():

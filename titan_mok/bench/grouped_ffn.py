@@ -312,8 +312,8 @@ def run_case(name, H, I, counts, ceil, impls, rep_ms, log):
 
 
 # Swapped-operand MXFP8 kernel: BN weight rows (the MMA's M), BM token rows (its N).
-_MX_VARIANTS = [dict(BM=128, BN=128, BK=bk, GROUP_M=8, num_warps=8, num_stages=st)
-                for bk in (32, 64, 128) for st in (2, 3, 4)]
+_MX_VARIANTS = [dict(BM=bm, BN=128, BK=bk, GROUP_M=8, num_warps=8, num_stages=st)
+                for bm in (64, 128) for bk in (32, 128) for st in (3, 4)]
 TUNE_VARIANTS = {
     "bf16": [dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
              dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
