@@ -19,7 +19,6 @@ them as JSON lines.
 import argparse
 import dataclasses
 import datetime
-import importlib
 import json
 import os
 
@@ -28,13 +27,14 @@ import torch.distributed as dist
 
 from titan_mok.bench.mok_fused import _max_over_ranks, _median_ms  # one timing loop for both benches
 from titan_mok.moe import MoE
+from titan_mok.registry import MODELS, flavors
 
-SHAPES = ("kimi_k2_7_code", "glm_5_2", "qwen3_5_397b_a17b", "deepseek_v4_pro")
+SHAPES = MODELS
 
 
 def build_layer(shape: str, backend: str, kernels: str, precision: str, ep_mesh) -> MoE:
     """The shape's full-flavor MoE layer on this GPU, bf16, random weights (std 0.02)."""
-    flavor = importlib.import_module(f"titan_mok.models.{shape}").__dict__[f"{shape}_configs"]["full"]
+    flavor = flavors(shape)["full"]
     overrides = dict(backend=backend, kernels=kernels, precision=precision, hash_routing=False)
     if backend == "torchtitan":
         overrides["swiglu_limit"] = None

@@ -26,8 +26,9 @@ import torch.distributed as dist
 from titan_mok.moe import MoE
 from titan_mok.moe.dispatch import reduce_slots
 from titan_mok.moe.torchtitan_backend import routed_torchtitan
+from titan_mok.registry import MODELS, flavors
 
-SHAPES = ("kimi_k2_7_code", "glm_5_2", "qwen3_5_397b_a17b", "deepseek_v4_pro")
+SHAPES = MODELS
 IMPLS = {
     "triton": dict(backend="mok", kernels="triton"),
     "auto": dict(backend="mok", kernels="auto"),
@@ -36,9 +37,7 @@ IMPLS = {
 
 
 def _full_flavor(shape: str):
-    import importlib
-
-    return importlib.import_module(f"titan_mok.models.{shape}").__dict__[f"{shape}_configs"]["full"]
+    return flavors(shape)["full"]
 
 
 def _build(shape: str, impl: str, precision: str, skewed: bool, ep_mesh) -> MoE:

@@ -4,6 +4,13 @@ Legend: T tokens, H hidden, E experts, K top-k, G expert groups, V vocabulary.
 
 Expert choice is deterministic: ties are broken towards the lower expert id
 (a stable descending sort), and slots come out in descending score order.
+
+Row invariance (DESIGN §7): a token's routing must not depend on the batch around it. Every
+op here is per row: elementwise maps, row-wise sort/softmax/gather, and sums over a handful
+of columns added in a fixed order (``sum_columns``), never a reduction kernel whose order can
+follow the tensor's shape. On CUDA that makes one call over all rows row-invariant; on CPU the
+vector loops finish a tensor's tail with scalar code (other last bits for transcendentals,
+tiles.py), so there the routing runs on fixed 64-row tiles.
 """
 
 import torch
@@ -21,6 +28,15 @@ ROUTE_NORM_EPS = 1e-20
 def stable_topk_indices(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores per row, largest first; on ties the lower index wins."""
     return torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def sum_columns(x_tC: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a few columns) as x[..., 0] + x[..., 1] + ..., left to right,
+    keeping that dim (size 1): the same order for every row on every device."""
+    total = x_tC[..., :1]
+    for c in range(1, x_tC.shape[-1]):
+        total = total + x_tC[..., c : c + 1]
+    return total
 
 
 def hash_table_init(vocab_size: int, num_experts: int, top_k: int, device=None) -> torch.Tensor:
@@ -62,7 +78,7 @@ class TopKRouter(nn.Module):
         """Keep the num_limited_groups groups with the largest top-2 sums; -inf elsewhere."""
         num_tokens = choice_TE.shape[0]
         choice_TGe = choice_TE.view(num_tokens, self.num_expert_groups, -1)  # [T, G, E/G]
-        group_score_TG = torch.sort(choice_TGe, dim=-1, descending=True).values[..., :2].sum(dim=-1)
+        group_score_TG = sum_columns(torch.sort(choice_TGe, dim=-1, descending=True).values[..., :2]).squeeze(-1)
         keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
         keep_TG.scatter_(1, stable_topk_indices(group_score_TG, self.num_limited_groups), True)
         return choice_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(num_tokens, -1)  # [T, E]
@@ -81,7 +97,7 @@ class TopKRouter(nn.Module):
         # The bias chooses experts but never weights them.
         weights_tK = scores_tE.gather(1, topk_idx_tK)
         if self.route_norm:
-            weights_tK = weights_tK / (weights_tK.sum(dim=-1, keepdim=True) + ROUTE_NORM_EPS)
+            weights_tK = weights_tK / (sum_columns(weights_tK) + ROUTE_NORM_EPS)
         return weights_tK * self.route_scale, topk_idx_tK, scores_tE
 
     def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
@@ -89,17 +105,28 @@ class TopKRouter(nn.Module):
         return row_invariant_linear(x_TH.float(), self.gate.weight.float())
 
     def forward(
-        self, logits_TE: torch.Tensor, expert_bias_E: torch.Tensor | None, token_ids_T: torch.Tensor | None
+        self,
+        logits_TE: torch.Tensor,
+        expert_bias_E: torch.Tensor | None,
+        token_ids_T: torch.Tensor | None,
+        row_tiles: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """
+        ``row_tiles``: route fixed 64-row tiles, or all rows in one call; by default tiles on
+        CPU and one call on CUDA (both row-invariant there: module docstring).
+
         Returns:
             weights_TK: fp32 combine weights (normalised if route_norm, times route_scale).
             topk_idx_TK: int64 expert ids, slot order (descending score; hash: table order).
             scores_TE: fp32 scores of every expert (the auxiliary loss reads them).
         """
         if self.hash_routing:
-            return map_row_tiles(lambda logits, ids: self._route_tile(logits, None, ids), logits_TE, token_ids_T)
-        return map_row_tiles(lambda logits: self._route_tile(logits, expert_bias_E, None), logits_TE)
+            route, rows = (lambda logits, ids: self._route_tile(logits, None, ids)), (logits_TE, token_ids_T)
+        else:
+            route, rows = (lambda logits: self._route_tile(logits, expert_bias_E, None)), (logits_TE,)
+        if row_tiles is None:
+            row_tiles = not logits_TE.is_cuda
+        return map_row_tiles(route, *rows) if row_tiles else route(*rows)
 
     def init_weights(self, init_std: float, buffer_device: torch.device) -> None:
         trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
