@@ -7,8 +7,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from titan_mok.attached_loss import take_tally
 from titan_mok.models.deepseek_v4_pro import DeepSeekV4Model, DeepSeekV4ModelArgs, DeepSeekV4StateDictAdapter
 from titan_mok.models.deepseek_v4_pro import deepseek_v4_pro_configs as configs
 from titan_mok.models.deepseek_v4_pro.hyper_connections import HyperConnection
@@ -137,6 +139,30 @@ def test_mtp_module_runs_on_trunk_streams():
     streams = model.trunk(tokens)
     logits = model.mtp_logits(streams[:, :-1], tokens[:, 1:])
     assert logits.shape == (2, 11, VOCAB) and torch.isfinite(logits).all()
+
+
+def test_mtp_trains_through_main_loss():
+    """mtp_loss_coef > 0: the main logits are unchanged, the attached "mtp" loss is the
+    cross-entropy of ``mtp_logits`` (streams at t, token t+1) on token t+2, and MTP module 0
+    gets gradients; at 0 it is not run."""
+    model = _random_model(replace(_our_args(), mtp_loss_coef=0.5))
+    tokens = torch.randint(0, VOCAB, (2, 12))
+    take_tally()
+    logits = model(tokens)
+    mtp_total, mtp_count = take_tally()["mtp"]
+    with torch.no_grad():
+        assert torch.equal(logits, model(tokens))
+        mtp_logits = model.mtp_logits(model.trunk(tokens)[:, :-1], tokens[:, 1:])[:, :-1]
+        expected = F.cross_entropy(mtp_logits.flatten(0, 1).float(), tokens[:, 2:].flatten())
+    assert mtp_count == 1 and torch.allclose(mtp_total.float(), expected, rtol=1e-6)
+    logits.float().logsumexp(-1).mean().backward()
+    e_proj = model.mtp["0"].e_proj.weight
+    assert e_proj.grad is not None and e_proj.grad.abs().sum() > 0
+    frozen = _random_model(replace(_our_args(), mtp_loss_coef=0.0))
+    frozen(tokens).float().sum().backward()
+    assert frozen.mtp["0"].e_proj.weight.grad is None
+    with pytest.raises(ValueError, match="mtp_loss_coef"):
+        replace(_our_args(), n_mtp_layers=2, mtp_loss_coef=0.3)
 
 
 def test_flavors():

@@ -3,6 +3,7 @@ transformers' qwen3_5_moe (weights through the StateDictAdapter and safetensors)
 adapter round trip, flavors. CPU, fp32."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from titan_mok.models.qwen3_5_397b_a17b.gated_deltanet import (
     chunk_gated_delta_rule,
     naive_recurrent_gated_delta_rule,
 )
+from titan_mok.attached_loss import take_tally
 from titan_mok.moe import MoEArgs
 
 transformers = pytest.importorskip("transformers")
@@ -170,6 +172,33 @@ def test_mtp_module_runs_on_trunk_states():
     h = model.trunk(tokens)
     logits = model.mtp_logits(h[:, :-1], tokens[:, 1:])
     assert logits.shape == (2, 11, 96) and torch.isfinite(logits).all()
+
+
+def test_mtp_trains_through_main_loss():
+    """mtp_loss_coef > 0: the main logits are unchanged, the attached "mtp" loss is the
+    cross-entropy of ``mtp_logits`` (final-normed states at t, token t+1) on token t+2, and
+    the MTP module gets gradients; at 0 it is not run."""
+    torch.manual_seed(0)
+    model = Qwen35Model(replace(_our_args(), mtp_loss_coef=0.5))
+    model.init_weights()
+    tokens = torch.randint(0, 96, (2, 12))
+    take_tally()
+    logits = model(tokens)
+    mtp_total, mtp_count = take_tally()["mtp"]
+    with torch.no_grad():
+        assert torch.equal(logits, model(tokens))
+        h = model.norm(model.trunk(tokens))
+        mtp_logits = model.mtp_logits(h[:, :-1], tokens[:, 1:])[:, :-1]
+        expected = F.cross_entropy(mtp_logits.flatten(0, 1).float(), tokens[:, 2:].flatten())
+    assert mtp_count == 1 and torch.allclose(mtp_total.float(), expected, rtol=1e-6)
+    logits.float().logsumexp(-1).mean().backward()
+    assert model.mtp.fc.weight.grad is not None and model.mtp.fc.weight.grad.abs().sum() > 0
+    frozen = Qwen35Model(_our_args())
+    frozen.init_weights()
+    frozen(tokens).float().sum().backward()
+    assert frozen.mtp.fc.weight.grad is None
+    with pytest.raises(ValueError, match="mtp_loss_coef"):
+        replace(_our_args(), n_mtp_layers=0, mtp_loss_coef=0.3)
 
 
 def test_flavors():

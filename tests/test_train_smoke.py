@@ -13,8 +13,8 @@ from tests import torchrun
 
 CONFIG = "train_configs/kimi_k2_7_code/debug.toml"
 pytestmark = pytest.mark.slow
-ATTACHED = {"kimi_k2_7_code": set(), "glm_5_2": {"mtp", "indexer_kl"}, "qwen3_5_397b_a17b": {"moe_aux"},
-            "deepseek_v4_pro": set()}
+ATTACHED = {"kimi_k2_7_code": set(), "glm_5_2": {"mtp", "indexer_kl"}, "qwen3_5_397b_a17b": {"moe_aux", "mtp"},
+            "deepseek_v4_pro": {"mtp"}}
 """Losses each debug flavor trains beside the cross-entropy (non-zero coefficients)."""
 
 

@@ -1,4 +1,6 @@
-"""Multi-token prediction (MTP) block, DeepSeek-V3 style.
+"""Multi-token prediction (MTP): the DeepSeek-V3-style block (GLM-5.2), and the
+training loss every titan-mok model with an MTP module attaches the same way
+(``mtp_enabled``, ``logits_with_mtp_loss``).
 
 Legend: B batch, S sequence, H hidden, R rotary dims.
 
@@ -9,12 +11,35 @@ the main model's output head (shared, as is the embedding).
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.utils import trunc_normal_
 
+from titan_mok.attached_loss import attach_loss
+
 from .decoder import DecoderBlock
 from .norm import RMSNorm
+
+
+def mtp_enabled(coef: float, tokens_BS: torch.Tensor) -> bool:
+    """Whether a forward trains the MTP module: a positive coefficient, autograd on, and a
+    sequence long enough (S >= 3) to hold a t+2 target."""
+    return coef > 0 and torch.is_grad_enabled() and tokens_BS.shape[1] >= 3
+
+
+def logits_with_mtp_loss(
+    output: nn.Module, h_BSH: torch.Tensor, mtp_BSH: torch.Tensor, tokens_BS: torch.Tensor, coef: float
+) -> torch.Tensor:
+    """The main logits [B, S, V], carrying the MTP cross-entropy (``attach_loss`` "mtp").
+
+    ``mtp_BSH[:, i]`` (i = 0..S-2) is the MTP state that saw token i+1: it predicts token
+    i+2, whose target is in the input for i <= S-3. One call of the (FSDP-wrapped) head
+    serves both: [B, S + S-1, V], split back."""
+    seq_len = tokens_BS.shape[1]
+    logits_BSV, mtp_logits_BSV = output(torch.cat([h_BSH, mtp_BSH], dim=1)).split([seq_len, seq_len - 1], dim=1)
+    mtp_loss = F.cross_entropy(mtp_logits_BSV[:, :-1].flatten(0, 1).float(), tokens_BS[:, 2:].flatten())
+    return attach_loss(logits_BSV, mtp_loss, coef, "mtp")
 
 
 class MTPBlock(DecoderBlock):

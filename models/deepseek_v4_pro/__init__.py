@@ -9,6 +9,9 @@ hidden size, attention shapes, ratios, expert FFN size and top-k, with 4 layers
 experts, no MTP module: 7.6 B parameters, ~122 GB of fp32 weights + grads +
 Adam state, ~61 GB per GPU under FSDP on 2×H200; ``full`` is the published
 architecture (61 layers, 384 experts, 1 MTP module).
+
+Training choice (``debug``, ``full``): the MTP module's loss is attached with weight 0.3
+(DeepSeek-V3's first-phase value). ``mtp_loss_coef = 0`` freezes it.
 """
 
 from dataclasses import replace
@@ -22,7 +25,7 @@ from .args import DeepSeekV4ModelArgs
 from .model import DeepSeekV4Model
 from .state_dict_adapter import DeepSeekV4StateDictAdapter
 
-_FULL = DeepSeekV4ModelArgs()
+_FULL = DeepSeekV4ModelArgs(mtp_loss_coef=0.3)
 
 deepseek_v4_pro_configs = {
     "debug": DeepSeekV4ModelArgs(
@@ -45,8 +48,9 @@ deepseek_v4_pro_configs = {
         rope_factor=4.0,
         original_seq_len=64,
         moe_args=replace(_FULL.moe_args, num_experts=8, top_k=2, expert_dim=32, shared_expert_dim=32),
+        mtp_loss_coef=0.3,
     ),
-    "h200": replace(_FULL, n_layers=4, compress_ratios=(128, 128, 4, 128), moe_args=replace(_FULL.moe_args, num_experts=16), n_mtp_layers=0),
+    "h200": replace(_FULL, n_layers=4, compress_ratios=(128, 128, 4, 128), moe_args=replace(_FULL.moe_args, num_experts=16), n_mtp_layers=0, mtp_loss_coef=0.0),
     "full": _FULL,
 }
 

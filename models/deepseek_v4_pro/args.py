@@ -74,7 +74,10 @@ class DeepSeekV4ModelArgs(BaseModelArgs):
         )
     )
     n_mtp_layers: int = 1
-    """Multi-token-prediction modules (built and loadable; not part of forward)."""
+    """Multi-token-prediction modules (built and loadable)."""
+    mtp_loss_coef: float = 0.0
+    """Weight of MTP module 0's next-next-token cross-entropy in the loss (attached,
+    ``titan_mok.attached_loss``); 0: the modules are built and loadable but not run."""
 
     def __post_init__(self):
         if len(self.compress_ratios) != self.n_layers:
@@ -82,6 +85,9 @@ class DeepSeekV4ModelArgs(BaseModelArgs):
         bad = sorted(set(self.compress_ratios) - {0, self.csa_ratio, self.hca_ratio})
         if bad:
             raise ValueError(f"compress_ratios entries {bad} are not allowed; use 0, csa_ratio or hca_ratio")
+        if self.mtp_loss_coef < 0 or (self.mtp_loss_coef > 0 and self.n_mtp_layers != 1):
+            raise ValueError(f"mtp_loss_coef = {self.mtp_loss_coef} must be >= 0, and > 0 needs n_mtp_layers = 1 "
+                             f"(got {self.n_mtp_layers}; chained MTP depths are not trained)")
         if (self.n_heads * self.head_dim) % self.o_groups:
             raise ValueError(f"n_heads·head_dim ({self.n_heads * self.head_dim}) must divide into o_groups ({self.o_groups})")
 
@@ -102,14 +108,17 @@ class DeepSeekV4ModelArgs(BaseModelArgs):
         return counts.total, counts.active - mtp_active
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        """Total parameters and training FLOPs per token: 6 × active non-embedding
-        weights + 6·heads·2·head_dim per attended key, where a query attends its
+        """Total parameters and training FLOPs per token (the MTP module's too when it is
+        trained): 6 × active non-embedding weights + 6·heads·2·head_dim per attended key, where a query attends its
         sliding window plus (HCA) seq/hca_ratio or (CSA) min(index_topk,
         seq/csa_ratio) compressed entries; CSA adds the indexer's
         6·index_heads·index_head_dim·seq/csa_ratio scoring."""
         total, active = self.get_nparams(model)
         window = min(self.sliding_window, seq_len)
         keys = indexer = 0
+        if self.mtp_loss_coef > 0:  # MTP module 0 runs (a window-only block) and the head again
+            active += count_params(model.mtp["0"]).active + self.vocab_size * self.dim
+            keys += window
         for ratio in self.compress_ratios:
             keys += window
             if ratio == self.hca_ratio:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torchtitan.protocols.model import ModelProtocol
 
+from titan_mok.models.common.mtp import logits_with_mtp_loss, mtp_enabled
 from titan_mok.models.common.norm import RMSNorm
 from titan_mok.moe import MoE
 
@@ -121,7 +122,14 @@ class DeepSeekV4Model(ModelProtocol):
     def forward(self, tokens_BS: torch.Tensor, attention_masks=None) -> torch.Tensor:
         if attention_masks is not None:
             raise ValueError("DeepSeek-V4 builds its own sliding-window/compressed masks; attention_masks must be None")
-        return self.output(self.norm(self.hc_head(self.trunk(tokens_BS))))
+        x_BSCH = self.trunk(tokens_BS)
+        h_BSH = self.norm(self.hc_head(x_BSCH))
+        if not mtp_enabled(self.model_args.mtp_loss_coef, tokens_BS):
+            return self.output(h_BSH)
+        # MTP: position i (0..S-2) sees the streams at i and token i+1, predicts token i+2.
+        next_BS = tokens_BS[:, 1:]
+        mtp_BSH = self.mtp["0"](x_BSCH[:, :-1], self.tok_embeddings(next_BS), next_BS, self._angles(tokens_BS.shape[1]))
+        return logits_with_mtp_loss(self.output, h_BSH, mtp_BSH, tokens_BS, self.model_args.mtp_loss_coef)
 
     def mtp_logits(self, h_BSCH: torch.Tensor, next_tokens_BS: torch.Tensor, depth: int = 0) -> torch.Tensor:
         """Logits of MTP module ``depth`` from the streams at t (``h_BSCH``) and the

@@ -6,6 +6,9 @@ size, attention/DeltaNet shapes, expert FFN size and top-k, with 4 layers (one
 parameters, ~93 GB of fp32 weights + grads + Adam state, i.e. ~47 GB per GPU
 under FSDP on 2×H200, leaving room for activations; ``full`` is the published
 architecture (60 layers, 512 experts, 1 MTP module).
+
+Training choice (``debug``, ``full``): the MTP module's loss is attached with weight 0.3
+(DeepSeek-V3's first-phase value; Qwen publishes none). ``mtp_loss_coef = 0`` freezes it.
 """
 
 from dataclasses import replace
@@ -19,7 +22,7 @@ from .args import Qwen35ModelArgs
 from .model import Qwen35Model
 from .state_dict_adapter import Qwen35StateDictAdapter
 
-_FULL = Qwen35ModelArgs()
+_FULL = Qwen35ModelArgs(mtp_loss_coef=0.3)
 
 qwen3_5_397b_a17b_configs = {
     "debug": Qwen35ModelArgs(
@@ -36,8 +39,9 @@ qwen3_5_397b_a17b_configs = {
         deltanet_chunk_size=16,
         moe_args=replace(_FULL.moe_args, num_experts=8, top_k=2, expert_dim=32, shared_expert_dim=32),
         n_mtp_layers=1,
+        mtp_loss_coef=0.3,
     ),
-    "h200": replace(_FULL, n_layers=4, moe_args=replace(_FULL.moe_args, num_experts=64), n_mtp_layers=0),
+    "h200": replace(_FULL, n_layers=4, moe_args=replace(_FULL.moe_args, num_experts=64), n_mtp_layers=0, mtp_loss_coef=0.0),
     "full": _FULL,
 }
 

@@ -57,12 +57,16 @@ class Qwen35ModelArgs(BaseModelArgs):
         )
     )
     n_mtp_layers: int = 1
-    """Multi-token-prediction module: 1 (the published model; built and loadable,
-    not part of forward) or 0 (not built)."""
+    """Multi-token-prediction module: 1 (the published model) or 0 (not built)."""
+    mtp_loss_coef: float = 0.0
+    """Weight of the MTP module's next-next-token cross-entropy in the loss (attached,
+    ``titan_mok.attached_loss``); 0: the module is built and loadable but not run."""
 
     def __post_init__(self):
         if self.n_mtp_layers not in (0, 1):
             raise ValueError(f"n_mtp_layers = {self.n_mtp_layers}: Qwen3.5 has one MTP module; choose 0 or 1")
+        if self.mtp_loss_coef < 0 or (self.mtp_loss_coef > 0 and self.n_mtp_layers == 0):
+            raise ValueError(f"mtp_loss_coef = {self.mtp_loss_coef} must be >= 0, and > 0 needs n_mtp_layers = 1")
         if self.n_layers % self.full_attention_interval:
             raise ValueError(
                 f"n_layers ({self.n_layers}) must be a multiple of full_attention_interval "
@@ -84,13 +88,16 @@ class Qwen35ModelArgs(BaseModelArgs):
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Total parameters (MTP included) and training FLOPs per token of the
-        main trunk: 6 × active non-embedding weights, plus causal-agnostic
+        main trunk (and of the MTP module when it is trained): 6 × active non-embedding weights, plus causal-agnostic
         attention 6·L_full·heads·2·head_dim·seq_len (TorchTitan's convention),
         plus the DeltaNet state work 6·L_linear·Hv·2·Dk·Dv (one state read and
         one rank-1 write per token and value head)."""
         total, active = self.get_nparams(model)
         embedding = self.vocab_size * self.dim
         n_full = sum(self.is_full_attention(i) for i in range(self.n_layers))
+        if self.mtp_loss_coef > 0:  # the MTP module runs (one full-attention block) and the head again
+            active += count_params(model.mtp).active + self.vocab_size * self.dim
+            n_full += 1
         n_linear = self.n_layers - n_full
         flops = (
             6 * (active - embedding)

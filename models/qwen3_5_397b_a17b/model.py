@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchtitan.protocols.model import ModelProtocol
 
+from titan_mok.models.common.mtp import logits_with_mtp_loss, mtp_enabled
 from titan_mok.models.common.norm import RMSNorm
 from titan_mok.models.common.rope import apply_rope, rope_cache
 from titan_mok.moe import MoE
@@ -181,7 +182,12 @@ class Qwen35Model(ModelProtocol):
     def forward(self, tokens_BS: torch.Tensor, attention_masks=None) -> torch.Tensor:
         if attention_masks is not None:
             raise ValueError("Qwen3.5 uses plain causal attention; attention_masks must be None")
-        return self.output(self.norm(self.trunk(tokens_BS)))
+        h_BSH = self.norm(self.trunk(tokens_BS))
+        if self.mtp is None or not mtp_enabled(self.model_args.mtp_loss_coef, tokens_BS):
+            return self.output(h_BSH)
+        # MTP: position i (0..S-2) sees the final-normed h_i and token i+1, predicts token i+2.
+        mtp_BSH = self.mtp(h_BSH[:, :-1], self.tok_embeddings(tokens_BS[:, 1:]), self.rope_cache)
+        return logits_with_mtp_loss(self.output, h_BSH, mtp_BSH, tokens_BS, self.model_args.mtp_loss_coef)
 
     def mtp_logits(self, h_BSH: torch.Tensor, next_tokens_BS: torch.Tensor) -> torch.Tensor:
         """Logits of the MTP module given hidden states ``h_BSH`` of the trunk at
