@@ -446,6 +446,8 @@ def _mx_weight_descriptors(b1_data: torch.Tensor, b2_data: torch.Tensor, bn: int
         if b.is_contiguous():
             descs.append(TensorDescriptor.from_tensor(b.view(num_experts * n, k), [bn, 32]))
         elif b.transpose(1, 2).is_contiguous():
+            if n % 16:  # TMA: the row stride of [E*K, N] (N bytes of E4M3) must be a multiple of 16
+                raise ValueError(f"{name}: a transposed MXFP8 weight needs N % 16 == 0 (TMA row stride), got N = {n}")
             descs.append(TensorDescriptor.from_tensor(b.transpose(1, 2).reshape(num_experts * k, n), [32, bn]))
         else:
             raise ValueError(f"{name}: an MXFP8 weight must be a contiguous [E, N, K] or the transposed view of a "
