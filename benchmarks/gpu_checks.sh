@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The first device call of a session on the 2×H200 machine, from the repo root:
+# The first device call of a session (one or two H200s), from the repo root:
 #   bash benchmarks/gpu_checks.sh            (logs in $OUT, else outputs/gpu_checks)
 # 1. every GPU test (`pytest -m gpu`: grouped FFN, MXFP8 quantization, fused path at EP=2,
 #    shared expert on the Triton FFN, the four models' cached RL rollouts in bf16);
-# 2. the MoE layer at EP=2, bf16, balanced: fused (triton) and auto vs the torchtitan backend.
+# 2. the router's one-call vs 64-row-tile timing (bench.router);
+# 3. with two GPUs, the MoE layer at EP=2, bf16, balanced: fused (triton) and auto vs the
+#    torchtitan backend.
 # Each stage runs even if an earlier one failed; the exit status is the first failure's.
 # Needs the wheels in .whl/ (README, "GPU machine"): pass them with the device tool's carry.
 set -uo pipefail
@@ -24,7 +26,12 @@ run() {  # run NAME COMMAND...: output to $LOGS/NAME.log, a one-line summary her
     echo "$name: exit $rc in $((SECONDS - start)) s; $(tail -n 1 "$LOGS/$name.log")"
     [ $status -eq 0 ] && status=$rc
 }
-run gpu_tests python3 -m pytest -q -m gpu tests
-run layer_ep2 torchrun --standalone --nproc_per_node 2 -m titan_mok.bench.mok_fused --precision bf16 \
-    --impl triton,auto,torchtitan --iters 20 --warmup 3
+run gpu_tests python3 -m pytest -q -m gpu tests  # the two-GPU tests skip on a one-GPU machine
+run router python3 -m titan_mok.bench.router --iters 50
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    run layer_ep2 torchrun --standalone --nproc_per_node 2 -m titan_mok.bench.mok_fused --precision bf16 \
+        --impl triton,auto,torchtitan --iters 20 --warmup 3
+else
+    echo "layer_ep2: skipped (one GPU)"
+fi
 exit $status
