@@ -4,7 +4,7 @@ each training forward once (not the activation-checkpoint recompute, not no-grad
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from titan_mok.attached_loss import attach_loss, loss_weight, take_tally
+from titan_mok.attached_loss import attach_loss, attaching, loss_weight, take_tally, without_losses
 
 
 def _step(p: torch.Tensor, x: torch.Tensor, coef: float) -> torch.Tensor:
@@ -25,6 +25,18 @@ def test_weight_and_coefficient_scale_the_attached_gradient_only():
     assert torch.equal(p.grad, 0.5 * 2 * p.detach())
     total, count = take_tally()["square"]
     assert count == 2 and total.item() == 2 * (1.5**2 + 3.0**2)
+
+
+def test_a_switched_off_loss_is_not_attached():
+    """Inside without_losses (the RL trainer's MTP), the named loss adds no gradient and no tally."""
+    take_tally()
+    p = torch.tensor([1.5, -3.0], requires_grad=True)
+    with without_losses("square"):
+        assert not attaching("square") and attaching("other")
+        y = _step(p, torch.ones(3, requires_grad=True), coef=0.5)
+    assert attaching("square")
+    y.sum().backward()
+    assert p.grad is None and "square" not in take_tally()
 
 
 def test_tally_skips_recompute_and_no_grad():

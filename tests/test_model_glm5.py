@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from titan_mok.attached_loss import without_losses
 from titan_mok.models.common.mla import keep_mask
 from titan_mok.models.common.params import count_params
 from titan_mok.models.glm_5_2 import GLM52Args, GLM52Model, GLM52StateDictAdapter, glm_5_2_configs
@@ -126,6 +127,11 @@ def test_mtp_trains_through_main_loss():
     logits.float().logsumexp(-1).mean().backward()
     mtp = model.layers[str(a.n_layers)]
     assert mtp.eh_proj.weight.grad is not None and mtp.eh_proj.weight.grad.abs().sum() > 0
+    # switched off (the RL trainer), the block is not run
+    model.zero_grad(set_to_none=True)
+    with without_losses("mtp"):
+        model(tokens).float().sum().backward()
+    assert mtp.eh_proj.weight.grad is None
     # with coefficient 0 the block is loadable but not run
     frozen = GLM52Model(tiny_args(n_mtp_layers=1, mtp_loss_coef=0.0))
     frozen.init_weights(torch.device("cpu"))

@@ -104,7 +104,8 @@ def test_rollouts_do_not_depend_on_the_ep_degree(full_run, tmp_path):
 @pytest.mark.parametrize("model", ["glm_5_2", "qwen3_5_397b_a17b", "deepseek_v4_pro"])
 def test_other_models_decode_cached_with_parity_zero(model, tmp_path):
     """The other three debug flavors, 3 RL steps at EP 2 under FSDP: each decodes through its
-    own cached step (titan_mok/rl/cached_*.py) and the trainer recomputes the same bits."""
+    own cached step (titan_mok/rl/cached_*.py) and the trainer recomputes the same bits; the
+    MTP loss stays off."""
     _, out = torchrun.run(
         "titan_mok.rl", f"train_configs/{model}/rl_debug.toml", "--training.steps", "3",
         "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path), "--rl.parity", "fail",
@@ -114,3 +115,7 @@ def test_other_models_decode_cached_with_parity_zero(model, tmp_path):
     metrics = [json.loads(line)["metrics"] for line in jsonl.read_text().splitlines()[1:]]
     assert [m["rl/logprob_max_abs_diff"] for m in metrics] == [0.0, 0.0, 0.0]
     assert all(m["rl/completion_tokens"] > 0 for m in metrics)
+    # the MTP module (all three have one, trained in pretraining) is not trained on rollouts;
+    # the other attached losses still are (GLM-5.2's indexer KL: the metric is logged)
+    assert not any("attached_loss/mtp" in m for m in metrics), sorted(metrics[0])
+    assert model != "glm_5_2" or all("attached_loss/indexer_kl" in m for m in metrics), sorted(metrics[0])

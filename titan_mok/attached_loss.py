@@ -13,6 +13,9 @@ TorchTitan's convention). So the trainers run each microbatch inside
 attached loss counts as its token-weighted mean, and ``coef`` means the same at any
 data-parallel degree or accumulation. Outside one (tests, inference) the weight is 1.
 
+Switching off: inside ``without_losses(*names)`` those losses are not attached, and a model
+asks ``attaching(name)`` before computing one (the RL trainer switches off the MTP loss).
+
 Tally: the value of every attached loss of a training forward is summed per name on
 the device (no host sync) for the metrics, which ``take_tally`` hands over. Not under
 ``torch.compile`` (its Python side effects would break the graph) and not in an
@@ -25,6 +28,7 @@ import torch
 
 _weight: float | torch.Tensor = 1.0
 _tally: dict[str, list] = {}  # name -> [Σ value (fp64 tensor), count]
+_switched_off: frozenset[str] = frozenset()
 
 
 @contextmanager
@@ -36,6 +40,22 @@ def loss_weight(weight: float | torch.Tensor):
         yield
     finally:
         _weight = previous
+
+
+@contextmanager
+def without_losses(*names: str):
+    """Inside, the named losses are not attached (``attaching(name)`` is False)."""
+    global _switched_off
+    previous, _switched_off = _switched_off, _switched_off | frozenset(names)
+    try:
+        yield
+    finally:
+        _switched_off = previous
+
+
+def attaching(name: str) -> bool:
+    """Whether a loss named ``name`` would be attached here (not switched off)."""
+    return name not in _switched_off
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -61,6 +81,8 @@ def _tallying() -> bool:
 
 def attach_loss(y: torch.Tensor, loss: torch.Tensor, coef: float, name: str) -> torch.Tensor:
     """``y``, with ``coef · weight · loss`` joined to the backward pass (module docstring)."""
+    if not attaching(name):
+        return y
     if _tallying():
         entry = _tally.setdefault(name, [torch.zeros((), dtype=torch.float64, device=loss.device), 0])
         entry[0] += loss.detach().double()

@@ -16,16 +16,17 @@ from torch import nn
 
 from torchtitan.models.utils import trunc_normal_
 
-from titan_mok.attached_loss import attach_loss
+from titan_mok.attached_loss import attach_loss, attaching
 
 from .decoder import DecoderBlock
 from .norm import RMSNorm
 
 
 def mtp_enabled(coef: float, tokens_BS: torch.Tensor) -> bool:
-    """Whether a forward trains the MTP module: a positive coefficient, autograd on, and a
-    sequence long enough (S >= 3) to hold a t+2 target."""
-    return coef > 0 and torch.is_grad_enabled() and tokens_BS.shape[1] >= 3
+    """Whether a forward trains the MTP module: a positive coefficient, autograd on, the "mtp"
+    loss not switched off (``attached_loss.without_losses``), and a sequence long enough
+    (S >= 3) to hold a t+2 target."""
+    return coef > 0 and torch.is_grad_enabled() and attaching("mtp") and tokens_BS.shape[1] >= 3
 
 
 def logits_with_mtp_loss(

@@ -25,7 +25,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
-from titan_mok.attached_loss import loss_weight
+from titan_mok.attached_loss import loss_weight, without_losses
 from titan_mok.config_check import ConfigError
 from titan_mok.moe import MoE
 from titan_mok.rl.generate import Rollout, generate, has_kv_cache_step
@@ -185,8 +185,11 @@ class RlTrainer(Trainer):
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         for update in range(rl.updates_per_rollout):
             self.optimizers.zero_grad()
-            # attached losses (MoE aux) count as this rank's share of the step's completion tokens
-            with self.train_context(), self.maybe_enable_amp, BatchInvariantMode(), loss_weight(local_share):
+            # attached losses (MoE aux) count as this rank's share of the step's completion tokens; the
+            # MTP loss is off: a language-modelling loss on rollouts would fit the policy to its own
+            # samples (padding included) beside the policy gradient
+            with (self.train_context(), self.maybe_enable_amp, BatchInvariantMode(), loss_weight(local_share),
+                  without_losses("mtp")):
                 logits_BSV = self.model(rollout.tokens_BS)
                 logprobs_BG = completion_logprobs(logits_BSV, rollout, rl.temperature)
                 del logits_BSV
