@@ -295,6 +295,7 @@ def run_case(name, H, I, counts, ceil, impls, rep_ms, log):
             res["impls"][impl] = out
         except Exception as e:
             res["impls"][impl] = {"error": repr(e)[:300]}
+        ph = None  # its pre-quantized weights (tens of GB at EP=1) must not outlive the timing
         torch.cuda.empty_cache()
     # correctness at this size: ours vs torch's bf16 grouped GEMM forward (same bf16 inputs)
     try:
