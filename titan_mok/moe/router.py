@@ -83,7 +83,7 @@ class TopKRouter(nn.Module):
         keep_TG.scatter_(1, stable_topk_indices(group_score_TG, self.num_limited_groups), True)
         return choice_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(num_tokens, -1)  # [T, E]
 
-    def _route_tile(self, logits_tE, expert_bias_E, token_ids_t):
+    def _route_rows(self, logits_tE, expert_bias_E, token_ids_t):
         scores_tE = self._scores(logits_tE)
         if self.hash_routing:
             topk_idx_tK = self.hash_table[token_ids_t]
@@ -121,9 +121,9 @@ class TopKRouter(nn.Module):
             scores_TE: fp32 scores of every expert (the auxiliary loss reads them).
         """
         if self.hash_routing:
-            route, rows = (lambda logits, ids: self._route_tile(logits, None, ids)), (logits_TE, token_ids_T)
+            route, rows = (lambda logits, ids: self._route_rows(logits, None, ids)), (logits_TE, token_ids_T)
         else:
-            route, rows = (lambda logits: self._route_tile(logits, expert_bias_E, None)), (logits_TE,)
+            route, rows = (lambda logits: self._route_rows(logits, expert_bias_E, None)), (logits_TE,)
         if row_tiles is None:
             row_tiles = not logits_TE.is_cuda
         return map_row_tiles(route, *rows) if row_tiles else route(*rows)
