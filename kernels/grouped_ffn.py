@@ -105,7 +105,7 @@ class _ReferenceOps:
         return dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI
 
 
-def _weight_operand(w_EXY: torch.Tensor, precision: str, along: int, name: str):
+def weight_operand(w_EXY: torch.Tensor, precision: str, along: int, name: str):
     """B operand [E, N, K] for grouped_mm: K = ``along`` (1 or 2) of the stored weight, MXFP8 blocked there."""
     if precision == "mxfp8":
         mx = mxfp8_quantize(w_EXY, along, name)
@@ -123,24 +123,24 @@ class _TritonOps:
         gate_RI, up_RI, h_RI = grouped_gate_up_swiglu(
             x_RH,
             group_end_E,
-            _weight_operand(w_gate_EIH, precision, 2, "w_gate_EIH"),
-            _weight_operand(w_up_EIH, precision, 2, "w_up_EIH"),
+            weight_operand(w_gate_EIH, precision, 2, "w_gate_EIH"),
+            weight_operand(w_up_EIH, precision, 2, "w_up_EIH"),
             limit,
         )
-        y_RH = grouped_mm(h_RI, group_end_E, _weight_operand(w_down_EHI, precision, 2, "w_down_EHI"))
+        y_RH = grouped_mm(h_RI, group_end_E, weight_operand(w_down_EHI, precision, 2, "w_down_EHI"))
         return y_RH, gate_RI, up_RI, h_RI
 
     @staticmethod
     def backward(dy_RH, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, gate_RI, up_RI, h_RI, precision, limit):
         dgate_RI, dup_RI = grouped_down_dgrad_swiglu(
-            dy_RH, group_end_E, _weight_operand(w_down_EHI, precision, 1, "w_down_EHI"), gate_RI, up_RI, limit
+            dy_RH, group_end_E, weight_operand(w_down_EHI, precision, 1, "w_down_EHI"), gate_RI, up_RI, limit
         )
         dx_RH = grouped_mm_sum(
             dgate_RI,
             dup_RI,
             group_end_E,
-            _weight_operand(w_gate_EIH, precision, 1, "w_gate_EIH"),
-            _weight_operand(w_up_EIH, precision, 1, "w_up_EIH"),
+            weight_operand(w_gate_EIH, precision, 1, "w_gate_EIH"),
+            weight_operand(w_up_EIH, precision, 1, "w_up_EIH"),
         )
         dw_gate_EIH = grouped_wgrad(dgate_RI, x_RH, group_end_E, precision)
         dw_up_EIH = grouped_wgrad(dup_RI, x_RH, group_end_E, precision)

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 import triton
 
 from titan_mok.kernels import grouped_gemm as gg
+from titan_mok.kernels.grouped_ffn import weight_operand
 from titan_mok.kernels.mxfp8_quant import mxfp8_quantize
-from titan_mok.mxfp8 import MXTensor
 
 # name: (H, I, E, top-k)
 SHAPES = {
@@ -95,12 +95,6 @@ def _rowwise_fp8_rows(x):
     return (x.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
-def mx_operand(w, along):
-    """Pre-quantized MXFP8 weight as grouped_mm's B [E, N, K]: blocked along ``along`` of the stored w."""
-    mx = mxfp8_quantize(w, along)
-    return MXTensor(mx.data.transpose(1, 2), mx.scale.transpose(1, 2), dim=2) if along == 1 else mx
-
-
 class Case:
     def __init__(self, H, I, counts, dev="cuda"):
         self.H, self.I, self.E = H, I, counts.numel()
@@ -125,24 +119,29 @@ class Case:
         return 3 * self.E * self.H * self.I
 
 
+def ffn_operands(c, precision, fp8_mma=False):
+    """Our GEMMs' operands for case c: the weights as each GEMM reads them (forward [E, N, K],
+    dgrad the transposed views; MXFP8 pre-quantized in that layout) and the saved activations
+    g, u, h and dgate, dup."""
+    weights = {"w_gate": c.w_gate, "w_up": c.w_up, "w_down": c.w_down}
+    wg, wu, wd = (weight_operand(w, precision, 2, name) for name, w in weights.items())
+    wg_t, wu_t, wd_t = (weight_operand(w, precision, 1, name) for name, w in weights.items())
+    g, u, h = gg.grouped_gate_up_swiglu(c.x, c.group_end, wg, wu, None, fp8_mma=fp8_mma)
+    dg, du = gg.grouped_down_dgrad_swiglu(c.dy, c.group_end, wd_t, g, u, None)
+    return (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du)
+
+
 def phases_ours(c, precision, fp8_mma=False):
     phases = {}
     if precision == "mxfp8":
-        wg, wu, wd = (mx_operand(w, 2) for w in (c.w_gate, c.w_up, c.w_down))
-        wg_t, wu_t, wd_t = mx_operand(c.w_gate, 1), mx_operand(c.w_up, 1), mx_operand(c.w_down, 1)
-
         def wquant():  # both layouts of all three weights, once per optimizer step if cached
             for w in (c.w_gate, c.w_up, c.w_down):
                 mxfp8_quantize(w, 2)
                 mxfp8_quantize(w, 1)
 
         phases["wquant"] = wquant
-    else:
-        wg, wu, wd = c.w_gate, c.w_up, c.w_down
-        wg_t, wu_t, wd_t = c.w_gate.transpose(1, 2), c.w_up.transpose(1, 2), c.w_down.transpose(1, 2)
+    (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision, fp8_mma)
     ge = c.group_end
-    g, u, h = gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None, fp8_mma=fp8_mma)
-    dg, du = gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None)
 
     def fwd():
         _, _, h_ = gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None, fp8_mma=fp8_mma)
@@ -327,11 +326,8 @@ TUNE_VARIANTS = {
 
 def mx_gemms_by_kind(c):
     """One MXFP8 grouped GEMM of each kind (the four ``_MM_CONFIGS`` entries "mxfp8/<kind>")."""
-    wg, wu, wd = (mx_operand(w, 2) for w in (c.w_gate, c.w_up, c.w_down))
-    wg_t, wu_t, wd_t = (mx_operand(w, 1) for w in (c.w_gate, c.w_up, c.w_down))
+    (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, "mxfp8")
     ge = c.group_end
-    g, u, h = gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None)
-    dg, du = gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None)
     return {
         "mxfp8/swiglu": lambda: gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None),
         "mxfp8/plain": lambda: gg.grouped_mm(h, ge, wd),

@@ -36,14 +36,10 @@ IMPLS = {
 }
 
 
-def _full_flavor(shape: str):
-    return flavors(shape)["full"]
-
-
 def _build(shape: str, impl: str, precision: str, skewed: bool, ep_mesh) -> MoE:
     from dataclasses import replace
 
-    flavor = _full_flavor(shape)
+    flavor = flavors(shape)["full"]
     overrides = dict(IMPLS[impl], precision=precision, hash_routing=False, max_rows_per_rank=None)
     if impl == "torchtitan":
         overrides["swiglu_limit"] = None
