@@ -109,9 +109,9 @@ class DeepSeekV4ModelArgs(BaseModelArgs):
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Total parameters and training FLOPs per token (the MTP module's too when it is
-        trained): 6 × active non-embedding weights + 6·heads·2·head_dim per attended key, where a query attends its
-        sliding window plus (HCA) seq/hca_ratio or (CSA) min(index_topk,
-        seq/csa_ratio) compressed entries; CSA adds the indexer's
+        trained): 6 × active non-embedding weights + 6·heads·2·head_dim per attended
+        key, where a query attends its sliding window plus (HCA) seq/hca_ratio or (CSA)
+        min(index_topk, seq/csa_ratio) compressed entries; CSA adds the indexer's
         6·index_heads·index_head_dim·seq/csa_ratio scoring."""
         total, active = self.get_nparams(model)
         window = min(self.sliding_window, seq_len)

@@ -88,8 +88,9 @@ class Qwen35ModelArgs(BaseModelArgs):
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Total parameters (MTP included) and training FLOPs per token of the
-        main trunk (and of the MTP module when it is trained): 6 × active non-embedding weights, plus causal-agnostic
-        attention 6·L_full·heads·2·head_dim·seq_len (TorchTitan's convention),
+        main trunk (and of the MTP module when it is trained): 6 × active
+        non-embedding weights, plus causal-agnostic attention
+        6·L_full·heads·2·head_dim·seq_len (TorchTitan's convention),
         plus the DeltaNet state work 6·L_linear·Hv·2·Dk·Dv (one state read and
         one rank-1 write per token and value head)."""
         total, active = self.get_nparams(model)

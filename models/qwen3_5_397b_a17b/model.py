@@ -183,7 +183,7 @@ class Qwen35Model(ModelProtocol):
         if attention_masks is not None:
             raise ValueError("Qwen3.5 uses plain causal attention; attention_masks must be None")
         h_BSH = self.norm(self.trunk(tokens_BS))
-        if self.mtp is None or not mtp_enabled(self.model_args.mtp_loss_coef, tokens_BS):
+        if not mtp_enabled(self.model_args.mtp_loss_coef, tokens_BS):  # coef > 0 implies the module
             return self.output(h_BSH)
         # MTP: position i (0..S-2) sees the final-normed h_i and token i+1, predicts token i+2.
         mtp_BSH = self.mtp(h_BSH[:, :-1], self.tok_embeddings(tokens_BS[:, 1:]), self.rope_cache)
