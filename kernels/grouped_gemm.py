@@ -20,12 +20,12 @@ K (quantized once per pass by ``mxfp8_quantize``, in the layout each GEMM reads)
 are quantized once per GEMM by a one-pass kernel with the reference rule (``mx_quantize_block``),
 along K for grouped_mm and along the token axis for grouped_wgrad (blocks of 32 rows starting at
 each group's first row; a group's last block is zero-padded), so no tile re-quantizes its A.
-Per-32 scales are applied inside the GEMM, one 32-wide K block at a time. Default
-(``_grouped_mm_mx_kernel``): operands swapped (C^T = W A^T), each E4M3 weight block dequantized
-in registers to bf16 (exact: an E4M3 value times a power of two) and fed to the bf16 tensor cores
-as the register operand, against bf16 activations holding the MXFP8 values. ``fp8_mma=True``
-(``_grouped_mm_kernel``): E4M3 x E4M3 MMAs per 32-wide K block, each partial sum promoted into the
-fp32 accumulator with its two scales (DeepGEMM-style); measured slower on H200 (NOTES.md).
+Default (``_grouped_mm_tma_kernel``, bf16 and MXFP8): operand tiles by TMA; an MXFP8 weight
+tile is dequantized in registers one 32-wide scale block at a time (E4M3 * 2^e -> bf16, exact)
+and reaches the bf16 tensor cores through shared memory, against bf16 activations holding the
+MXFP8 values; the scales of block k+1 are loaded while block k runs. ``fp8_mma=True``
+(``_grouped_mm_fp8_mma_kernel``): E4M3 x E4M3 MMAs per 32-wide K block, each partial sum promoted
+into the fp32 accumulator with its two scales (DeepGEMM-style); measured slower on H200 (NOTES.md).
 fp32 accumulation, one program per output tile, fixed K order: no split-K, no atomics,
 run-to-run deterministic.
 
@@ -51,7 +51,7 @@ from titan_mok.kernels.mxfp8_quant import (
     _COLS_WARPS,
     mx_dequantize_bf16,
     mx_quantize_block,
-    mx_scale_value,
+    mx_scale_of_bits,
     mxfp8_fake_quantize,
     mxfp8_quantize,
 )
@@ -60,23 +60,26 @@ from titan_mok.mxfp8 import BLOCK, MXTensor, fake_quantize_mxfp8
 # Kinds of grouped_mm (the MODE constexpr).
 PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 
-# Tile configs per precision, and on the MXFP8 path per kind of GEMM ("mxfp8/<mode>"):
-# module-level so benchmarks can try others. They must not depend on the number of rows (batch
-# invariance). On the MXFP8 paths BK is a multiple of 32 (the K loop takes one scale block at a
-# time). Chosen by `python -m titan_mok.bench.grouped_ffn --tune` on an H200 (benchmarks/NOTES.md):
-# bf16 on 2026-11-30, the MXFP8 kinds (TMA loads) on 2026-12-01. BK=32 keeps a program's shared
-# memory small (33 KB at 3 stages, against 144 KB for BK=128 with pointer loads).
+# Tile configs per kind of GEMM and precision ("<precision>/<mode>"), module-level so benchmarks
+# can try others. They must not depend on the number of rows (batch invariance). On the MXFP8
+# path the K loop takes one 32-wide scale block per TMA load (BK: how many it unrolls). Chosen by
+# `python -m titan_mok.bench.grouped_ffn --tune` on an H200 (benchmarks/NOTES.md, 2026-12-01).
 _MODE_NAMES = {PLAIN: "plain", SWIGLU: "swiglu", SWIGLU_BWD: "swiglu_bwd", DUAL: "dual"}
 _MM_CONFIGS = {
-    "bf16": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
-    # swapped operands: BN weight rows (the MMA's M), BM token rows (its N)
-    "mxfp8/plain": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3),
-    "mxfp8/swiglu": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3),
-    "mxfp8/swiglu_bwd": dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4),
-    "mxfp8/dual": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3),
+    "bf16/plain": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=3),
+    "bf16/swiglu": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "bf16/swiglu_bwd": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "bf16/dual": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=3),
+    "mxfp8/plain": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
+    "mxfp8/swiglu": dict(BM=128, BN=64, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
+    "mxfp8/swiglu_bwd": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
+    "mxfp8/dual": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
 }
+# One program per (expert, BN features) runs over its K tiles, split among more programs only when
+# there would be fewer than _WGRAD_MIN_PROGRAMS (the compute regime: few experts). Measured 2026-12-01.
 _WGRAD_CONFIG = dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3)
+_WGRAD_MIN_PROGRAMS = 1024
 
 
 # Triton 3.6's CPU interpreter multiplies bf16 tiles as their raw uint16 bits in tl.dot: under
@@ -169,18 +172,13 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _mma_block(acc, a_ptrs, a_ok, sa_ptrs, sa_ok, b_ptrs, b_ok, sb_ptrs, sb_ok, FP8_MMA: tl.constexpr,
-               DOT_F32: tl.constexpr):
-    """acc += A @ B for one K step ([BM, KB] x [KB, BN]); on the fp8-MMA path KB = 32, one scale block."""
+def _fp8_mma_block(acc, a_ptrs, a_ok, sa_ptrs, sa_ok, b_ptrs, b_ok, sb_ptrs, sb_ok):
+    """acc += A @ B for one 32-wide scale block: an E4M3 x E4M3 MMA, then promotion with both scales."""
     a = tl.load(a_ptrs, mask=a_ok, other=0.0)
     b = tl.load(b_ptrs, mask=b_ok, other=0.0)
-    if FP8_MMA:  # E4M3 x E4M3 MMA, then promotion with both scales
-        sa = mx_scale_value(tl.load(sa_ptrs, mask=sa_ok, other=127).to(tl.int32) - 127)  # [BM]
-        sb = mx_scale_value(tl.load(sb_ptrs, mask=sb_ok, other=127).to(tl.int32) - 127)  # [BN]
-        acc = acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
-    else:
-        acc = _dot(a, b, acc, DOT_F32)
-    return acc
+    sa = mx_scale_of_bits(tl.load(sa_ptrs, mask=sa_ok, other=127))  # [BM]
+    sb = mx_scale_of_bits(tl.load(sb_ptrs, mask=sb_ok, other=127))  # [BN]
+    return acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
 
 
 @triton.jit
@@ -201,23 +199,31 @@ def _swiglu_clamped(g, u, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _grouped_mm_kernel(
-    # pointers: A operands [R, K] row-major (bf16, or E4M3 with E8M0 bits [R, K/32] on the
-    # fp8-MMA path), B operands [E, N, K] (any strides) and their E8M0 bits [E, N, K/32] (fp8-MMA)
-    a1_ptr, a2_ptr, sa1_ptr, sa2_ptr, b1_ptr, b2_ptr, sb1_ptr, sb2_ptr,
+def _grouped_mm_tma_kernel(
+    # tensor descriptors (TMA): A operands [R, K] bf16 (MXFP8 values on that path), blocks [BM, KB];
+    # B operands bf16 or E4M3 as 2D views, blocks [BN, KB] of [E*N, K] or, with B_KN, [KB, BN] of [E*K, N]
+    a1_desc, a2_desc, b1_desc, b2_desc,
+    # E8M0 bits of MXFP8 B operands [E, N, K/32] (any strides; unused in bf16)
+    sb1_ptr, sb2_ptr,
     # outputs [R, N] row-major; g/u inputs [R, N] of the SwiGLU backward
     c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
     group_end_ptr, tile_end_ptr,
     # dimensions and strides
     N, K, E,
-    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
+    stride_se, stride_sn, stride_sk,
     limit,
     # meta-parameters
-    MODE: tl.constexpr, FP8_MMA: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr,
+    MODE: tl.constexpr, MX: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr, B_KN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """bf16 grouped GEMM, and MXFP8 with E4M3 MMAs (FP8_MMA): C [BM, BN] = A [BM, K] @ B[e]^T."""
-    KB: tl.constexpr = 32 if FP8_MMA else BK  # K per MMA step: one scale block on the fp8-MMA path
+    """C [BM, BN] = A [BM, K] @ B[e]^T, bf16 or MXFP8 B (dequantized per 32-wide K block, MX).
+
+    Operand tiles arrive by TMA (no per-element address arithmetic); a tile reaching past its
+    expert's rows or columns reads the next expert's (or zeros past the tensor), which only meets
+    outputs that are never stored. MX: the scales of block k+1 are loaded (raw E8M0 bits, carried
+    across iterations) while block k runs, so their global-memory latency is off the MMA chain.
+    """
+    KB: tl.constexpr = 32 if MX else BK  # K per TMA load: one scale block on the MXFP8 path
     t = tl.program_id(0)
     e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
     # The grid is an upper bound on the tiles: programs past the last one run no K steps and
@@ -228,37 +234,33 @@ def _grouped_mm_kernel(
     row_ok = (rows < row_end) & valid
     offs_n = n0 + tl.arange(0, BN)
     n_ok = offs_n < N
-    offs_k = tl.arange(0, KB)
-    a_off = rows[:, None].to(tl.int64) * K + offs_k[None, :]  # [BM, KB]
-    sa_off = rows.to(tl.int64) * (K // 32)  # [BM]
-    b_off = e.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk  # [KB, BN]
-    sb_off = e.to(tl.int64) * stride_se + offs_n * stride_sn  # [BN]
+    s_ptrs1 = sb1_ptr + e.to(tl.int64) * stride_se + offs_n * stride_sn  # [BN], block 0
+    s_ptrs2 = sb2_ptr + e.to(tl.int64) * stride_se + offs_n * stride_sn
 
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+    s1_next = _scale_bits(s_ptrs1, 0, n_ok, k_end, stride_sk, MX)
+    if MODE == 1:
+        s2_next = _scale_bits(s_ptrs2, 0, n_ok, k_end, stride_sk, MX)
     for k0 in range(0, k_end, BK):
         for j in tl.static_range(BK // KB):
             k = k0 + j * KB
-            k_ok = offs_k < K - k
-            a_ok = row_ok[:, None] & k_ok[None, :]
-            b_ok = k_ok[:, None] & n_ok[None, :]
-            sa_ok = row_ok & (k < K)
-            sb_ok = n_ok & (k < K)
-            acc1 = _mma_block(acc1, a1_ptr + a_off + k, a_ok, sa1_ptr + sa_off + k // 32, sa_ok,
-                              b1_ptr + b_off + k * stride_bk, b_ok, sb1_ptr + sb_off + (k // 32) * stride_sk, sb_ok,
-                              FP8_MMA, DOT_F32)
-            if MODE == 1:  # SWIGLU: the second B (w_up) shares the A tile (the loads coincide)
-                acc2 = _mma_block(acc2, a1_ptr + a_off + k, a_ok, sa1_ptr + sa_off + k // 32, sa_ok,
-                                  b2_ptr + b_off + k * stride_bk, b_ok, sb2_ptr + sb_off + (k // 32) * stride_sk, sb_ok,
-                                  FP8_MMA, DOT_F32)
+            s1 = s1_next
+            s1_next = _scale_bits(s_ptrs1, k + KB, n_ok, K, stride_sk, MX)
+            a = a1_desc.load([m0, k])
+            acc1 = _dot(a, _b_tile(b1_desc, e, n0, k, N, K, s1, B_KN, MX), acc1, DOT_F32)
+            if MODE == 1:  # SWIGLU: the second B (w_up) shares the A tile
+                s2 = s2_next
+                s2_next = _scale_bits(s_ptrs2, k + KB, n_ok, K, stride_sk, MX)
+                acc2 = _dot(a, _b_tile(b2_desc, e, n0, k, N, K, s2, B_KN, MX), acc2, DOT_F32)
     if MODE == 3:  # DUAL: acc1 += A2 @ B2, continuing the same fixed K order
+        s2_next = _scale_bits(s_ptrs2, 0, n_ok, k_end, stride_sk, MX)
         for k0 in range(0, k_end, BK):
             for j in tl.static_range(BK // KB):
                 k = k0 + j * KB
-                k_ok = offs_k < K - k
-                acc1 = _mma_block(acc1, a2_ptr + a_off + k, row_ok[:, None] & k_ok[None, :], sa2_ptr + sa_off + k // 32,
-                                  row_ok & (k < K), b2_ptr + b_off + k * stride_bk, k_ok[:, None] & n_ok[None, :],
-                                  sb2_ptr + sb_off + (k // 32) * stride_sk, n_ok & (k < K), FP8_MMA, DOT_F32)
+                s2 = s2_next
+                s2_next = _scale_bits(s_ptrs2, k + KB, n_ok, K, stride_sk, MX)
+                acc1 = _dot(a2_desc.load([m0, k]), _b_tile(b2_desc, e, n0, k, N, K, s2, B_KN, MX), acc1, DOT_F32)
 
     c_off = rows[:, None].to(tl.int64) * N + offs_n[None, :]
     _epilogue(acc1, acc2, c_off, row_ok[:, None] & n_ok[None, :], c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
@@ -266,75 +268,90 @@ def _grouped_mm_kernel(
 
 
 @triton.jit
-def _grouped_mm_mx_kernel(
-    # tensor descriptors (TMA): A operands [R, K] bf16 holding MXFP8 values, blocks [BM, 32];
-    # weights E4M3 as 2D views, blocks [BN, 32] of [E*N, K] or, with B_KN, [32, BN] of [E*K, N]
-    a1_desc, a2_desc, b1_desc, b2_desc,
-    # E8M0 bits of the weights [E, N, K/32] (any strides)
-    sb1_ptr, sb2_ptr,
+def _scale_bits(s_ptrs, k, n_ok, k_limit, stride_sk, MX: tl.constexpr):
+    """Raw E8M0 bits [BN] of the 32-wide K block starting at k (127, i.e. 2^0, past k_limit); MX only."""
+    if MX:
+        bits = tl.load(s_ptrs + (k // 32) * stride_sk, mask=n_ok & (k < k_limit), other=127)
+    else:
+        bits = tl.zeros_like(n_ok).to(tl.uint8)
+    return bits
+
+
+@triton.jit
+def _b_tile(b_desc, e, n0, k, N, K, s_bits, B_KN: tl.constexpr, MX: tl.constexpr):
+    """B[e]'s tile [KB, BN] at (k, n0) as the MMA's bf16 operand; MXFP8 dequantized, exactly."""
+    if B_KN:  # stored [E, K, N]: the block is [KB, BN]
+        b = b_desc.load([e * K + k, n0])
+        if MX:
+            b = (b.to(tl.float32) * mx_scale_of_bits(s_bits)[None, :]).to(tl.bfloat16)
+    else:  # stored [E, N, K]: the block is [BN, KB]
+        b = b_desc.load([e * N + n0, k])
+        if MX:
+            b = (b.to(tl.float32) * mx_scale_of_bits(s_bits)[:, None]).to(tl.bfloat16)
+        b = tl.trans(b)
+    return b
+
+
+@triton.jit
+def _grouped_mm_fp8_mma_kernel(
+    # pointers: A operands [R, K] E4M3 row-major with E8M0 bits [R, K/32], B operands [E, N, K]
+    # (any strides) with E8M0 bits [E, N, K/32]
+    a1_ptr, a2_ptr, sa1_ptr, sa2_ptr, b1_ptr, b2_ptr, sb1_ptr, sb2_ptr,
     # outputs [R, N] row-major; g/u inputs [R, N] of the SwiGLU backward
     c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
     group_end_ptr, tile_end_ptr,
     # dimensions and strides
     N, K, E,
-    stride_se, stride_sn, stride_sk,
+    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
     limit,
     # meta-parameters
-    MODE: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr, B_KN: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
+    MODE: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """The MXFP8 grouped GEMM with swapped operands: C^T [BN, BM] = W [BN, K] @ A^T [K, BM].
-
-    The weight tile is the MMA's first operand, dequantized (E4M3 * 2^e -> bf16, exact) in
-    registers one 32-wide scale block at a time, so it can feed the tensor cores from registers;
-    the few token rows (BM) are the second operand. Operand tiles arrive by TMA (no per-element
-    address arithmetic); a tile reaching past its expert's rows or columns reads the next
-    expert's (or zeros past the tensor), which only meets outputs that are never stored.
-    Same tiles, grid and epilogue as ``_grouped_mm_kernel``.
-    """
+    """MXFP8 with E4M3 MMAs: C [BM, BN] = A [BM, K] @ B[e]^T, one MMA and promotion per 32-wide block."""
     t = tl.program_id(0)
     e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
-    valid = t < tl.load(tile_end_ptr + E - 1)  # see _grouped_mm_kernel
+    valid = t < tl.load(tile_end_ptr + E - 1)  # see _grouped_mm_tma_kernel
     k_end = tl.where(valid, K, 0)
     rows = m0 + tl.arange(0, BM)
     row_ok = (rows < row_end) & valid
     offs_n = n0 + tl.arange(0, BN)
     n_ok = offs_n < N
+    offs_k = tl.arange(0, 32)
+    a_off = rows[:, None].to(tl.int64) * K + offs_k[None, :]  # [BM, 32]
+    sa_off = rows.to(tl.int64) * (K // 32)  # [BM]
+    b_off = e.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk  # [32, BN]
     sb_off = e.to(tl.int64) * stride_se + offs_n * stride_sn  # [BN]
 
-    acc1 = tl.zeros((BN, BM), dtype=tl.float32)
-    acc2 = tl.zeros((BN, BM), dtype=tl.float32)
+    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, k_end, BK):
         for j in tl.static_range(BK // 32):
             k = k0 + j * 32
-            at = tl.trans(a1_desc.load([m0, k]))  # [32, BM]
+            k_ok = offs_k < K - k
+            a_ok = row_ok[:, None] & k_ok[None, :]
+            b_ok = k_ok[:, None] & n_ok[None, :]
+            sa_ok = row_ok & (k < K)
             sb_ok = n_ok & (k < K)
-            acc1 = _mma_block_swapped(acc1, at, b1_desc, e, n0, k, N, K, sb1_ptr + sb_off + (k // 32) * stride_sk,
-                                      sb_ok, B_KN, DOT_F32)
-            if MODE == 1:  # SWIGLU: the second weight (w_up) shares the A tile
-                acc2 = _mma_block_swapped(acc2, at, b2_desc, e, n0, k, N, K, sb2_ptr + sb_off + (k // 32) * stride_sk,
-                                          sb_ok, B_KN, DOT_F32)
+            acc1 = _fp8_mma_block(acc1, a1_ptr + a_off + k, a_ok, sa1_ptr + sa_off + k // 32, sa_ok,
+                                  b1_ptr + b_off + k * stride_bk, b_ok, sb1_ptr + sb_off + (k // 32) * stride_sk, sb_ok)
+            if MODE == 1:  # SWIGLU: the second B (w_up) shares the A tile (the loads coincide)
+                acc2 = _fp8_mma_block(acc2, a1_ptr + a_off + k, a_ok, sa1_ptr + sa_off + k // 32, sa_ok,
+                                      b2_ptr + b_off + k * stride_bk, b_ok, sb2_ptr + sb_off + (k // 32) * stride_sk,
+                                      sb_ok)
     if MODE == 3:  # DUAL: acc1 += A2 @ B2, continuing the same fixed K order
         for k0 in range(0, k_end, BK):
             for j in tl.static_range(BK // 32):
                 k = k0 + j * 32
-                acc1 = _mma_block_swapped(acc1, tl.trans(a2_desc.load([m0, k])), b2_desc, e, n0, k, N, K,
-                                          sb2_ptr + sb_off + (k // 32) * stride_sk, n_ok & (k < K), B_KN, DOT_F32)
+                k_ok = offs_k < K - k
+                acc1 = _fp8_mma_block(acc1, a2_ptr + a_off + k, row_ok[:, None] & k_ok[None, :],
+                                      sa2_ptr + sa_off + k // 32, row_ok & (k < K), b2_ptr + b_off + k * stride_bk,
+                                      k_ok[:, None] & n_ok[None, :], sb2_ptr + sb_off + (k // 32) * stride_sk,
+                                      n_ok & (k < K))
 
-    c_off = rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BN, BM]: the transposed tile
-    _epilogue(acc1, acc2, c_off, row_ok[None, :] & n_ok[:, None], c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
+    c_off = rows[:, None].to(tl.int64) * N + offs_n[None, :]
+    _epilogue(acc1, acc2, c_off, row_ok[:, None] & n_ok[None, :], c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
               HAS_LIMIT)
-
-
-@triton.jit
-def _mma_block_swapped(acc, at, b_desc, e, n0, k, N, K, sb_ptrs, sb_ok, B_KN: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc [BN, BM] += dequant(W [BN, 32]) @ A^T [32, BM] for one 32-wide scale block."""
-    if B_KN:  # weights stored [E, K, N]: the block is [32, BN]
-        w = tl.trans(b_desc.load([e * K + k, n0]))
-    else:
-        w = b_desc.load([e * N + n0, k])
-    sb = mx_scale_value(tl.load(sb_ptrs, mask=sb_ok, other=127).to(tl.int32) - 127)  # [BN]
-    return _dot((w.to(tl.float32) * sb[:, None]).to(tl.bfloat16), at, acc, DOT_F32)
 
 
 @triton.jit
@@ -387,26 +404,36 @@ def _mx_fake_quant_groups_kernel(
 def _grouped_wgrad_kernel(
     a_ptr, b_ptr, c_ptr,  # a [R, N], b [R, K] row-major bf16; c [E, N, K] contiguous bf16
     group_end_ptr,
-    N, K,
+    N, K, k_tiles_per_program,
     BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
 ):
+    """c[e, BN features, k_tiles_per_program K tiles]: one flat loop over (K tile, BR-row block of
+    expert e), each tile stored after the expert's last row block, so the next tile's loads
+    overlap the store (a nested loop would restart the load pipeline per tile). Rows are summed in
+    ascending blocks whatever the split of K tiles among programs."""
     e = tl.program_id(1)
-    k_tiles = tl.cdiv(K, BK)
-    offs_n = (tl.program_id(0) // k_tiles) * BN + tl.arange(0, BN)
-    offs_k = (tl.program_id(0) % k_tiles) * BK + tl.arange(0, BK)
+    first_k_tile = tl.program_id(2) * k_tiles_per_program
+    k_tiles = tl.minimum(k_tiles_per_program, tl.cdiv(K, BK) - first_k_tile)
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = offs_n < N
-    k_ok = offs_k < K
     row_start = tl.load(group_end_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
     row_end = tl.load(group_end_ptr + e).to(tl.int32)
+    row_blocks = tl.maximum(tl.cdiv(row_end - row_start, BR), 1)  # no rows: one all-masked block stores zeros
+    c_rows = c_ptr + e.to(tl.int64) * N * K + offs_n[:, None] * K  # [BN, 1]
     acc = tl.zeros((BN, BK), dtype=tl.float32)
-    for r in range(row_start, row_end, BR):
-        rows = r + tl.arange(0, BR)
+    for i in range(0, row_blocks * k_tiles):
+        k_tile = first_k_tile + i // row_blocks
+        block = i % row_blocks
+        rows = row_start + block * BR + tl.arange(0, BR)
         r_ok = rows < row_end
+        offs_k = k_tile * BK + tl.arange(0, BK)
+        k_ok = offs_k < K
         a = tl.load(a_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
         b = tl.load(b_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _dot(tl.trans(a), b, acc, DOT_F32)
-    c_off = e.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :]
-    tl.store(c_ptr + c_off, _bf16_rne(acc), mask=n_ok[:, None] & k_ok[None, :])
+        if block == row_blocks - 1:
+            tl.store(c_rows + offs_k[None, :], _bf16_rne(acc), mask=n_ok[:, None] & k_ok[None, :])
+            acc = tl.zeros((BN, BK), dtype=tl.float32)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -435,24 +462,33 @@ def _a_operand(a, mx: bool, fp8_mma: bool, name: str):
     return mxfp8_fake_quantize(a, name), None
 
 
-def _mx_weight_descriptors(b1_data: torch.Tensor, b2_data: torch.Tensor, bn: int):
-    """(B_KN, TMA descriptors of both E4M3 weights [E, N, K]): each must be a contiguous [E, N, K]
-    (blocks [bn, 32]) or the transposed view of a contiguous [E, K, N] (B_KN; blocks [32, bn])."""
+def _tma_descriptor(t2d: torch.Tensor, block: list[int], name: str) -> TensorDescriptor:
+    """TMA descriptor of a row-major 2D view; TMA needs a 16-byte aligned start and row stride."""
+    row_bytes = t2d.stride(0) * t2d.element_size()
+    if t2d.stride(1) != 1 or row_bytes % 16 or t2d.data_ptr() % 16:
+        raise ValueError(f"{name}: the TMA loads need a row-major view with a 16-byte aligned start and row stride "
+                         f"(a multiple of {16 // t2d.element_size()} elements of {t2d.dtype}); got shape "
+                         f"{tuple(t2d.shape)}, strides {t2d.stride()}")
+    return TensorDescriptor.from_tensor(t2d, block)
+
+
+def _weight_descriptors(b1_data: torch.Tensor, b2_data: torch.Tensor, block_n: int, block_k: int):
+    """(B_KN, TMA descriptors of both weights [E, N, K]): each a contiguous [E, N, K] (blocks
+    [block_n, block_k] of [E*N, K]) or the transposed view of a contiguous [E, K, N] (B_KN;
+    blocks [block_k, block_n] of [E*K, N]), both in the same layout."""
     num_experts, n, k = b1_data.shape
-    descs = []
+    descs, kn = [], []
     for name, b in (("b1", b1_data), ("b2", b2_data)):
         if b.shape != b1_data.shape:
             raise ValueError(f"{name}: shape {tuple(b.shape)} differs from b1's {tuple(b1_data.shape)}")
         if b.is_contiguous():
-            descs.append(TensorDescriptor.from_tensor(b.view(num_experts * n, k), [bn, 32]))
+            descs.append(_tma_descriptor(b.view(num_experts * n, k), [block_n, block_k], name))
         elif b.transpose(1, 2).is_contiguous():
-            if n % 16:  # TMA: the row stride of [E*K, N] (N bytes of E4M3) must be a multiple of 16
-                raise ValueError(f"{name}: a transposed MXFP8 weight needs N % 16 == 0 (TMA row stride), got N = {n}")
-            descs.append(TensorDescriptor.from_tensor(b.transpose(1, 2).reshape(num_experts * k, n), [32, bn]))
+            descs.append(_tma_descriptor(b.transpose(1, 2).reshape(num_experts * k, n), [block_k, block_n], name))
         else:
-            raise ValueError(f"{name}: an MXFP8 weight must be a contiguous [E, N, K] or the transposed view of a "
+            raise ValueError(f"{name}: a weight must be a contiguous [E, N, K] or the transposed view of a "
                              f"contiguous [E, K, N], got strides {b.stride()}")
-    kn = [not b.is_contiguous() for b in (b1_data, b2_data)]
+        kn.append(not b.is_contiguous())
     if kn[0] != kn[1]:
         raise ValueError("b1 and b2 must have the same layout (both [E, N, K] or both transposed [E, K, N])")
     return kn[0], descs
@@ -487,24 +523,21 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     grid = ((triton.cdiv(a1.shape[0], bm) + num_experts) * n_tiles,)  # upper bound, no host sync
     c1, c2, c3 = (list(outs) + [outs[0]] * 2)[:3]
     g, u = gu if gu[0] is not None else (c1, c1)
-    common = dict(HAS_LIMIT=swiglu_limit is not None, LOG_E=num_experts.bit_length(), DOT_F32=_DOT_F32, **cfg)
+    common = dict(HAS_LIMIT=swiglu_limit is not None, LOG_E=num_experts.bit_length(), MODE=mode, **cfg)
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
-    if mx and not fp8_mma:
-        bm_, bn_ = cfg["BM"], cfg["BN"]
-        a_descs = [TensorDescriptor.from_tensor(a, [bm_, 32]) for a in (a1, a2)]
-        b_kn, b_descs = _mx_weight_descriptors(b1_data, b2_data, bn_)
-        _grouped_mm_mx_kernel[grid](
-            *a_descs, *b_descs, b1_s, b2_s, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
-            *b1_s.stride(), limit, MODE=mode, B_KN=b_kn, **common,
+    if fp8_mma:
+        _grouped_mm_fp8_mma_kernel[grid](
+            a1, a2, sa1, sa2, b1_data, b2_data, b1_s, b2_s, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
+            *b1_data.stride(), *b1_s.stride(), limit, **common,
         )
         return
-    _grouped_mm_kernel[grid](
-        a1, a2, sa1 if sa1 is not None else a1, sa2 if sa2 is not None else a2,  # unused unless fp8-MMA
-        b1_data, b2_data, b1_s if mx else b1_data, b2_s if mx else b2_data,  # unused unless MXFP8
-        c1, c2, c3, g, u,
-        group_end_E, tile_end_E, n, k, num_experts,
-        *b1_data.stride(), *(b1_s.stride() if mx else (0, 0, 0)),
-        limit, MODE=mode, FP8_MMA=fp8_mma, **common,
+    block_k = 32 if mx else cfg["BK"]  # the MXFP8 path loads one scale block at a time
+    a_descs = [_tma_descriptor(a, [bm, block_k], name) for name, a in (("a1", a1), ("a2", a2))]
+    b_kn, b_descs = _weight_descriptors(b1_data, b2_data, bn, block_k)
+    scales = (b1_s, b2_s) if mx else (a1, a1)  # bf16: never read
+    _grouped_mm_tma_kernel[grid](
+        *a_descs, *b_descs, *scales, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
+        *(b1_s.stride() if mx else (0, 0, 0)), limit, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32, **common,
     )
 
 
@@ -512,7 +545,7 @@ def mm_config_key(mode: int, mx: bool, fp8_mma: bool) -> str:
     """The ``_MM_CONFIGS`` entry a grouped_mm of this kind and precision runs with."""
     if fp8_mma:
         return "mxfp8_fp8_mma"
-    return f"mxfp8/{_MODE_NAMES[mode]}" if mx else "bf16"
+    return f"{'mxfp8' if mx else 'bf16'}/{_MODE_NAMES[mode]}"
 
 
 def _new_rows(like: torch.Tensor, n: int, zero: bool) -> torch.Tensor:
@@ -579,6 +612,8 @@ def grouped_wgrad(a_RN, b_RK, group_end_E, precision: str) -> torch.Tensor:
     num_experts, n, k = group_end_E.shape[0], a_RN.shape[1], b_RK.shape[1]
     c_ENK = torch.empty(num_experts, n, k, dtype=torch.bfloat16, device=a_RN.device)
     if num_experts:
-        grid = (triton.cdiv(n, cfg["BN"]) * triton.cdiv(k, cfg["BK"]), num_experts)
-        _grouped_wgrad_kernel[grid](a_RN, b_RK, c_ENK, group_end_E, n, k, DOT_F32=_DOT_F32, **cfg)
+        out_tiles, k_tiles = triton.cdiv(n, cfg["BN"]) * num_experts, triton.cdiv(k, cfg["BK"])
+        per_program = triton.cdiv(k_tiles, min(k_tiles, triton.cdiv(_WGRAD_MIN_PROGRAMS, out_tiles)))
+        grid = (triton.cdiv(n, cfg["BN"]), num_experts, triton.cdiv(k_tiles, per_program))
+        _grouped_wgrad_kernel[grid](a_RN, b_RK, c_ENK, group_end_E, n, k, per_program, DOT_F32=_DOT_F32, **cfg)
     return c_ENK

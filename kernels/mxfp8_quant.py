@@ -54,6 +54,15 @@ def mx_scale_value(e):
 
 
 @triton.jit
+def mx_scale_of_bits(bits):
+    """The E8M0 scale with these bits as fp32, 2^(bits - 127): 2^-127 (subnormal) for 0, NaN for 0xFF.
+    Fewer instructions than mx_scale_value(bits - 127): GEMMs convert one per weight row and K block."""
+    b = bits.to(tl.int32)
+    v = tl.where(b == 0, 5.877471754111438e-39, (b << 23).to(tl.float32, bitcast=True))
+    return tl.where(b == 255, float("nan"), v)
+
+
+@triton.jit
 def mx_quantize_block(x, AXIS: tl.constexpr):
     """Quantize fp32 tile ``x`` whose dim ``AXIS`` has size 32 (one block along it).
 

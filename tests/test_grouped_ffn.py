@@ -101,15 +101,19 @@ def test_fp8_mma_path_matches_reference():
     assert rel_err(tri, ref) < 1e-2, f"rel err {rel_err(tri, ref):.2e}"
 
 
-def test_mxfp8_weight_layouts():
-    """MXFP8 weights are read by TMA: [E, N, K] contiguous and the transposed view of [E, K, N]
-    give the same bits; any other layout is refused by name."""
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_weight_layouts(precision):
+    """Weights are read by TMA: [E, N, K] contiguous and the transposed view of [E, K, N] give the
+    same bits; any other layout is refused by name."""
     (x, w_gate, *_), group_end = make_case(counts=[5, 0, 37], dim_h=64, dim_i=96)
-    mx = mxfp8_quantize(w_gate, -1, "w_gate")  # [E, I, H] blocked along H
-    as_kn = MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2), mx.scale, dim=2)
+    if precision == "mxfp8":
+        mx = mxfp8_quantize(w_gate, -1, "w_gate")  # [E, I, H] blocked along H
+        as_kn = MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2), mx.scale, dim=2)
+        every_other_row = MXTensor(mx.data[:, ::2], mx.scale[:, ::2], dim=2)
+    else:
+        mx, as_kn, every_other_row = w_gate, w_gate.transpose(1, 2).contiguous().transpose(1, 2), w_gate[:, ::2]
     assert torch.equal(grouped_mm(x, group_end, mx), grouped_mm(x, group_end, as_kn))
-    every_other_row = MXTensor(mx.data[:, ::2], mx.scale[:, ::2], dim=2)
-    with pytest.raises(ValueError, match="b1: an MXFP8 weight must be a contiguous"):
+    with pytest.raises(ValueError, match="b1: a weight must be a contiguous"):
         grouped_mm(x, group_end, every_other_row)
 
 
@@ -138,6 +142,22 @@ def test_mxfp8_reference_quantizes():
         assert 1e-3 < rel_err(a, b) < 0.1, f"{name}: mxfp8 vs bf16 rel diff {rel_err(a, b):.2e}"
 
 
+def test_wgrad_k_tile_split_keeps_bits(monkeypatch):
+    """The weight gradient's K tiles may be split among programs (few experts): same bits either way."""
+    import titan_mok.kernels.grouped_gemm as gg
+
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randn(45, n, generator=g).to(torch.bfloat16).to(DEVICE) for n in (32, 3 * 128 + 16))
+    group_end = torch.tensor([40, 40, 45]).to(DEVICE)
+    outs = []
+    for min_programs in (1, 4, 10**6):  # K tiles per program: 4, 2, 1 (3 outputs tiles of 4 K tiles)
+        monkeypatch.setattr(gg, "_WGRAD_MIN_PROGRAMS", min_programs)
+        outs.append(gg.grouped_wgrad(a, b, group_end, "bf16"))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert rel_err(outs[0], gg.ref_grouped_wgrad(a, b, group_end, "bf16")) < 1e-2
+    assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1])), "an expert with no rows gets a zero gradient"
+
+
 def test_bad_inputs():
     (x, w_gate, w_up, w_down, _), group_end = make_case(counts=[3, 5], dim_h=64, dim_i=32, device="cpu")
     with pytest.raises(ValueError, match="precision must be one of"):
@@ -148,6 +168,10 @@ def test_bad_inputs():
         grouped_swiglu_ffn(x, group_end.float(), w_gate, w_up, w_down)
     with pytest.raises(ValueError, match="non-decreasing"):
         grouped_swiglu_ffn(x, torch.tensor([5, 3]), w_gate, w_up, w_down)
+    # TMA reads rows of 16-byte multiples: a hidden size of 60 bf16 elements (120 bytes) is refused by name
+    odd = torch.randn(8, 60).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="a1: the TMA loads need .*multiple of 8 elements"):
+        grouped_mm(odd, group_end, torch.randn(2, 32, 60).to(torch.bfloat16))
 
 
 GPU_SHAPES = [  # (name, H, I, rows per expert): Kimi-sized experts, MoE-regime row counts

@@ -311,35 +311,35 @@ def run_case(name, H, I, counts, ceil, impls, rep_ms, log):
     return res
 
 
-# Swapped-operand MXFP8 kernel: BN weight rows (the MMA's M), BM token rows (its N).
-_MX_VARIANTS = [dict(BM=bm, BN=128, BK=bk, GROUP_M=8, num_warps=8, num_stages=st)
-                for bm in (64, 128) for bk in (32, 128) for st in (3, 4)]
+_KINDS = ("plain", "swiglu", "swiglu_bwd", "dual")
+_BF16_VARIANTS = [dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=w, num_stages=st)
+                  for bn, w, st in ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 8, 3))]
+_MX_VARIANTS = [dict(BM=128, BN=bn, BK=32, GROUP_M=8, num_warps=w, num_stages=st)
+                for bn, w, st in ((128, 8, 3), (128, 4, 3), (64, 4, 3), (64, 8, 3))]
 TUNE_VARIANTS = {
-    "bf16": [dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
-             dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
-             dict(BM=64, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)],
-    **{f"mxfp8/{kind}": _MX_VARIANTS for kind in ("plain", "swiglu", "swiglu_bwd", "dual")},
+    **{f"bf16/{kind}": _BF16_VARIANTS for kind in _KINDS},
+    **{f"mxfp8/{kind}": _MX_VARIANTS for kind in _KINDS},
     "mxfp8_fp8_mma": [dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
                       dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)],
 }
 
 
-def mx_gemms_by_kind(c):
-    """One MXFP8 grouped GEMM of each kind (the four ``_MM_CONFIGS`` entries "mxfp8/<kind>")."""
-    (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, "mxfp8")
+def gemms_by_kind(c, precision):
+    """One grouped GEMM of each kind in this precision (the ``_MM_CONFIGS`` entries "<precision>/<kind>")."""
+    (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision)
     ge = c.group_end
     return {
-        "mxfp8/swiglu": lambda: gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None),
-        "mxfp8/plain": lambda: gg.grouped_mm(h, ge, wd),
-        "mxfp8/swiglu_bwd": lambda: gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None),
-        "mxfp8/dual": lambda: gg.grouped_mm_sum(dg, du, ge, wg_t, wu_t),
+        f"{precision}/swiglu": lambda: gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None),
+        f"{precision}/plain": lambda: gg.grouped_mm(h, ge, wd),
+        f"{precision}/swiglu_bwd": lambda: gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None),
+        f"{precision}/dual": lambda: gg.grouped_mm_sum(dg, du, ge, wg_t, wu_t),
     }
 
 
 def tune(log, kernels):
     """Tile-config sweep on two MoE-regime cases and one compute-regime case; installs, per kernel
-    key, the config with the least summed time (so the runs that follow use it). bf16 and fp8-MMA
-    are timed on the forward phase, the MXFP8 kinds each on its own GEMM."""
+    key, the config with the least summed time (so the runs that follow use it). Each kind of GEMM
+    is timed on its own; fp8-MMA on the forward phase."""
     H, I, E, K = SHAPES["kimi"]
     cases = {"kimi_ep1_balanced": route_counts(TOKENS_PER_GPU * K, E, False),
              "kimi_ep2_balanced": route_counts(TOKENS_PER_GPU * K, E // 2, False),
@@ -347,9 +347,10 @@ def tune(log, kernels):
     total = {key: [0.0] * len(TUNE_VARIANTS[key]) for key in kernels}
     for cname, counts in cases.items():
         c = Case(H, I, counts)
-        timed = mx_gemms_by_kind(c) if any(key.startswith("mxfp8/") for key in kernels) else {}
-        if "bf16" in kernels:
-            timed["bf16"] = phases_ours(c, "bf16")["fwd"]
+        timed = {}
+        for precision in ("bf16", "mxfp8"):
+            if any(key.startswith(f"{precision}/") for key in kernels):
+                timed.update(gemms_by_kind(c, precision))
         if "mxfp8_fp8_mma" in kernels:
             timed["mxfp8_fp8_mma"] = phases_ours(c, "mxfp8", fp8_mma=True)["fwd"]
         for key in kernels:
@@ -395,7 +396,8 @@ def main():
                     "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}))
     impls = args.impls.split(",")
     if args.tune:
-        kernels = {"ours_bf16": ["bf16"], "ours_mxfp8": [k for k in TUNE_VARIANTS if k.startswith("mxfp8/")],
+        kernels = {"ours_bf16": [k for k in TUNE_VARIANTS if k.startswith("bf16/")],
+                   "ours_mxfp8": [k for k in TUNE_VARIANTS if k.startswith("mxfp8/")],
                    "ours_mxfp8_fp8mma": ["mxfp8_fp8_mma"]}
         tune(log, [key for i in impls for key in kernels.get(i, [])])
     results = []
