@@ -36,8 +36,7 @@ from titan_mok.kernels.grouped_gemm import (
     ref_grouped_mm,
     ref_grouped_wgrad,
 )
-from titan_mok.kernels.mxfp8_quant import mxfp8_quantize
-from titan_mok.mxfp8 import MXTensor
+from titan_mok.kernels.mxfp8_quant import mxfp8_quantize, mxfp8_quantize_transposed
 
 PRECISIONS = ("bf16", "mxfp8")
 
@@ -108,10 +107,8 @@ class _ReferenceOps:
 def weight_operand(w_EXY: torch.Tensor, precision: str, along: int, name: str):
     """B operand [E, N, K] for grouped_mm: K = ``along`` (1 or 2) of the stored weight, MXFP8 blocked there."""
     if precision == "mxfp8":
-        mx = mxfp8_quantize(w_EXY, along, name)
-        if along == 1:  # the GEMM reads the transposed view [E, Y, X]; blocks stay along X (now dim 2)
-            return MXTensor(mx.data.transpose(1, 2), mx.scale.transpose(1, 2), dim=2)
-        return mx
+        # along X (dim 1): the GEMM reads [E, Y, X], written contiguous so its tiles stream as the forward's
+        return mxfp8_quantize_transposed(w_EXY, name) if along == 1 else mxfp8_quantize(w_EXY, along, name)
     return w_EXY.transpose(1, 2) if along == 1 else w_EXY
 
 

@@ -9,8 +9,9 @@ owns rows ``group_end[e-1]:group_end[e]``; rows at or past ``group_end[E-1]`` ar
 
 Two GEMM shapes cover the expert FFN's forward and backward:
 - ``grouped_mm``: ``c_RN[r] = a_RK[r] @ b_ENK[e(r)].T`` — forward (b = w_gate, w_up, w_down)
-  and dgrad (b = a weight's transposed view: any strides in bf16; MXFP8 weights are read by
-  TMA, so a contiguous [E, N, K] or the transposed view of a contiguous [E, K, N]). Fused
+  and dgrad (b = a weight's transposed view; MXFP8 dgrad weights come quantized straight into a
+  contiguous [E, N, K]). Weights are read by TMA: a contiguous [E, N, K] or the transposed view
+  of a contiguous [E, K, N], rows of 16-byte multiples. Fused
   variants: gate/up with the SwiGLU epilogue, down-dgrad with the SwiGLU-backward epilogue,
   and a two-term sum (dx).
 - ``grouped_wgrad``: ``c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e]``.
@@ -49,6 +50,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from titan_mok.kernels.mxfp8_quant import (
     _COLS_BQ,
     _COLS_WARPS,
+    _ROUND_IN_FP32,
     mx_dequantize_bf16,
     mx_quantize_block,
     mx_scale_of_bits,
@@ -76,9 +78,11 @@ _MM_CONFIGS = {
     "mxfp8/dual": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
 }
-# One program per (expert, BN features) runs over its K tiles, split among more programs only when
-# there would be fewer than _WGRAD_MIN_PROGRAMS (the compute regime: few experts). Measured 2026-12-01.
+# Weight gradient: the flat loop while experts average fewer than _WGRAD_FLAT_MAX_ROWS rows (a
+# static property of the shapes, so the choice never depends on the routing); its K tiles are split
+# among more programs only when there would be fewer than _WGRAD_MIN_PROGRAMS. Measured 2026-12-01.
 _WGRAD_CONFIG = dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3)
+_WGRAD_FLAT_MAX_ROWS = 512
 _WGRAD_MIN_PROGRAMS = 1024
 
 
@@ -183,11 +187,13 @@ def _fp8_mma_block(acc, a_ptrs, a_ok, sa_ptrs, sa_ok, b_ptrs, b_ok, sb_ptrs, sb_
 
 @triton.jit
 def _bf16_rne(x):
-    """fp32 -> bf16, round to nearest even, spelled out in integer ops (Triton 3.6's CPU
-    interpreter truncates in .to(tl.bfloat16); on the GPU this is what cvt.rn does)."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+    """fp32 -> bf16, round to nearest even: the GPU's cast (cvt.rn); under Triton 3.6's CPU
+    interpreter, which truncates in .to(tl.bfloat16), spelled out in integer ops."""
+    if _ROUND_IN_FP32:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -405,35 +411,50 @@ def _grouped_wgrad_kernel(
     a_ptr, b_ptr, c_ptr,  # a [R, N], b [R, K] row-major bf16; c [E, N, K] contiguous bf16
     group_end_ptr,
     N, K, k_tiles_per_program,
-    BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+    BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FLAT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """c[e, BN features, k_tiles_per_program K tiles]: one flat loop over (K tile, BR-row block of
-    expert e), each tile stored after the expert's last row block, so the next tile's loads
-    overlap the store (a nested loop would restart the load pipeline per tile). Rows are summed in
-    ascending blocks whatever the split of K tiles among programs."""
+    """c[e, BN features, k_tiles_per_program K tiles], rows summed in ascending BR-row blocks.
+
+    FLAT (few rows per expert): one loop over (K tile, row block), each tile stored after its
+    last row block, so the next tile's loads overlap the store instead of restarting the load
+    pipeline per tile. Otherwise (many rows) one K tile per program and the row loop alone,
+    whose pipeline then has no store-and-reset to wait on. Same blocks, same order: same bits.
+    """
     e = tl.program_id(1)
     first_k_tile = tl.program_id(2) * k_tiles_per_program
-    k_tiles = tl.minimum(k_tiles_per_program, tl.cdiv(K, BK) - first_k_tile)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     row_start = tl.load(group_end_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
     row_end = tl.load(group_end_ptr + e).to(tl.int32)
-    row_blocks = tl.maximum(tl.cdiv(row_end - row_start, BR), 1)  # no rows: one all-masked block stores zeros
     c_rows = c_ptr + e.to(tl.int64) * N * K + offs_n[:, None] * K  # [BN, 1]
     acc = tl.zeros((BN, BK), dtype=tl.float32)
-    for i in range(0, row_blocks * k_tiles):
-        k_tile = first_k_tile + i // row_blocks
-        block = i % row_blocks
-        rows = row_start + block * BR + tl.arange(0, BR)
-        r_ok = rows < row_end
-        offs_k = k_tile * BK + tl.arange(0, BK)
-        k_ok = offs_k < K
-        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _dot(tl.trans(a), b, acc, DOT_F32)
-        if block == row_blocks - 1:
-            tl.store(c_rows + offs_k[None, :], _bf16_rne(acc), mask=n_ok[:, None] & k_ok[None, :])
-            acc = tl.zeros((BN, BK), dtype=tl.float32)
+    if FLAT:
+        k_tiles = tl.minimum(k_tiles_per_program, tl.cdiv(K, BK) - first_k_tile)
+        row_blocks = tl.maximum(tl.cdiv(row_end - row_start, BR), 1)  # no rows: one all-masked block stores zeros
+        for i in range(0, row_blocks * k_tiles):
+            offs_k = (first_k_tile + i // row_blocks) * BK + tl.arange(0, BK)
+            block = i % row_blocks
+            acc = _wgrad_block(acc, a_ptr, b_ptr, row_start + block * BR, row_end, offs_n, n_ok, offs_k, N, K, BR,
+                               DOT_F32)
+            if block == row_blocks - 1:
+                tl.store(c_rows + offs_k[None, :], _bf16_rne(acc), mask=n_ok[:, None] & (offs_k < K)[None, :])
+                acc = tl.zeros((BN, BK), dtype=tl.float32)
+    else:
+        offs_k = first_k_tile * BK + tl.arange(0, BK)
+        for r in range(row_start, row_end, BR):
+            acc = _wgrad_block(acc, a_ptr, b_ptr, r, row_end, offs_n, n_ok, offs_k, N, K, BR, DOT_F32)
+        tl.store(c_rows + offs_k[None, :], _bf16_rne(acc), mask=n_ok[:, None] & (offs_k < K)[None, :])
+
+
+@triton.jit
+def _wgrad_block(acc, a_ptr, b_ptr, r0, row_end, offs_n, n_ok, offs_k, N, K, BR: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc [BN, BK] += a[r0:r0+BR, offs_n]^T @ b[r0:r0+BR, offs_k], rows past row_end as zeros."""
+    rows = r0 + tl.arange(0, BR)
+    r_ok = rows < row_end
+    a = tl.load(a_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    b = tl.load(b_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :], mask=r_ok[:, None] & (offs_k < K)[None, :],
+                other=0.0)
+    return _dot(tl.trans(a), b, acc, DOT_F32)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -613,7 +634,9 @@ def grouped_wgrad(a_RN, b_RK, group_end_E, precision: str) -> torch.Tensor:
     c_ENK = torch.empty(num_experts, n, k, dtype=torch.bfloat16, device=a_RN.device)
     if num_experts:
         out_tiles, k_tiles = triton.cdiv(n, cfg["BN"]) * num_experts, triton.cdiv(k, cfg["BK"])
-        per_program = triton.cdiv(k_tiles, min(k_tiles, triton.cdiv(_WGRAD_MIN_PROGRAMS, out_tiles)))
+        flat = a_RN.shape[0] < _WGRAD_FLAT_MAX_ROWS * num_experts
+        per_program = triton.cdiv(k_tiles, min(k_tiles, triton.cdiv(_WGRAD_MIN_PROGRAMS, out_tiles))) if flat else 1
         grid = (triton.cdiv(n, cfg["BN"]), num_experts, triton.cdiv(k_tiles, per_program))
-        _grouped_wgrad_kernel[grid](a_RN, b_RK, c_ENK, group_end_E, n, k, per_program, DOT_F32=_DOT_F32, **cfg)
+        _grouped_wgrad_kernel[grid](a_RN, b_RK, c_ENK, group_end_E, n, k, per_program, FLAT=flat, DOT_F32=_DOT_F32,
+                                    **cfg)
     return c_ENK

@@ -10,6 +10,8 @@ as [P, D, Q] with Q > 1 (e.g. a weight [E, I, H] blocked along I, or activations
 blocked along the token axis R).
 """
 
+import os
+
 import triton
 import triton.language as tl
 import torch
@@ -20,8 +22,14 @@ ref_mxfp8_quantize = to_mxfp8
 
 # Tile shapes and warps, measured on an H200 (benchmarks/NOTES.md, 2026-12-01). The columns
 # kernel reduces each block across rows: one warp per program keeps that reduction inside a warp.
-_ROWS_BM, _ROWS_BK = 16, 512
+_ROWS_BM, _ROWS_BK = 8, 1024
 _COLS_BD, _COLS_BQ, _COLS_WARPS = 32, 64, 1
+
+# On the GPU the fp32 -> E4M3 and -> bf16 casts (cvt.rn[.satfinite]) round to nearest even (and
+# saturate), as the references do; Triton 3.6's CPU interpreter truncates (E4M3 subnormals,
+# bf16), so there the rounding is spelled out first (mx_round_to_e4m3_grid: ~12 more instructions
+# per element; grouped_gemm's _bf16_rne).
+_ROUND_IN_FP32 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
@@ -75,8 +83,9 @@ def mx_quantize_block(x, AXIS: tl.constexpr):
     e = mx_scale_exponent(amax)
     # 2^-e: e <= 120 for finite fp32 amax, so -e >= -120 is normal; e = -127 gives 2^127.
     q = x * mx_exp2(-e)
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    return mx_round_to_e4m3_grid(q).to(tl.float8e4nv), e, bad
+    if _ROUND_IN_FP32:
+        q = mx_round_to_e4m3_grid(tl.minimum(tl.maximum(q, -448.0), 448.0))
+    return q.to(tl.float8e4nv), e, bad
 
 
 @triton.jit
@@ -136,9 +145,9 @@ def _mx_quant_rows_kernel(
 
 @triton.jit
 def _mx_quant_cols_kernel(
-    x_ptr, q_ptr, s_ptr,  # x [P, D, Q] contiguous, q [P, D, Q] uint8, s [P, D/32, Q] uint8
+    x_ptr, q_ptr, s_ptr,  # x [P, D, Q] contiguous, q [P, D, Q] uint8 ([P, Q, D] if TRANSPOSED), s [P, D/32, Q] uint8
     D, Q,
-    BD: tl.constexpr, BQ: tl.constexpr,
+    BD: tl.constexpr, BQ: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     i_p = tl.program_id(2).to(tl.int64)
     o_d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -149,7 +158,11 @@ def _mx_quant_cols_kernel(
     x = tl.load(x_ptr + base + o_d[:, None] * Q + o_q[None, :], mask=m, other=0.0).to(tl.float32)
     q, e, bad = mx_quantize_block(tl.reshape(x, (BD // 32, 32, BQ)), 1)
     q_bits, s_bits = mx_store_bits(q, e, bad)
-    tl.store(q_ptr + base + o_d[:, None] * Q + o_q[None, :], tl.reshape(q_bits, (BD, BQ)), mask=m)
+    if TRANSPOSED:
+        q_off = o_q[None, :] * D + o_d[:, None]
+    else:
+        q_off = o_d[:, None] * Q + o_q[None, :]
+    tl.store(q_ptr + base + q_off, tl.reshape(q_bits, (BD, BQ)), mask=m)
     m_s = (o_s[:, None] < D // 32) & (o_q[None, :] < Q)
     s_base = i_p * (D // 32) * Q
     tl.store(s_ptr + s_base + o_s[:, None] * Q + o_q[None, :], tl.reshape(s_bits, (BD // 32, BQ)), mask=m_s)
@@ -175,8 +188,27 @@ def mxfp8_quantize(x: torch.Tensor, dim: int = -1, name: str = "x") -> MXTensor:
             _mx_quant_rows_kernel[grid](x, q, s, P, D, FAKE=False, BM=_ROWS_BM, BK=_ROWS_BK)
         else:
             grid = (triton.cdiv(Q, _COLS_BQ), triton.cdiv(D, _COLS_BD), P)
-            _mx_quant_cols_kernel[grid](x, q, s, D, Q, BD=_COLS_BD, BQ=_COLS_BQ, num_warps=_COLS_WARPS)
+            _mx_quant_cols_kernel[grid](x, q, s, D, Q, BD=_COLS_BD, BQ=_COLS_BQ, TRANSPOSED=False,
+                                        num_warps=_COLS_WARPS)
     return MXTensor(data=q.view(torch.float8_e4m3fn), scale=s.view(SCALE_DTYPE), dim=dim)
+
+
+def mxfp8_quantize_transposed(w_EXY: torch.Tensor, name: str = "w") -> MXTensor:
+    """``to_mxfp8(w_EXY.transpose(1, 2), 2)`` in one pass over w: blocks of 32 along X, the E4M3
+    data written contiguous [E, Y, X] (the layout a GEMM reading w^T streams fastest), the scales
+    [E, Y, X/32] a view of the [E, X/32, Y] the columns kernel writes."""
+    if w_EXY.dim() != 3:
+        raise ValueError(f"{name}: mxfp8_quantize_transposed takes a 3-D weight [E, X, Y], got shape {tuple(w_EXY.shape)}")
+    _check_blockable(w_EXY, 1, name)
+    w_EXY = w_EXY.contiguous()
+    num_experts, dim_x, dim_y = w_EXY.shape
+    q = torch.empty(num_experts, dim_y, dim_x, dtype=torch.uint8, device=w_EXY.device)
+    s = torch.empty(num_experts, dim_x // BLOCK, dim_y, dtype=torch.uint8, device=w_EXY.device)
+    if w_EXY.numel() > 0:
+        grid = (triton.cdiv(dim_y, _COLS_BQ), triton.cdiv(dim_x, _COLS_BD), num_experts)
+        _mx_quant_cols_kernel[grid](w_EXY, q, s, dim_x, dim_y, BD=_COLS_BD, BQ=_COLS_BQ, TRANSPOSED=True,
+                                    num_warps=_COLS_WARPS)
+    return MXTensor(data=q.view(torch.float8_e4m3fn), scale=s.view(SCALE_DTYPE).transpose(1, 2), dim=2)
 
 
 def ref_mxfp8_fake_quantize(x: torch.Tensor, name: str = "x") -> torch.Tensor:

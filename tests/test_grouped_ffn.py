@@ -142,15 +142,18 @@ def test_mxfp8_reference_quantizes():
         assert 1e-3 < rel_err(a, b) < 0.1, f"{name}: mxfp8 vs bf16 rel diff {rel_err(a, b):.2e}"
 
 
-def test_wgrad_k_tile_split_keeps_bits(monkeypatch):
-    """The weight gradient's K tiles may be split among programs (few experts): same bits either way."""
+def test_wgrad_loop_shapes_keep_bits(monkeypatch):
+    """The weight gradient's loop shape (flat over K tiles and row blocks, or one K tile per
+    program) and the split of K tiles among programs follow the shapes; the bits do not."""
     import titan_mok.kernels.grouped_gemm as gg
 
     g = torch.Generator().manual_seed(3)
     a, b = (torch.randn(45, n, generator=g).to(torch.bfloat16).to(DEVICE) for n in (32, 3 * 128 + 16))
     group_end = torch.tensor([40, 40, 45]).to(DEVICE)
     outs = []
-    for min_programs in (1, 4, 10**6):  # K tiles per program: 4, 2, 1 (3 outputs tiles of 4 K tiles)
+    for flat_max_rows, min_programs in ((10**6, 1), (10**6, 4), (10**6, 10**6), (0, 1)):
+        # flat with 4, 2, 1 K tiles per program (3 output tiles of 4 K tiles each), then one K tile per program
+        monkeypatch.setattr(gg, "_WGRAD_FLAT_MAX_ROWS", flat_max_rows)
         monkeypatch.setattr(gg, "_WGRAD_MIN_PROGRAMS", min_programs)
         outs.append(gg.grouped_wgrad(a, b, group_end, "bf16"))
     assert all(torch.equal(outs[0], o) for o in outs[1:])

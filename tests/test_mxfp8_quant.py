@@ -9,6 +9,7 @@ import torch
 from titan_mok.kernels.mxfp8_quant import (
     mxfp8_fake_quantize,
     mxfp8_quantize,
+    mxfp8_quantize_transposed,
     ref_mxfp8_fake_quantize,
     ref_mxfp8_quantize,
 )
@@ -54,6 +55,17 @@ def test_bf16_weights_3d(dim):
     assert_same_mx(f"w dim={dim}", mxfp8_quantize(w, dim), ref_mxfp8_quantize(w, dim))
 
 
+@pytest.mark.parametrize("shape", [(2, 64, 96), (3, 96, 48)])
+def test_quantize_transposed_bits(shape):
+    """One pass over w [E, X, Y] gives to_mxfp8(w^T, 2) with contiguous [E, Y, X] data."""
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(shape, generator=g) * torch.logspace(-4, 4, shape[-1])).to(torch.bfloat16).to(DEVICE)
+    w[0, :32, 0] = float("nan")  # one bad block: NaN scale, 0x7F elements
+    mx = mxfp8_quantize_transposed(w, "w")
+    assert mx.data.is_contiguous() and mx.data.shape == (shape[0], shape[2], shape[1])
+    assert_same_mx(f"w^T {shape}", mx, ref_mxfp8_quantize(w.transpose(1, 2).contiguous(), 2))
+
+
 def test_fake_quantize_bits():
     """The bf16 operand form (q * 2^e) an MXFP8 GEMM reads: bit-exact down to bf16's smallest
     normal (2^-126); below it (blocks with amax < ~2^-117) a backend may flush or round the
@@ -82,6 +94,14 @@ def test_real_sizes_gpu(shape, dim):
     x = x.to(torch.bfloat16)
     x.view(-1)[:: 997] = 0.0
     assert_same_mx(f"{shape} dim={dim}", mxfp8_quantize(x, dim), ref_mxfp8_quantize(x, dim))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quantize_transposed_real_size_gpu():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = (torch.randn(4, 2048, 7168, device="cuda", generator=g) * 0.02).to(torch.bfloat16)  # [E, I, H] gate weight
+    assert_same_mx("w^T", mxfp8_quantize_transposed(w, "w"), ref_mxfp8_quantize(w.transpose(1, 2).contiguous(), 2))
 
 
 @pytest.mark.gpu
