@@ -240,8 +240,8 @@ def _grouped_mm_tma_kernel(
     row_ok = (rows < row_end) & valid
     offs_n = n0 + tl.arange(0, BN)
     n_ok = offs_n < N
-    s_ptrs1 = sb1_ptr + e.to(tl.int64) * stride_se + offs_n * stride_sn  # [BN], block 0
-    s_ptrs2 = sb2_ptr + e.to(tl.int64) * stride_se + offs_n * stride_sn
+    s_off = e.to(tl.int64) * stride_se + offs_n * stride_sn  # [BN], block 0
+    s_ptrs1, s_ptrs2 = sb1_ptr + s_off, sb2_ptr + s_off
 
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     acc2 = tl.zeros((BM, BN), dtype=tl.float32)
@@ -633,10 +633,11 @@ def grouped_wgrad(a_RN, b_RK, group_end_E, precision: str) -> torch.Tensor:
     num_experts, n, k = group_end_E.shape[0], a_RN.shape[1], b_RK.shape[1]
     c_ENK = torch.empty(num_experts, n, k, dtype=torch.bfloat16, device=a_RN.device)
     if num_experts:
-        out_tiles, k_tiles = triton.cdiv(n, cfg["BN"]) * num_experts, triton.cdiv(k, cfg["BK"])
+        n_tiles, k_tiles = triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"])
         flat = a_RN.shape[0] < _WGRAD_FLAT_MAX_ROWS * num_experts
-        per_program = triton.cdiv(k_tiles, min(k_tiles, triton.cdiv(_WGRAD_MIN_PROGRAMS, out_tiles))) if flat else 1
-        grid = (triton.cdiv(n, cfg["BN"]), num_experts, triton.cdiv(k_tiles, per_program))
+        splits = min(k_tiles, triton.cdiv(_WGRAD_MIN_PROGRAMS, n_tiles * num_experts))
+        per_program = triton.cdiv(k_tiles, splits) if flat else 1
+        grid = (n_tiles, num_experts, triton.cdiv(k_tiles, per_program))
         _grouped_wgrad_kernel[grid](a_RN, b_RK, c_ENK, group_end_E, n, k, per_program, FLAT=flat, DOT_F32=_DOT_F32,
                                     **cfg)
     return c_ENK

@@ -54,17 +54,8 @@ def mx_exp2(e):
 
 
 @triton.jit
-def mx_scale_value(e):
-    """2^e as fp32 for int32 e in [-127, 127] (2^-127 is subnormal), NaN for e = 128 (E8M0 0xFF)."""
-    v = mx_exp2(tl.maximum(e, -126))
-    v = tl.where(e == -127, 5.877471754111438e-39, v)
-    return tl.where(e == 128, float("nan"), v)
-
-
-@triton.jit
 def mx_scale_of_bits(bits):
-    """The E8M0 scale with these bits as fp32, 2^(bits - 127): 2^-127 (subnormal) for 0, NaN for 0xFF.
-    Fewer instructions than mx_scale_value(bits - 127): GEMMs convert one per weight row and K block."""
+    """The E8M0 scale with these bits as fp32, 2^(bits - 127): 2^-127 (subnormal) for 0, NaN for 0xFF."""
     b = bits.to(tl.int32)
     v = tl.where(b == 0, 5.877471754111438e-39, (b << 23).to(tl.float32, bitcast=True))
     return tl.where(b == 255, float("nan"), v)
@@ -117,7 +108,7 @@ def mx_dequantize_bf16(q, e, bad):
     """The values an MXFP8 GEMM multiplies, as bf16: q * 2^e, NaN for NaN/Inf blocks. Exact for
     |q * 2^e| >= 2^-126 (bf16's smallest normal); below, a backend may flush or round the
     subnormal product (only blocks with amax < ~2^-117 have such values)."""
-    return tl.where(bad, float("nan"), q.to(tl.float32) * mx_scale_value(e)).to(tl.bfloat16)
+    return tl.where(bad, float("nan"), q.to(tl.float32) * mx_scale_of_bits(e + 127)).to(tl.bfloat16)
 
 
 @triton.jit
