@@ -34,7 +34,6 @@ import triton
 
 from titan_mok.kernels import grouped_gemm as gg
 from titan_mok.kernels.grouped_ffn import weight_operand
-from titan_mok.kernels.mxfp8_quant import mxfp8_quantize
 
 # name: (H, I, E, top-k)
 SHAPES = {
@@ -134,10 +133,10 @@ def ffn_operands(c, precision, fp8_mma=False):
 def phases_ours(c, precision, fp8_mma=False):
     phases = {}
     if precision == "mxfp8":
-        def wquant():  # both layouts of all three weights, once per optimizer step if cached
+        def wquant():  # both layouts of all three weights, as the FFN quantizes them each pass
             for w in (c.w_gate, c.w_up, c.w_down):
-                mxfp8_quantize(w, 2)
-                mxfp8_quantize(w, 1)
+                weight_operand(w, "mxfp8", 2, "w")
+                weight_operand(w, "mxfp8", 1, "w")
 
         phases["wquant"] = wquant
     (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision, fp8_mma)
