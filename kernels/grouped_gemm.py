@@ -47,10 +47,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from titan_mok.kernels import grouped_mm_ws
+from titan_mok.kernels.grouped_tiles import _bf16_rne, _epilogue, _tile_of_program
 from titan_mok.kernels.mxfp8_quant import (
     _COLS_BQ,
     _COLS_WARPS,
-    _ROUND_IN_FP32,
     mx_dequantize_bf16,
     mx_quantize_block,
     mx_scale_of_bits,
@@ -76,6 +77,16 @@ _MM_CONFIGS = {
     "mxfp8/swiglu": dict(BM=128, BN=64, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8/swiglu_bwd": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8/dual": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
+    # MXFP8 on CUDA: the warp-specialized Gluon kernel (grouped_mm_ws) where it is faster, else (None)
+    # the Triton kernel above. STAGES TMA slots of one 32-wide K step; WSTAGES dequantized-weight
+    # slots of SUB steps each (STAGES >= 2 * SUB, or the ring deadlocks); DQ_WARPS/DQ_REGS the
+    # dequantizer's warps and registers per thread; maxnreg bounds the CTA's registers.
+    "mxfp8_ws/plain": None,
+    "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, WSTAGES=2, SUB=1, DQ_WARPS=4, DQ_REGS=96,
+                            num_warps=8, maxnreg=128),
+    "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, WSTAGES=2, SUB=1, DQ_WARPS=4, DQ_REGS=96,
+                                num_warps=8, maxnreg=128),
+    "mxfp8_ws/dual": None,
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
 }
 # Weight gradient: the flat loop while experts average fewer than _WGRAD_FLAT_MAX_ROWS rows (a
@@ -139,33 +150,6 @@ def ref_grouped_wgrad(a_RN: torch.Tensor, b_RK: torch.Tensor, group_end_E: torch
 
 
 @triton.jit
-def _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     GROUP_M: tl.constexpr):
-    """Tile t -> (expert, first row of the tile, end row of the expert, first column)."""
-    lo = t * 0
-    hi = lo + E
-    for _ in tl.static_range(LOG_E):  # binary search: the first e with tile_end[e] > t
-        active = lo < hi
-        mid = (lo + hi) // 2
-        v = tl.load(tile_end_ptr + tl.minimum(mid, E - 1))
-        right = active & (v <= t)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(active & (v > t), mid, hi)
-    e = tl.minimum(lo, E - 1)  # past the last tile (see the callers): any expert, nothing is stored
-    tile_start = tl.load(tile_end_ptr + e - 1, mask=e > 0, other=0)
-    row_start = tl.load(group_end_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
-    row_end = tl.load(group_end_ptr + e).to(tl.int32)
-    local = t - tile_start
-    m_tiles = tl.cdiv(row_end - row_start, BM)
-    in_group = GROUP_M * tl.cdiv(N, BN)
-    first_m = (local // in_group) * GROUP_M
-    group_m = tl.maximum(tl.minimum(m_tiles - first_m, GROUP_M), 1)
-    pid_m = first_m + (local % in_group) % group_m
-    pid_n = (local % in_group) // group_m
-    return e, row_start + pid_m * BM, row_end, pid_n * BN
-
-
-@triton.jit
 def _dot(a, b, acc, DOT_F32: tl.constexpr):
     # NOTE: Triton compiles the statements after a constexpr-guarded return too: one return per helper.
     if DOT_F32:
@@ -183,25 +167,6 @@ def _fp8_mma_block(acc, a_ptrs, a_ok, sa_ptrs, sa_ok, b_ptrs, b_ok, sb_ptrs, sb_
     sa = mx_scale_of_bits(tl.load(sa_ptrs, mask=sa_ok, other=127))  # [BM]
     sb = mx_scale_of_bits(tl.load(sb_ptrs, mask=sb_ok, other=127))  # [BN]
     return acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
-
-
-@triton.jit
-def _bf16_rne(x):
-    """fp32 -> bf16, round to nearest even: the GPU's cast (cvt.rn); under Triton 3.6's CPU
-    interpreter, which truncates in .to(tl.bfloat16), spelled out in integer ops."""
-    if _ROUND_IN_FP32:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    return x.to(tl.bfloat16)
-
-
-@triton.jit
-def _swiglu_clamped(g, u, limit, HAS_LIMIT: tl.constexpr):
-    if HAS_LIMIT:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    return g, u
 
 
 @triton.jit
@@ -361,33 +326,6 @@ def _grouped_mm_fp8_mma_kernel(
 
 
 @triton.jit
-def _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE: tl.constexpr,
-              HAS_LIMIT: tl.constexpr):
-    """Stores of one output tile (either orientation: c_off/c_ok give each element's place)."""
-    if MODE == 1:  # g, u stored in the activation dtype; h = silu(g) * u from the stored values
-        g = _bf16_rne(acc1)
-        u = _bf16_rne(acc2)
-        gc, uc = _swiglu_clamped(g.to(tl.float32), u.to(tl.float32), limit, HAS_LIMIT)
-        tl.store(c1_ptr + c_off, g, mask=c_ok)
-        tl.store(c2_ptr + c_off, u, mask=c_ok)
-        tl.store(c3_ptr + c_off, _bf16_rne(gc * tl.sigmoid(gc) * uc), mask=c_ok)
-    elif MODE == 2:  # acc1 = dh; dg, du of h = silu(clamp(g)) * clamp(u)
-        g = tl.load(g_ptr + c_off, mask=c_ok, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + c_off, mask=c_ok, other=0.0).to(tl.float32)
-        gc, uc = _swiglu_clamped(g, u, limit, HAS_LIMIT)
-        sig = tl.sigmoid(gc)
-        dg = acc1 * uc * sig * (1 + gc * (1 - sig))
-        du = acc1 * gc * sig
-        if HAS_LIMIT:  # the clamp passes the gradient only where it did not clip
-            dg = tl.where(g <= limit, dg, 0.0)
-            du = tl.where(tl.abs(u) <= limit, du, 0.0)
-        tl.store(c1_ptr + c_off, _bf16_rne(dg), mask=c_ok)
-        tl.store(c2_ptr + c_off, _bf16_rne(du), mask=c_ok)
-    else:
-        tl.store(c1_ptr + c_off, _bf16_rne(acc1), mask=c_ok)
-
-
-@triton.jit
 def _mx_fake_quant_groups_kernel(
     x_ptr, y_ptr,  # x [R, N] row-major (any float), y [R, N] bf16
     group_end_ptr, block_end_ptr,
@@ -483,17 +421,20 @@ def _a_operand(a, mx: bool, fp8_mma: bool, name: str):
     return mxfp8_fake_quantize(a, name), None
 
 
-def _tma_descriptor(t2d: torch.Tensor, block: list[int], name: str) -> TensorDescriptor:
-    """TMA descriptor of a row-major 2D view; TMA needs a 16-byte aligned start and row stride."""
+def _tma_descriptor(t2d: torch.Tensor, block: list[int], name: str, gluon: bool = False):
+    """TMA descriptor of a row-major 2D view (Triton's, or Gluon's with the default swizzled layout);
+    TMA needs a 16-byte aligned start and row stride."""
     row_bytes = t2d.stride(0) * t2d.element_size()
     if t2d.stride(1) != 1 or row_bytes % 16 or t2d.data_ptr() % 16:
         raise ValueError(f"{name}: the TMA loads need a row-major view with a 16-byte aligned start and row stride "
                          f"(a multiple of {16 // t2d.element_size()} elements of {t2d.dtype}); got shape "
                          f"{tuple(t2d.shape)}, strides {t2d.stride()}")
+    if gluon:
+        return grouped_mm_ws.tma_descriptor(t2d, block)
     return TensorDescriptor.from_tensor(t2d, block)
 
 
-def _weight_descriptors(b1_data: torch.Tensor, b2_data: torch.Tensor, block_n: int, block_k: int):
+def _weight_descriptors(b1_data: torch.Tensor, b2_data: torch.Tensor, block_n: int, block_k: int, gluon: bool):
     """(B_KN, TMA descriptors of both weights [E, N, K]): each a contiguous [E, N, K] (blocks
     [block_n, block_k] of [E*N, K]) or the transposed view of a contiguous [E, K, N] (B_KN;
     blocks [block_k, block_n] of [E*K, N]), both in the same layout."""
@@ -503,9 +444,9 @@ def _weight_descriptors(b1_data: torch.Tensor, b2_data: torch.Tensor, block_n: i
         if b.shape != b1_data.shape:
             raise ValueError(f"{name}: shape {tuple(b.shape)} differs from b1's {tuple(b1_data.shape)}")
         if b.is_contiguous():
-            descs.append(_tma_descriptor(b.view(num_experts * n, k), [block_n, block_k], name))
+            descs.append(_tma_descriptor(b.view(num_experts * n, k), [block_n, block_k], name, gluon))
         elif b.transpose(1, 2).is_contiguous():
-            descs.append(_tma_descriptor(b.transpose(1, 2).reshape(num_experts * k, n), [block_k, block_n], name))
+            descs.append(_tma_descriptor(b.transpose(1, 2).reshape(num_experts * k, n), [block_k, block_n], name, gluon))
         else:
             raise ValueError(f"{name}: a weight must be a contiguous [E, N, K] or the transposed view of a "
                              f"contiguous [E, K, N], got strides {b.stride()}")
@@ -523,12 +464,22 @@ def _tile_ends(group_end_E: torch.Tensor, rows_per_tile: int, tiles_per_rows: in
     )
 
 
-def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_limit=None, fp8_mma=False):
+def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_limit=None, fp8_mma=False,
+               warp_specialized=None):
+    """warp_specialized (MXFP8 only): the Gluon kernel of grouped_mm_ws; None picks it on CUDA outside
+    Triton's interpreter (False: the Triton kernel it must match, for tests and benchmarks)."""
     b1_data, b1_s = _b_operand(b1, "b1")
     b2_data, b2_s = _b_operand(b2, "b2") if b2 is not None else (b1_data, b1_s)
     mx = b1_s is not None
     fp8_mma = fp8_mma and mx
-    cfg = _MM_CONFIGS[mm_config_key(mode, mx, fp8_mma)]
+    ws_cfg = _MM_CONFIGS.get(mm_config_key(mode, True, False, True)) if mx and not fp8_mma else None
+    if warp_specialized is None:
+        warp_specialized = b1_data.is_cuda and not _DOT_F32 and ws_cfg is not None
+    warp_specialized = warp_specialized and mx and not fp8_mma
+    if warp_specialized and ws_cfg is None:
+        raise ValueError(f"{mm_config_key(mode, True, False, True)} has no config (None: this kind runs the Triton "
+                         "kernel); set one to run the warp-specialized kernel")
+    cfg = dict(_MM_CONFIGS[mm_config_key(mode, mx, fp8_mma, warp_specialized)])
     num_experts, n, k = b1_data.shape
     if a1.shape[1] != k:
         raise ValueError(f"A operand has K = {a1.shape[1]}, B has K = {k}")
@@ -553,20 +504,28 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         )
         return
     block_k = 32 if mx else cfg["BK"]  # the MXFP8 path loads one scale block at a time
-    a_descs = [_tma_descriptor(a, [bm, block_k], name) for name, a in (("a1", a1), ("a2", a2))]
-    b_kn, b_descs = _weight_descriptors(b1_data, b2_data, bn, block_k)
+    a_descs = [_tma_descriptor(a, [bm, block_k], name, warp_specialized) for name, a in (("a1", a1), ("a2", a2))]
+    b_kn, b_descs = _weight_descriptors(b1_data, b2_data, bn, block_k, warp_specialized)
     scales = (b1_s, b2_s) if mx else (a1, a1)  # bf16: never read
-    _grouped_mm_tma_kernel[grid](
-        *a_descs, *b_descs, *scales, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
-        *(b1_s.stride() if mx else (0, 0, 0)), limit, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32, **common,
-    )
+    args = (*a_descs, *b_descs, *scales, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
+            *(b1_s.stride() if mx else (0, 0, 0)), limit)
+    if warp_specialized:
+        if cfg["STAGES"] < 2 * cfg["SUB"]:
+            raise ValueError(f"{mm_config_key(mode, True, False, True)}: STAGES={cfg['STAGES']} must be >= 2 * SUB "
+                             f"(SUB={cfg['SUB']}): a group's A tiles stay held until the next group's MMAs are issued")
+        if (k // 32) % cfg["SUB"]:  # the kernel hands SUB whole K steps at a time to its MMAs
+            common["SUB"] = 1
+        grouped_mm_ws._grouped_mm_mx_ws_kernel[grid](*args, B_KN=b_kn, **common)
+    else:
+        _grouped_mm_tma_kernel[grid](*args, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32, **common)
 
 
-def mm_config_key(mode: int, mx: bool, fp8_mma: bool) -> str:
+def mm_config_key(mode: int, mx: bool, fp8_mma: bool, warp_specialized: bool = False) -> str:
     """The ``_MM_CONFIGS`` entry a grouped_mm of this kind and precision runs with."""
     if fp8_mma:
         return "mxfp8_fp8_mma"
-    return f"{'mxfp8' if mx else 'bf16'}/{_MODE_NAMES[mode]}"
+    precision = ("mxfp8_ws" if warp_specialized else "mxfp8") if mx else "bf16"
+    return f"{precision}/{_MODE_NAMES[mode]}"
 
 
 def _new_rows(like: torch.Tensor, n: int, zero: bool) -> torch.Tensor:

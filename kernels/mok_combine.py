@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_mok.kernels.grouped_gemm import _bf16_rne
+from titan_mok.kernels.grouped_tiles import _bf16_rne
 
 _BLOCK_H = 1024
 

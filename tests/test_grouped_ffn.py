@@ -10,7 +10,8 @@ intermediates (g, u, h, dgate, dup), which can flip an occasional MXFP8 element 
 import pytest
 import torch
 
-from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
+from titan_mok.kernels import grouped_gemm as gg
+from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, weight_operand
 from titan_mok.kernels.grouped_gemm import grouped_mm, mxfp8_fake_quantize_groups, ref_grouped_mm
 from titan_mok.mxfp8 import MXTensor, fake_quantize_mxfp8
 from titan_mok.kernels.mxfp8_quant import mxfp8_quantize
@@ -145,7 +146,6 @@ def test_mxfp8_reference_quantizes():
 def test_wgrad_loop_shapes_keep_bits(monkeypatch):
     """The weight gradient's loop shape (flat over K tiles and row blocks, or one K tile per
     program) and the split of K tiles among programs follow the shapes; the bits do not."""
-    import titan_mok.kernels.grouped_gemm as gg
 
     g = torch.Generator().manual_seed(3)
     a, b = (torch.randn(45, n, generator=g).to(torch.bfloat16).to(DEVICE) for n in (32, 3 * 128 + 16))
@@ -201,3 +201,67 @@ def test_gpu_real_sizes(name, dim_h, dim_i, counts, precision):
     sub_end = torch.full_like(group_end, counts[0])
     alone = run(sub, sub_end, precision=precision, swiglu_limit=limit, use_triton=True)
     assert torch.equal(alone[0], tri[0][: counts[0]]) and torch.equal(alone[1], tri[1][: counts[0]])
+
+
+def _mx_kinds(counts, dim_h, dim_i, w_kn):
+    """Inputs of the four kinds of MXFP8 grouped_mm at these sizes: {kind: (mode, a1, a2, b1, b2, outs, gu)}.
+    w_kn: the dgrad weights as transposed views of contiguous [E, K, N] (else contiguous [E, N, K])."""
+    (x, w_gate, w_up, w_down, dy), group_end = make_case(counts=counts, dim_h=dim_h, dim_i=dim_i, padding=5)
+    g = torch.Generator().manual_seed(1)
+    rows = x.shape[0]
+    g_, u_, h, dg, du = (torch.randn(rows, dim_i, generator=g).mul(3).to(torch.bfloat16).to(DEVICE) for _ in range(5))
+
+    def fwd(w):  # [E, N, K] blocked along K
+        return weight_operand(w, "mxfp8", 2, "w")
+
+    def dgrad(w):  # [E, X, Y] -> [E, Y, X] blocked along X
+        if w_kn:
+            m = mxfp8_quantize(w, 1, "w")
+            return MXTensor(m.data.transpose(1, 2), m.scale.transpose(1, 2), dim=2)
+        return weight_operand(w, "mxfp8", 1, "w")
+
+    def out(n, k=1):
+        return [torch.zeros(rows, n, dtype=torch.bfloat16, device=DEVICE) for _ in range(k)]
+
+    return group_end, {
+        "plain": (gg.PLAIN, h, None, fwd(w_down), None, lambda: out(dim_h), (None, None)),
+        "swiglu": (gg.SWIGLU, x, None, fwd(w_gate), fwd(w_up), lambda: out(dim_i, 3), (None, None)),
+        "swiglu_bwd": (gg.SWIGLU_BWD, dy, None, dgrad(w_down), None, lambda: out(dim_i, 2), (g_, u_)),
+        "dual": (gg.DUAL, dg, du, dgrad(w_gate), dgrad(w_up), lambda: out(dim_h), (None, None)),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("w_kn", [False, True])
+@pytest.mark.parametrize("sub", [1, 4])
+def test_warp_specialized_matches_triton_bits(monkeypatch, sub, w_kn):
+    """The Gluon warp-specialized MXFP8 kernel gives the Triton kernel's bits for every kind, both
+    weight layouts, an empty expert, a partial N tile, padding rows, with SUB 4 and the SUB=1
+    fallback (I = 224: 7 K steps)."""
+    for kind in gg._MODE_NAMES.values():
+        monkeypatch.setitem(gg._MM_CONFIGS, f"mxfp8_ws/{kind}", dict(
+            BM=128, BN=64 if kind == "swiglu" else 128, GROUP_M=8, STAGES=2 * sub, WSTAGES=2, SUB=sub, DQ_WARPS=4,
+            DQ_REGS=96, num_warps=8, maxnreg=128))
+    for dim_h, dim_i, counts in ((512, 224, [70, 0, 200]), (1024, 256, [1, 129, 0, 64])):
+        group_end, kinds = _mx_kinds(counts, dim_h, dim_i, w_kn)
+        for kind, (mode, a1, a2, b1, b2, outs, gu) in kinds.items():
+            ref, ws = outs(), outs()
+            gg._launch_mm(mode, a1, a2, b1, b2, group_end, ref, gu=gu, swiglu_limit=7.0, warp_specialized=False)
+            gg._launch_mm(mode, a1, a2, b1, b2, group_end, ws, gu=gu, swiglu_limit=7.0, warp_specialized=True)
+            n = sum(counts)
+            for r, w in zip(ref, ws):
+                assert torch.equal(r[:n], w[:n]), f"{kind} (H={dim_h}, I={dim_i}): warp-specialized bits differ"
+
+
+def test_warp_specialized_config_guard(monkeypatch):
+    """A warp-specialized config whose TMA ring is shorter than two handoff groups would deadlock: refused by name."""
+    monkeypatch.setitem(gg._MM_CONFIGS, "mxfp8_ws/plain", dict(
+        BM=128, BN=128, GROUP_M=8, STAGES=6, WSTAGES=2, SUB=4, DQ_WARPS=4, DQ_REGS=96, num_warps=8, maxnreg=128))
+    (x, _, _, w_down, _), group_end = make_case(counts=[3, 5], dim_h=64, dim_i=64, device="cpu")
+    c = torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"mxfp8_ws/plain: STAGES=6 must be >= 2 \* SUB"):
+        gg._launch_mm(gg.PLAIN, x, None, mxfp8_quantize(w_down, 2, "w"), None, group_end, [c], warp_specialized=True)
+    monkeypatch.setitem(gg._MM_CONFIGS, "mxfp8_ws/plain", None)
+    with pytest.raises(ValueError, match="mxfp8_ws/plain has no config"):
+        gg._launch_mm(gg.PLAIN, x, None, mxfp8_quantize(w_down, 2, "w"), None, group_end, [c], warp_specialized=True)

@@ -313,25 +313,37 @@ def run_case(name, H, I, counts, ceil, impls, rep_ms, log):
 _KINDS = ("plain", "swiglu", "swiglu_bwd", "dual")
 _BF16_VARIANTS = [dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=w, num_stages=st)
                   for bn, w, st in ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 8, 3))]
-_MX_VARIANTS = [dict(BM=128, BN=bn, BK=32, GROUP_M=8, num_warps=w, num_stages=st)
-                for bn, w, st in ((128, 8, 3), (128, 4, 3), (64, 4, 3), (64, 8, 3))]
+
+
+def _ws(bn=128, sub=1, stages=4, num_warps=8, maxnreg=128):
+    return dict(BM=128, BN=bn, GROUP_M=8, STAGES=stages, WSTAGES=2, SUB=sub, DQ_WARPS=4, DQ_REGS=96,
+                num_warps=num_warps, maxnreg=maxnreg)
+
+
+# MXFP8 on CUDA: None runs the Triton kernel ("mxfp8/<kind>"), a dict the warp-specialized one.
+_MX_WS_VARIANTS = [None, _ws(), _ws(sub=2), _ws(sub=4, stages=8)]
 TUNE_VARIANTS = {
     **{f"bf16/{kind}": _BF16_VARIANTS for kind in _KINDS},
-    **{f"mxfp8/{kind}": _MX_VARIANTS for kind in _KINDS},
+    "mxfp8_ws/plain": _MX_WS_VARIANTS + [_ws(sub=2, num_warps=4, maxnreg=168)],
+    "mxfp8_ws/swiglu": _MX_WS_VARIANTS[:3] + [_ws(bn=64, sub=4, stages=8)],
+    "mxfp8_ws/swiglu_bwd": _MX_WS_VARIANTS,
+    "mxfp8_ws/dual": _MX_WS_VARIANTS,
     "mxfp8_fp8_mma": [dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
                       dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)],
 }
 
 
 def gemms_by_kind(c, precision):
-    """One grouped GEMM of each kind in this precision (the ``_MM_CONFIGS`` entries "<precision>/<kind>")."""
+    """One grouped GEMM of each kind in this precision, keyed by the ``_MM_CONFIGS`` entry that picks
+    its kernel on CUDA: "bf16/<kind>", or for MXFP8 "mxfp8_ws/<kind>"."""
     (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision)
     ge = c.group_end
+    key = "mxfp8_ws" if precision == "mxfp8" else precision
     return {
-        f"{precision}/swiglu": lambda: gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None),
-        f"{precision}/plain": lambda: gg.grouped_mm(h, ge, wd),
-        f"{precision}/swiglu_bwd": lambda: gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None),
-        f"{precision}/dual": lambda: gg.grouped_mm_sum(dg, du, ge, wg_t, wu_t),
+        f"{key}/swiglu": lambda: gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None),
+        f"{key}/plain": lambda: gg.grouped_mm(h, ge, wd),
+        f"{key}/swiglu_bwd": lambda: gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None),
+        f"{key}/dual": lambda: gg.grouped_mm_sum(dg, du, ge, wg_t, wu_t),
     }
 
 
@@ -347,13 +359,13 @@ def tune(log, kernels):
     for cname, counts in cases.items():
         c = Case(H, I, counts)
         timed = {}
-        for precision in ("bf16", "mxfp8"):
-            if any(key.startswith(f"{precision}/") for key in kernels):
+        for precision, prefix in (("bf16", "bf16/"), ("mxfp8", "mxfp8_ws/")):
+            if any(key.startswith(prefix) for key in kernels):
                 timed.update(gemms_by_kind(c, precision))
         if "mxfp8_fp8_mma" in kernels:
             timed["mxfp8_fp8_mma"] = phases_ours(c, "mxfp8", fp8_mma=True)["fwd"]
         for key in kernels:
-            default = dict(gg._MM_CONFIGS[key])
+            default = gg._MM_CONFIGS[key]
             for i, v in enumerate(TUNE_VARIANTS[key]):
                 gg._MM_CONFIGS[key] = v
                 try:
@@ -396,7 +408,7 @@ def main():
     impls = args.impls.split(",")
     if args.tune:
         kernels = {"ours_bf16": [k for k in TUNE_VARIANTS if k.startswith("bf16/")],
-                   "ours_mxfp8": [k for k in TUNE_VARIANTS if k.startswith("mxfp8/")],
+                   "ours_mxfp8": [k for k in TUNE_VARIANTS if k.startswith("mxfp8_ws/")],
                    "ours_mxfp8_fp8mma": ["mxfp8_fp8_mma"]}
         tune(log, [key for i in impls for key in kernels.get(i, [])])
     results = []
