@@ -24,7 +24,9 @@ each group's first row; a group's last block is zero-padded), so no tile re-quan
 Default (``_grouped_mm_tma_kernel``, bf16 and MXFP8): operand tiles by TMA; an MXFP8 weight
 tile is dequantized in registers one 32-wide scale block at a time (E4M3 * 2^e -> bf16, exact)
 and reaches the bf16 tensor cores through shared memory, against bf16 activations holding the
-MXFP8 values; the scales of block k+1 are loaded while block k runs. ``fp8_mma=True``
+MXFP8 values; the scales of block k+1 are loaded while block k runs. On CUDA, the MXFP8 kinds
+with a ``"mxfp8_ws/<kind>"`` config run ``grouped_mm_ws`` instead: the same tiles and bits, with
+loading, dequantization and MMAs in separate warp partitions. ``fp8_mma=True``
 (``_grouped_mm_fp8_mma_kernel``): E4M3 x E4M3 MMAs per 32-wide K block, each partial sum promoted
 into the fp32 accumulator with its two scales (DeepGEMM-style); measured slower on H200 (NOTES.md).
 fp32 accumulation, one program per output tile, fixed K order: no split-K, no atomics,
@@ -77,14 +79,13 @@ _MM_CONFIGS = {
     "mxfp8/swiglu": dict(BM=128, BN=64, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8/swiglu_bwd": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8/dual": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
-    # MXFP8 on CUDA: the warp-specialized Gluon kernel (grouped_mm_ws) where it is faster, else (None)
-    # the Triton kernel above. STAGES TMA slots of one 32-wide K step; WSTAGES dequantized-weight
-    # slots of SUB steps each (STAGES >= 2 * SUB, or the ring deadlocks); DQ_WARPS/DQ_REGS the
-    # dequantizer's warps and registers per thread; maxnreg bounds the CTA's registers.
+    # MXFP8 on CUDA: the warp-specialized Gluon kernel (grouped_mm_ws) where it measured faster, else
+    # (None) the Triton kernel above. STAGES TMA slots of one 32-wide K step; WSTAGES dequantized-weight
+    # slots; DQ_REGS registers per dequantizing thread; maxnreg bounds the CTA's registers.
     "mxfp8_ws/plain": None,
-    "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, WSTAGES=2, SUB=1, DQ_WARPS=4, DQ_REGS=96,
+    "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, WSTAGES=2, DQ_REGS=96,
                             num_warps=8, maxnreg=128),
-    "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, WSTAGES=2, SUB=1, DQ_WARPS=4, DQ_REGS=96,
+    "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, WSTAGES=2, DQ_REGS=96,
                                 num_warps=8, maxnreg=128),
     "mxfp8_ws/dual": None,
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
@@ -510,11 +511,6 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     args = (*a_descs, *b_descs, *scales, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
             *(b1_s.stride() if mx else (0, 0, 0)), limit)
     if warp_specialized:
-        if cfg["STAGES"] < 2 * cfg["SUB"]:
-            raise ValueError(f"{mm_config_key(mode, True, False, True)}: STAGES={cfg['STAGES']} must be >= 2 * SUB "
-                             f"(SUB={cfg['SUB']}): a group's A tiles stay held until the next group's MMAs are issued")
-        if (k // 32) % cfg["SUB"]:  # the kernel hands SUB whole K steps at a time to its MMAs
-            common["SUB"] = 1
         grouped_mm_ws._grouped_mm_mx_ws_kernel[grid](*args, B_KN=b_kn, **common)
     else:
         _grouped_mm_tma_kernel[grid](*args, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32, **common)

@@ -1,16 +1,17 @@
-"""Warp-specialized MXFP8 grouped GEMM for Hopper (Gluon), the CUDA path of ``grouped_mm``'s MXFP8 kinds.
+"""Warp-specialized MXFP8 grouped GEMM for Hopper (Gluon): ``grouped_mm``'s MXFP8 kinds on CUDA where
+``_MM_CONFIGS["mxfp8_ws/<kind>"]`` gives it a config (SwiGLU gate/up and the SwiGLU-backward dgrad,
+measured faster there; NOTES.md, "Warp-specialized MXFP8 GEMM, session 6").
 
 Same contract, tiles and K order as ``grouped_gemm._grouped_mm_tma_kernel`` (MX=True), which stays
-the definition it must match bit for bit and the path Triton's CPU interpreter runs (Gluon has no
-interpreter). What differs is who does what. In the one-warpgroup kernel each 32-wide K block runs
-TMA wait -> dequantize the weight tile -> store it to shared memory -> MMA -> wait, one after the
-other (NOTES.md, session 5: ~730 cycles per block against a 248-cycle HBM budget). Here three
-partitions of one CTA overlap those steps through mbarrier rings:
+the definition it must match bit for bit (GPU test) and the path Triton's CPU interpreter runs
+(Gluon has no interpreter). What differs is who does what. In the one-warpgroup kernel each 32-wide
+K step runs TMA wait -> dequantize the weight tile -> store it to shared memory -> MMA -> wait, one
+after the other. Here three partitions of one CTA overlap those steps through mbarrier rings:
 
 - loader (1 warp): TMA loads of the activation tile [BM, 32] and the E4M3 weight tile(s) [BN, 32];
 - dequantizer (a warpgroup): E4M3 * 2^e -> bf16 (exact), into a ring of bf16 weight tiles;
-- MMA (the default partition, a warpgroup): async wgmma on the bf16 tiles, one step in flight,
-  then the epilogue (``grouped_tiles._epilogue``, shared with the Triton kernel).
+- MMA (the default partition, num_warps warps): async wgmma on the bf16 tiles, one step in
+  flight, then the epilogue (``grouped_tiles._epilogue``, shared with the Triton kernel).
 
 One step = one 32-wide K block (one E8M0 scale per weight row). DUAL runs its two (A, B) pairs as
 consecutive steps into one accumulator, SWIGLU dequantizes two weights per step.
@@ -77,14 +78,14 @@ def _load_step(a_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, s, e, m0, n0, N, 
 def _dequantizer(w_bufs, wbf_bufs, full, empty, wready, wempty, sb1_ptr, sb2_ptr, e, n0, N, k_steps, n_steps,
                  stride_se, stride_sn, stride_sk,
                  MODE: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                 WSTAGES: gl.constexpr, SUB: gl.constexpr, DQ_WARPS: gl.constexpr):
-    """SUB steps per handoff to the MMA: one proxy fence and one arrive per SUB weight tiles."""
-    # each thread converts 16 consecutive bytes of a weight row: one 16-byte shared load, two 16-byte stores
+                 WSTAGES: gl.constexpr):
+    # one warpgroup; each thread converts 16 consecutive bytes of a weight row: one 16-byte shared
+    # load, two 16-byte stores
     if B_KN:  # tiles [32, BN], scales along dim 1
-        DQ: gl.constexpr = gl.BlockedLayout([1, 16], [512 // BN, BN // 16], [DQ_WARPS, 1], [1, 0])
+        DQ: gl.constexpr = gl.BlockedLayout([1, 16], [512 // BN, BN // 16], [4, 1], [1, 0])
         S_LAYOUT: gl.constexpr = gl.SliceLayout(0, DQ)
     else:  # tiles [BN, 32], scales along dim 0
-        DQ: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [DQ_WARPS, 1], [1, 0])
+        DQ: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
         S_LAYOUT: gl.constexpr = gl.SliceLayout(1, DQ)
     offs_n = n0 + gl.arange(0, BN, layout=S_LAYOUT)
     n_ok = offs_n < N
@@ -92,22 +93,20 @@ def _dequantizer(w_bufs, wbf_bufs, full, empty, wready, wempty, sb1_ptr, sb2_ptr
     # E8M0 bits two steps ahead, so a step's global-load latency overlaps earlier steps' work
     sa1, sa2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 0, k_steps, n_steps, stride_sk, MODE, NB)
     sb1, sb2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 1, k_steps, n_steps, stride_sk, MODE, NB)
-    for t in range(n_steps // SUB):
-        j = t % WSTAGES
-        mbarrier.wait(wempty.index(j), ((t // WSTAGES) & 1) ^ 1)  # the MMAs that read slot j are done
-        for g in gl.static_range(SUB):
-            i = t * SUB + g
-            s = i % STAGES
-            s1, s2 = sa1, sa2
-            sa1, sa2 = sb1, sb2
-            sb1, sb2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i + 2, k_steps, n_steps, stride_sk, MODE, NB)
-            mbarrier.wait(full.index(s), (i // STAGES) & 1)
-            wbf_bufs.index((j * SUB + g) * NB).store(_dequantize(w_bufs.index(s * NB).load(DQ), s1, B_KN))
-            if NB == 2:
-                wbf_bufs.index((j * SUB + g) * NB + 1).store(_dequantize(w_bufs.index(s * NB + 1).load(DQ), s2, B_KN))
-            # the stores above used the loaded values, so the E4M3 slot has been read: hand it back (its
-            # shared reads are complete, so no proxy fence is needed before the next TMA write)
-            mbarrier.arrive(empty.index(s), count=1)
+    for i in range(n_steps):
+        s = i % STAGES
+        j = i % WSTAGES
+        mbarrier.wait(wempty.index(j), ((i // WSTAGES) & 1) ^ 1)  # the MMAs that read slot j are done
+        s1, s2 = sa1, sa2
+        sa1, sa2 = sb1, sb2
+        sb1, sb2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i + 2, k_steps, n_steps, stride_sk, MODE, NB)
+        mbarrier.wait(full.index(s), (i // STAGES) & 1)
+        wbf_bufs.index(j * NB).store(_dequantize(w_bufs.index(s * NB).load(DQ), s1, B_KN))
+        if NB == 2:
+            wbf_bufs.index(j * NB + 1).store(_dequantize(w_bufs.index(s * NB + 1).load(DQ), s2, B_KN))
+        # the stores above used the loaded values, so the E4M3 slot has been read: hand it back (its
+        # shared reads are complete, so no proxy fence is needed before the next TMA write)
+        mbarrier.arrive(empty.index(s), count=1)
         fence_async_shared()  # generic-proxy stores before the wgmma (async proxy) reads them
         mbarrier.arrive(wready.index(j), count=1)
 
@@ -144,29 +143,26 @@ def _dequantize(w, bits, B_KN: gl.constexpr):
 @gluon.jit
 def _mma(a_bufs, wbf_bufs, full, empty, wready, wempty, n_steps,
          B_KN: gl.constexpr, NB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-         WSTAGES: gl.constexpr, SUB: gl.constexpr, ACC: gl.constexpr):
+         WSTAGES: gl.constexpr, ACC: gl.constexpr):
     acc1 = gl.zeros([BM, BN], gl.float32, ACC)
     if NB == 2:
         acc2 = gl.zeros([BM, BN], gl.float32, ACC)
-    for t in range(n_steps // SUB):
-        j = t % WSTAGES
-        mbarrier.wait(wready.index(j), (t // WSTAGES) & 1)
-        for g in gl.static_range(SUB):
-            i = t * SUB + g
-            s = i % STAGES
-            mbarrier.wait(full.index(s), (i // STAGES) & 1)
-            a = a_bufs.index(s)
-            acc1 = warpgroup_mma(a, _b_view(wbf_bufs.index((j * SUB + g) * NB), B_KN), acc1, is_async=True)
-            if NB == 2:
-                acc2 = warpgroup_mma(a, _b_view(wbf_bufs.index((j * SUB + g) * NB + 1), B_KN), acc2, is_async=True)
-        # keep these MMAs in flight; the previous group's are done, so its buffers go back
+    for i in range(n_steps):
+        s = i % STAGES
+        j = i % WSTAGES
+        mbarrier.wait(wready.index(j), (i // WSTAGES) & 1)
+        mbarrier.wait(full.index(s), (i // STAGES) & 1)
+        a = a_bufs.index(s)
+        acc1 = warpgroup_mma(a, _b_view(wbf_bufs.index(j * NB), B_KN), acc1, is_async=True)
         if NB == 2:
-            acc1, acc2 = warpgroup_mma_wait(SUB * 2, deps=(acc1, acc2))
+            acc2 = warpgroup_mma(a, _b_view(wbf_bufs.index(j * NB + 1), B_KN), acc2, is_async=True)
+        # keep this step's MMAs in flight; the previous step's are done, so its buffers go back
+        if NB == 2:
+            acc1, acc2 = warpgroup_mma_wait(2, deps=(acc1, acc2))
         else:
-            acc1 = warpgroup_mma_wait(SUB, deps=(acc1,))
-        for g in gl.static_range(SUB):
-            mbarrier.arrive(empty.index(((t - 1) * SUB + g) % STAGES), count=1, pred=t > 0)
-        mbarrier.arrive(wempty.index((t - 1) % WSTAGES), count=1, pred=t > 0)
+            acc1 = warpgroup_mma_wait(1, deps=(acc1,))
+        mbarrier.arrive(empty.index((i - 1) % STAGES), count=1, pred=i > 0)
+        mbarrier.arrive(wempty.index((i - 1) % WSTAGES), count=1, pred=i > 0)
     if NB == 2:
         acc1, acc2 = warpgroup_mma_wait(0, deps=(acc1, acc2))
     else:
@@ -196,19 +192,19 @@ def _grouped_mm_mx_ws_kernel(
     limit,
     MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, LOG_E: gl.constexpr, B_KN: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, WSTAGES: gl.constexpr,
-    SUB: gl.constexpr, DQ_WARPS: gl.constexpr, DQ_REGS: gl.constexpr, num_warps: gl.constexpr,
+    DQ_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     NB: gl.constexpr = 2 if MODE == 1 else 1  # weight tiles per step (SWIGLU: gate and up)
     t = gl.program_id(0)
     e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
     valid = t < gl.load(tile_end_ptr + E - 1)  # past the last tile: no steps, nothing stored
     k_steps = gl.where(valid, gl.cdiv(K, 32), 0)
-    n_steps = k_steps * (2 if MODE == 3 else 1)  # a multiple of SUB (the launcher's choice)
+    n_steps = k_steps * (2 if MODE == 3 else 1)
 
     a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES] + a1_desc.block_type.shape, a1_desc.layout)
     w_bufs = gl.allocate_shared_memory(b1_desc.dtype, [STAGES * NB] + b1_desc.block_type.shape, b1_desc.layout)
     wbf_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(b1_desc.block_type.shape, gl.bfloat16)
-    wbf_bufs = gl.allocate_shared_memory(gl.bfloat16, [WSTAGES * SUB * NB] + b1_desc.block_type.shape, wbf_layout)
+    wbf_bufs = gl.allocate_shared_memory(gl.bfloat16, [WSTAGES * NB] + b1_desc.block_type.shape, wbf_layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     wready = gl.allocate_shared_memory(gl.int64, [WSTAGES, 1], mbarrier.MBarrierLayout())
@@ -223,12 +219,12 @@ def _grouped_mm_mx_ws_kernel(
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, BN, 16])
     acc1, acc2 = gl.warp_specialize([
-        (_mma, (a_bufs, wbf_bufs, full, empty, wready, wempty, n_steps, B_KN, NB, BM, BN, STAGES, WSTAGES, SUB, ACC)),
+        (_mma, (a_bufs, wbf_bufs, full, empty, wready, wempty, n_steps, B_KN, NB, BM, BN, STAGES, WSTAGES, ACC)),
         (_dequantizer, (w_bufs, wbf_bufs, full, empty, wready, wempty, sb1_ptr, sb2_ptr, e, n0, N, k_steps, n_steps,
-                        stride_se, stride_sn, stride_sk, MODE, B_KN, NB, BN, STAGES, WSTAGES, SUB, DQ_WARPS)),
+                        stride_se, stride_sn, stride_sk, MODE, B_KN, NB, BN, STAGES, WSTAGES)),
         (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, empty, e, m0, n0, N, K, k_steps, n_steps,
                    MODE, B_KN, NB, STAGES)),
-    ], [DQ_WARPS, 1], [DQ_REGS, 24])
+    ], [4, 1], [DQ_REGS, 24])
 
     rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
     offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, ACC))
