@@ -473,14 +473,15 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     b2_data, b2_s = _b_operand(b2, "b2") if b2 is not None else (b1_data, b1_s)
     mx = b1_s is not None
     fp8_mma = fp8_mma and mx
-    ws_cfg = _MM_CONFIGS.get(mm_config_key(mode, True, False, True)) if mx and not fp8_mma else None
+    ws_key = mm_config_key(mode, True, False, True)
+    ws_cfg = _MM_CONFIGS[ws_key] if mx and not fp8_mma else None
     if warp_specialized is None:
         warp_specialized = b1_data.is_cuda and not _DOT_F32 and ws_cfg is not None
     warp_specialized = warp_specialized and mx and not fp8_mma
     if warp_specialized and ws_cfg is None:
-        raise ValueError(f"{mm_config_key(mode, True, False, True)} has no config (None: this kind runs the Triton "
-                         "kernel); set one to run the warp-specialized kernel")
-    cfg = dict(_MM_CONFIGS[mm_config_key(mode, mx, fp8_mma, warp_specialized)])
+        raise ValueError(f"{ws_key} has no config (None: this kind runs the Triton kernel); set one to run the "
+                         "warp-specialized kernel")
+    cfg = ws_cfg if warp_specialized else _MM_CONFIGS[mm_config_key(mode, mx, fp8_mma)]
     num_experts, n, k = b1_data.shape
     if a1.shape[1] != k:
         raise ValueError(f"A operand has K = {a1.shape[1]}, B has K = {k}")
