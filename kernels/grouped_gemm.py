@@ -80,14 +80,13 @@ _MM_CONFIGS = {
     "mxfp8/swiglu_bwd": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8/dual": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     # MXFP8 on CUDA: the warp-specialized Gluon kernel (grouped_mm_ws) where it measured faster, else
-    # (None) the Triton kernel above. STAGES TMA slots of one 32-wide K step; WSTAGES dequantized-weight
-    # slots; DQ_REGS registers per dequantizing thread; maxnreg bounds the CTA's registers.
-    "mxfp8_ws/plain": None,
-    "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, WSTAGES=2, DQ_REGS=96,
-                            num_warps=8, maxnreg=128),
-    "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, WSTAGES=2, DQ_REGS=96,
-                                num_warps=8, maxnreg=128),
-    "mxfp8_ws/dual": None,
+    # (None) the Triton kernel above. BN is fixed at 128 (two warpgroups of 64 weight rows); BM tokens
+    # per tile; STAGES loads in flight (each grouped_mm_ws.KB K blocks); CONSUMER_REGS registers per
+    # thread of the second consumer warpgroup (a worker partition; the first gets what is left).
+    "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, STAGES=3, CONSUMER_REGS=232, num_warps=4),
+    "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, STAGES=3, CONSUMER_REGS=232, num_warps=4),
+    "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, CONSUMER_REGS=248, num_warps=4),
+    "mxfp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, CONSUMER_REGS=232, num_warps=4),
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
 }
 # Weight gradient: the flat loop while experts average fewer than _WGRAD_FLAT_MAX_ROWS rows (a
@@ -473,16 +472,20 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     b2_data, b2_s = _b_operand(b2, "b2") if b2 is not None else (b1_data, b1_s)
     mx = b1_s is not None
     fp8_mma = fp8_mma and mx
+    num_experts, n, k = b1_data.shape
     ws_key = mm_config_key(mode, True, False, True)
     ws_cfg = _MM_CONFIGS[ws_key] if mx and not fp8_mma else None
+    ws_k = 32 * grouped_mm_ws.KB  # its loads take K in blocks of ws_k
     if warp_specialized is None:
-        warp_specialized = b1_data.is_cuda and not _DOT_F32 and ws_cfg is not None
+        warp_specialized = b1_data.is_cuda and not _DOT_F32 and ws_cfg is not None and k % ws_k == 0
     warp_specialized = warp_specialized and mx and not fp8_mma
     if warp_specialized and ws_cfg is None:
         raise ValueError(f"{ws_key} has no config (None: this kind runs the Triton kernel); set one to run the "
                          "warp-specialized kernel")
+    if warp_specialized and k % ws_k:
+        raise ValueError(f"the warp-specialized kernel needs K (here {k}) to be a multiple of {ws_k}; "
+                         "the Triton kernel runs any K")
     cfg = ws_cfg if warp_specialized else _MM_CONFIGS[mm_config_key(mode, mx, fp8_mma)]
-    num_experts, n, k = b1_data.shape
     if a1.shape[1] != k:
         raise ValueError(f"A operand has K = {a1.shape[1]}, B has K = {k}")
     if group_end_E.shape != (num_experts,):
@@ -505,14 +508,15 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
             *b1_data.stride(), *b1_s.stride(), limit, **common,
         )
         return
-    block_k = 32 if mx else cfg["BK"]  # the MXFP8 path loads one scale block at a time
+    block_k = 32 if mx else cfg["BK"]  # the MXFP8 path loads one scale block at a time...
+    block_kw = ws_k if warp_specialized else block_k  # ...but its Gluon kernel's weights KB at a time
     a_descs = [_tma_descriptor(a, [bm, block_k], name, warp_specialized) for name, a in (("a1", a1), ("a2", a2))]
-    b_kn, b_descs = _weight_descriptors(b1_data, b2_data, bn, block_k, warp_specialized)
+    b_kn, b_descs = _weight_descriptors(b1_data, b2_data, bn, block_kw, warp_specialized)
     scales = (b1_s, b2_s) if mx else (a1, a1)  # bf16: never read
     args = (*a_descs, *b_descs, *scales, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
             *(b1_s.stride() if mx else (0, 0, 0)), limit)
     if warp_specialized:
-        grouped_mm_ws._grouped_mm_mx_ws_kernel[grid](*args, B_KN=b_kn, **common)
+        grouped_mm_ws._grouped_mm_mx_ws_kernel[grid](*args, B_KN=b_kn, KB=grouped_mm_ws.KB, **common)
     else:
         _grouped_mm_tma_kernel[grid](*args, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32, **common)
 

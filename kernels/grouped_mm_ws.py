@@ -1,37 +1,35 @@
 """Warp-specialized MXFP8 grouped GEMM for Hopper (Gluon): ``grouped_mm``'s MXFP8 kinds on CUDA where
-``_MM_CONFIGS["mxfp8_ws/<kind>"]`` gives it a config (SwiGLU gate/up and the SwiGLU-backward dgrad,
-measured faster there; NOTES.md, "Warp-specialized MXFP8 GEMM, session 6").
+``_MM_CONFIGS["mxfp8_ws/<kind>"]`` gives it a config and K is a multiple of 32 * KB (NOTES.md,
+"MXFP8 with register-sourced weights, session 7").
 
-Same contract, tiles and K order as ``grouped_gemm._grouped_mm_tma_kernel`` (MX=True), which stays
-the definition it must match bit for bit (GPU test) and the path Triton's CPU interpreter runs
-(Gluon has no interpreter). What differs is who does what. In the one-warpgroup kernel each 32-wide
-K step runs TMA wait -> dequantize the weight tile -> store it to shared memory -> MMA -> wait, one
-after the other. Here three partitions of one CTA overlap those steps through mbarrier rings:
+Same contract and K order as ``grouped_gemm._grouped_mm_tma_kernel`` (MX=True), which stays the
+definition it must match bit for bit (GPU test) and the path Triton's CPU interpreter runs (Gluon has
+no interpreter). The product is computed transposed, C^T [BN weight rows, BM tokens] = W @ A^T, so
+the dequantized weights are the MMA's register operand and never go back to shared memory:
 
-- loader (1 warp): TMA loads of the activation tile [BM, 32] and the E4M3 weight tile(s) [BN, 32];
-- dequantizer (a warpgroup): E4M3 * 2^e -> bf16 (exact), into a ring of bf16 weight tiles;
-- MMA (the default partition, num_warps warps): async wgmma on the bf16 tiles, one step in
-  flight, then the epilogue (``grouped_tiles._epilogue``, shared with the Triton kernel).
+- loader (1 warp): per load, TMA copies of KB activation tiles [BM, 32] (bf16) and of the E4M3 weight
+  tile(s) [BN, 32 * KB] (128-byte rows: the HBM streams those far better than 32-byte ones);
+- two consumer warpgroups, each owning 64 of the tile's weight rows: dequantize the load's KB blocks
+  (E4M3 * 2^e -> bf16, exact) in registers, issue their wgmmas, wait, hand the slot back, and at the
+  end store their half of the tile (``grouped_tiles._epilogue``, shared with the Triton kernel).
 
-One step = one 32-wide K block (one E8M0 scale per weight row). DUAL runs its two (A, B) pairs as
-consecutive steps into one accumulator, SWIGLU dequantizes two weights per step.
+A consumer defines all of a load's register operands before its first wgmma: a register operand
+redefined while a wgmma is in flight makes ptxas serialize every wgmma of the kernel. So a warpgroup
+never overlaps its own dequantization with its MMAs; the two warpgroups (separate partitions, so no
+barrier ties them) fill the tensor cores for each other. DUAL runs its two (A, B) pairs as consecutive
+loads into one accumulator; SWIGLU dequantizes two weights per block.
 """
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from titan_mok.kernels.grouped_tiles import _epilogue, _tile_of_program
 from titan_mok.kernels.mxfp8_quant import mx_scale_of_bits
 
+KB = 4  # 32-wide K blocks per load: [BN, 128] E4M3 weight tiles
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
 
 
@@ -43,77 +41,42 @@ def tma_descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 
 @gluon.jit
-def _loader(a1_desc, a2_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, empty, e, m0, n0, N, K, k_steps, n_steps,
-            MODE: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr, STAGES: gl.constexpr):
-    step_bytes: gl.constexpr = a1_desc.block_type.nbytes + NB * b1_desc.block_type.nbytes
-    for i in range(n_steps):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
-        mbarrier.expect(full.index(s), step_bytes)
-        second = i >= k_steps  # DUAL: the (A2, B2) pair follows (A1, B1) in the same accumulator
-        k = (i - gl.where(second, k_steps, 0)) * 32
+def _load_a(a_desc, a_bufs, bar, s, m0, kb0, KB: gl.constexpr):
+    for q in gl.static_range(KB):
+        tma.async_copy_global_to_shared(a_desc, [m0, (kb0 + q) * 32], bar, a_bufs.index(s * KB + q))
+
+
+@gluon.jit
+def _loader(a1_desc, a2_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, empty, e, m0, n0, N, K, loads_per_pair, n_loads,
+            MODE: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr):
+    load_bytes: gl.constexpr = KB * a1_desc.block_type.nbytes + NB * b1_desc.block_type.nbytes
+    for l in range(n_loads):
+        s = l % STAGES
+        mbarrier.wait(empty.index(s), ((l // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+        mbarrier.expect(full.index(s), load_bytes)
+        second = l >= loads_per_pair  # DUAL: the (A2, B2) pair follows (A1, B1) in the same accumulator
+        kb0 = (l - gl.where(second, loads_per_pair, 0)) * KB
+        if B_KN:
+            w_at = [e * K + kb0 * 32, n0]
+        else:
+            w_at = [e * N + n0, kb0 * 32]
         if MODE == 3:
             if second:
-                _load_step(a2_desc, b2_desc, b2_desc, a_bufs, w_bufs, full, s, e, m0, n0, N, K, k, B_KN, NB)
+                _load_a(a2_desc, a_bufs, full.index(s), s, m0, kb0, KB)
+                tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s))
             else:
-                _load_step(a1_desc, b1_desc, b1_desc, a_bufs, w_bufs, full, s, e, m0, n0, N, K, k, B_KN, NB)
+                _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB)
+                tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s))
         else:
-            _load_step(a1_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, s, e, m0, n0, N, K, k, B_KN, NB)
-
-
-@gluon.jit
-def _load_step(a_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, s, e, m0, n0, N, K, k, B_KN: gl.constexpr,
-               NB: gl.constexpr):
-    tma.async_copy_global_to_shared(a_desc, [m0, k], full.index(s), a_bufs.index(s))
-    if B_KN:
-        w_at = [e * K + k, n0]
-    else:
-        w_at = [e * N + n0, k]
-    tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s * NB))
-    if NB == 2:
-        tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s * NB + 1))
-
-
-@gluon.jit
-def _dequantizer(w_bufs, wbf_bufs, full, empty, wready, wempty, sb1_ptr, sb2_ptr, e, n0, N, k_steps, n_steps,
-                 stride_se, stride_sn, stride_sk,
-                 MODE: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                 WSTAGES: gl.constexpr):
-    # one warpgroup; each thread converts 16 consecutive bytes of a weight row: one 16-byte shared
-    # load, two 16-byte stores
-    if B_KN:  # tiles [32, BN], scales along dim 1
-        DQ: gl.constexpr = gl.BlockedLayout([1, 16], [512 // BN, BN // 16], [4, 1], [1, 0])
-        S_LAYOUT: gl.constexpr = gl.SliceLayout(0, DQ)
-    else:  # tiles [BN, 32], scales along dim 0
-        DQ: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
-        S_LAYOUT: gl.constexpr = gl.SliceLayout(1, DQ)
-    offs_n = n0 + gl.arange(0, BN, layout=S_LAYOUT)
-    n_ok = offs_n < N
-    s_off = e.to(gl.int64) * stride_se + offs_n * stride_sn
-    # E8M0 bits two steps ahead, so a step's global-load latency overlaps earlier steps' work
-    sa1, sa2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 0, k_steps, n_steps, stride_sk, MODE, NB)
-    sb1, sb2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 1, k_steps, n_steps, stride_sk, MODE, NB)
-    for i in range(n_steps):
-        s = i % STAGES
-        j = i % WSTAGES
-        mbarrier.wait(wempty.index(j), ((i // WSTAGES) & 1) ^ 1)  # the MMAs that read slot j are done
-        s1, s2 = sa1, sa2
-        sa1, sa2 = sb1, sb2
-        sb1, sb2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i + 2, k_steps, n_steps, stride_sk, MODE, NB)
-        mbarrier.wait(full.index(s), (i // STAGES) & 1)
-        wbf_bufs.index(j * NB).store(_dequantize(w_bufs.index(s * NB).load(DQ), s1, B_KN))
-        if NB == 2:
-            wbf_bufs.index(j * NB + 1).store(_dequantize(w_bufs.index(s * NB + 1).load(DQ), s2, B_KN))
-        # the stores above used the loaded values, so the E4M3 slot has been read: hand it back (its
-        # shared reads are complete, so no proxy fence is needed before the next TMA write)
-        mbarrier.arrive(empty.index(s), count=1)
-        fence_async_shared()  # generic-proxy stores before the wgmma (async proxy) reads them
-        mbarrier.arrive(wready.index(j), count=1)
+            _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB)
+            tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s * NB))
+            if NB == 2:
+                tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s * NB + 1))
 
 
 @gluon.jit
 def _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i, k_steps, n_steps, stride_sk, MODE: gl.constexpr, NB: gl.constexpr):
-    """Raw E8M0 bits of step i's weight tile(s) (127, i.e. 2^0, past the last step)."""
+    """Raw E8M0 bits of K block i's weight rows (127, i.e. 2^0, past the last block)."""
     second = i >= k_steps  # DUAL: B2's scales for the second (A, B) pair
     kb = i - gl.where(second, k_steps, 0)
     ok = n_ok & (i < n_steps)
@@ -130,60 +93,98 @@ def _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i, k_steps, n_steps, stride_sk, 
 
 
 @gluon.jit
-def _dequantize(w, bits, B_KN: gl.constexpr):
-    """E4M3 tile * 2^(bits - 127) per weight row -> bf16, exact."""
-    scale = mx_scale_of_bits(bits)
-    if B_KN:
-        out = (w.to(gl.float32) * gl.expand_dims(scale, 0)).to(gl.bfloat16)
-    else:
-        out = (w.to(gl.float32) * gl.expand_dims(scale, 1)).to(gl.bfloat16)
-    return out
+def _w_operand(w_buf, q: gl.constexpr, half: gl.constexpr, bits, B_KN: gl.constexpr, W_OP: gl.constexpr):
+    """This warpgroup's 64 weight rows of K block q of a loaded E4M3 tile, as the MMA's register
+    operand [64, 32] bf16: E4M3 * 2^(bits - 127), exact."""
+    if B_KN:  # the tile is [32 * KB, BN]
+        blk = w_buf.slice(q * 32, 32, dim=0).slice(half * 64, 64, dim=1).permute((1, 0))
+    else:  # the tile is [BN, 32 * KB]
+        blk = w_buf.slice(half * 64, 64, dim=0).slice(q * 32, 32, dim=1)
+    w = blk.load(W_OP)
+    return (w.to(gl.float32) * gl.expand_dims(mx_scale_of_bits(bits), 1)).to(gl.bfloat16)
 
 
 @gluon.jit
-def _mma(a_bufs, wbf_bufs, full, empty, wready, wempty, n_steps,
-         B_KN: gl.constexpr, NB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-         WSTAGES: gl.constexpr, ACC: gl.constexpr):
-    acc1 = gl.zeros([BM, BN], gl.float32, ACC)
+def _next_operands(w_bufs, s, q: gl.constexpr, half: gl.constexpr, i0, sa1, sa2, sb1, sb2, sb1_ptr, sb2_ptr, s_off, n_ok,
+                   k_steps, n_steps, stride_sk, MODE: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr,
+                   W_OP: gl.constexpr):
+    """K block q's register operand(s) from slot s, and the scale pipeline moved on by one block: the
+    E8M0 bits are loaded two blocks ahead, so a load's latency overlaps earlier blocks' work."""
+    w1 = _w_operand(w_bufs.index(s * NB), q, half, sa1, B_KN, W_OP)
     if NB == 2:
-        acc2 = gl.zeros([BM, BN], gl.float32, ACC)
-    for i in range(n_steps):
-        s = i % STAGES
-        j = i % WSTAGES
-        mbarrier.wait(wready.index(j), (i // WSTAGES) & 1)
-        mbarrier.wait(full.index(s), (i // STAGES) & 1)
-        a = a_bufs.index(s)
-        acc1 = warpgroup_mma(a, _b_view(wbf_bufs.index(j * NB), B_KN), acc1, is_async=True)
-        if NB == 2:
-            acc2 = warpgroup_mma(a, _b_view(wbf_bufs.index(j * NB + 1), B_KN), acc2, is_async=True)
-        # keep this step's MMAs in flight; the previous step's are done, so its buffers go back
-        if NB == 2:
-            acc1, acc2 = warpgroup_mma_wait(2, deps=(acc1, acc2))
-        else:
-            acc1 = warpgroup_mma_wait(1, deps=(acc1,))
-        mbarrier.arrive(empty.index((i - 1) % STAGES), count=1, pred=i > 0)
-        mbarrier.arrive(wempty.index((i - 1) % WSTAGES), count=1, pred=i > 0)
-    if NB == 2:
-        acc1, acc2 = warpgroup_mma_wait(0, deps=(acc1, acc2))
+        w2 = _w_operand(w_bufs.index(s * NB + 1), q, half, sa2, B_KN, W_OP)
     else:
-        acc1 = warpgroup_mma_wait(0, deps=(acc1,))
-        acc2 = acc1  # unused outside SWIGLU
+        w2 = w1
+    n1, n2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + q + 2, k_steps, n_steps, stride_sk, MODE, NB)
+    return w1, w2, sb1, sb2, n1, n2
+
+
+@gluon.jit
+def _mma_block(a_bufs, slot, w1, w2, acc1, acc2, NB: gl.constexpr):
+    x = a_bufs.index(slot).permute((1, 0))  # the activation tile [BM, 32] as the MMA's B [32, BM]
+    acc1 = warpgroup_mma(w1, x, acc1, is_async=True)
+    if NB == 2:
+        acc2 = warpgroup_mma(w2, x, acc2, is_async=True)
     return acc1, acc2
 
 
 @gluon.jit
-def _b_view(wbf, B_KN: gl.constexpr):
-    """The MMA's B [32, BN]: the [32, BN] tile itself, or the transposed view of a [BN, 32] tile."""
-    if B_KN:
-        b = wbf
-    else:
-        b = wbf.permute((1, 0))
-    return b
+def _consumer(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+              e, m0, row_end, n0, N, k_steps, n_steps, loads_per_pair, n_loads, valid, stride_se, stride_sn, stride_sk,
+              limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr,
+              BM: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, ACC: gl.constexpr, half: gl.constexpr):
+    """One warpgroup: weight rows [n0 + 64 * half, +64) of the tile against its BM tokens, then their
+    epilogue."""
+    gl.static_assert(KB == 4, "_consumer unrolls four K blocks per load")
+    W_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    offs_w = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, W_OP))
+    n_ok = offs_w < N
+    s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
+    sa1, sa2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 0, k_steps, n_steps, stride_sk, MODE, NB)
+    sb1, sb2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 1, k_steps, n_steps, stride_sk, MODE, NB)
+    acc1 = gl.zeros([64, BM], gl.float32, ACC)
+    if NB == 2:
+        acc2 = gl.zeros([64, BM], gl.float32, ACC)
+    for l in range(n_loads):
+        s = l % STAGES
+        mbarrier.wait(full.index(s), (l // STAGES) & 1)
+        second = l >= loads_per_pair
+        i0 = (l - gl.where(second, loads_per_pair, 0)) * KB + gl.where(second, k_steps, 0)  # first block's step
+        w1a, w2a, sa1, sa2, sb1, sb2 = _next_operands(w_bufs, s, 0, half, i0, sa1, sa2, sb1, sb2, sb1_ptr, sb2_ptr,
+                                                      s_off, n_ok, k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+        w1b, w2b, sa1, sa2, sb1, sb2 = _next_operands(w_bufs, s, 1, half, i0, sa1, sa2, sb1, sb2, sb1_ptr, sb2_ptr,
+                                                      s_off, n_ok, k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+        w1c, w2c, sa1, sa2, sb1, sb2 = _next_operands(w_bufs, s, 2, half, i0, sa1, sa2, sb1, sb2, sb1_ptr, sb2_ptr,
+                                                      s_off, n_ok, k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+        w1d, w2d, sa1, sa2, sb1, sb2 = _next_operands(w_bufs, s, 3, half, i0, sa1, sa2, sb1, sb2, sb1_ptr, sb2_ptr,
+                                                      s_off, n_ok, k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+        if NB == 2:
+            acc1, acc2 = _mma_block(a_bufs, s * KB + 0, w1a, w2a, acc1, acc2, NB)
+            acc1, acc2 = _mma_block(a_bufs, s * KB + 1, w1b, w2b, acc1, acc2, NB)
+            acc1, acc2 = _mma_block(a_bufs, s * KB + 2, w1c, w2c, acc1, acc2, NB)
+            acc1, acc2 = _mma_block(a_bufs, s * KB + 3, w1d, w2d, acc1, acc2, NB)
+            acc1, acc2 = warpgroup_mma_wait(0, deps=(acc1, acc2))
+        else:  # no second accumulator carried through the loop
+            acc1, _ = _mma_block(a_bufs, s * KB + 0, w1a, w1a, acc1, acc1, NB)
+            acc1, _ = _mma_block(a_bufs, s * KB + 1, w1b, w1b, acc1, acc1, NB)
+            acc1, _ = _mma_block(a_bufs, s * KB + 2, w1c, w1c, acc1, acc1, NB)
+            acc1, _ = _mma_block(a_bufs, s * KB + 3, w1d, w1d, acc1, acc1, NB)
+            acc1 = warpgroup_mma_wait(0, deps=(acc1,))
+        mbarrier.arrive(empty.index(s), count=1)
+    if NB == 1:
+        acc2 = acc1  # unused outside SWIGLU
+
+    offs_n = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
+    rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
+    row_ok = (rows < row_end) & valid
+    c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
+    c_ok = gl.expand_dims(row_ok, 0) & gl.expand_dims(offs_n < N, 1)
+    _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT)
 
 
 @gluon.jit
 def _grouped_mm_mx_ws_kernel(
-    a1_desc, a2_desc, b1_desc, b2_desc,  # TMA: A [R, K] bf16 blocks [BM, 32]; B E4M3 blocks [BN, 32] (or [32, BN], B_KN)
+    a1_desc, a2_desc, b1_desc, b2_desc,  # TMA: A [R, K] bf16 blocks [BM, 32]; B E4M3 blocks [BN, 32 * KB] (or [32 * KB, BN], B_KN)
     sb1_ptr, sb2_ptr,  # E8M0 bits of the B operands [E, N, K/32]
     c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
     group_end_ptr, tile_end_ptr,
@@ -191,44 +192,37 @@ def _grouped_mm_mx_ws_kernel(
     stride_se, stride_sn, stride_sk,
     limit,
     MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, LOG_E: gl.constexpr, B_KN: gl.constexpr,
-    BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, WSTAGES: gl.constexpr,
-    DQ_REGS: gl.constexpr, num_warps: gl.constexpr,
+    BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    NB: gl.constexpr = 2 if MODE == 1 else 1  # weight tiles per step (SWIGLU: gate and up)
+    gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 weight rows each")
+    NB: gl.constexpr = 2 if MODE == 1 else 1  # weight tiles per block (SWIGLU: gate and up)
     t = gl.program_id(0)
     e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
-    valid = t < gl.load(tile_end_ptr + E - 1)  # past the last tile: no steps, nothing stored
-    k_steps = gl.where(valid, gl.cdiv(K, 32), 0)
-    n_steps = k_steps * (2 if MODE == 3 else 1)
+    valid = t < gl.load(tile_end_ptr + E - 1)  # past the last tile: no loads, nothing stored
+    k_steps = gl.where(valid, K // 32, 0)
+    pairs = 2 if MODE == 3 else 1
+    n_steps = k_steps * pairs
+    loads_per_pair = k_steps // KB  # the launcher checks K % (32 * KB) == 0
+    n_loads = loads_per_pair * pairs
 
-    a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES] + a1_desc.block_type.shape, a1_desc.layout)
+    a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES * KB] + a1_desc.block_type.shape, a1_desc.layout)
     w_bufs = gl.allocate_shared_memory(b1_desc.dtype, [STAGES * NB] + b1_desc.block_type.shape, b1_desc.layout)
-    wbf_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(b1_desc.block_type.shape, gl.bfloat16)
-    wbf_bufs = gl.allocate_shared_memory(gl.bfloat16, [WSTAGES * NB] + b1_desc.block_type.shape, wbf_layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    wready = gl.allocate_shared_memory(gl.int64, [WSTAGES, 1], mbarrier.MBarrierLayout())
-    wempty = gl.allocate_shared_memory(gl.int64, [WSTAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # the dequantizer has read B, the MMA has read A
-    for j in gl.static_range(WSTAGES):
-        mbarrier.init(wready.index(j), count=1)
-        mbarrier.init(wempty.index(j), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups
 
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                   instr_shape=[16, BN, 16])
-    acc1, acc2 = gl.warp_specialize([
-        (_mma, (a_bufs, wbf_bufs, full, empty, wready, wempty, n_steps, B_KN, NB, BM, BN, STAGES, WSTAGES, ACC)),
-        (_dequantizer, (w_bufs, wbf_bufs, full, empty, wready, wempty, sb1_ptr, sb2_ptr, e, n0, N, k_steps, n_steps,
-                        stride_se, stride_sn, stride_sk, MODE, B_KN, NB, BN, STAGES, WSTAGES)),
-        (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, empty, e, m0, n0, N, K, k_steps, n_steps,
-                   MODE, B_KN, NB, STAGES)),
-    ], [4, 1], [DQ_REGS, 24])
-
-    rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))
-    offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, ACC))
-    row_ok = (rows < row_end) & valid
-    c_off = gl.expand_dims(rows.to(gl.int64) * N, 1) + gl.expand_dims(offs_n, 0)
-    c_ok = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_n < N, 0)
-    _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT)
+                                                   instr_shape=[16, BM, 16])
+    gl.warp_specialize([
+        (_consumer, (a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+                     e, m0, row_end, n0, N, k_steps, n_steps, loads_per_pair, n_loads, valid,
+                     stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, BM, KB, STAGES, ACC, 0)),
+        (_consumer, (a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+                     e, m0, row_end, n0, N, k_steps, n_steps, loads_per_pair, n_loads, valid,
+                     stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, BM, KB, STAGES, ACC, 1)),
+        (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, empty, e, m0, n0, N, K,
+                   loads_per_pair, n_loads, MODE, B_KN, NB, KB, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])

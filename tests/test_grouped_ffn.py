@@ -233,19 +233,29 @@ def _mx_kinds(counts, dim_h, dim_i, w_kn):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rings", ["committed", "small"])
 @pytest.mark.parametrize("w_kn", [False, True])
-def test_warp_specialized_matches_triton_bits(monkeypatch, w_kn):
+def test_warp_specialized_matches_triton_bits(monkeypatch, w_kn, rings):
     """The Gluon warp-specialized MXFP8 kernel gives the Triton kernel's bits for every kind, both
-    weight layouts, an empty expert, a partial N tile and padding rows."""
+    weight layouts, an empty expert, partial N tiles and padding rows; with the committed configs and
+    with 64-token tiles and a two-load ring. Kinds whose K is not a multiple of 128 are refused."""
+    small = dict(BM=64, BN=128, GROUP_M=8, STAGES=2, CONSUMER_REGS=232, num_warps=4)
     for kind in gg._MODE_NAMES.values():
-        monkeypatch.setitem(gg._MM_CONFIGS, f"mxfp8_ws/{kind}", dict(
-            BM=128, BN=64 if kind == "swiglu" else 128, GROUP_M=8, STAGES=4, WSTAGES=2, DQ_REGS=96, num_warps=8,
-            maxnreg=128))
-    for dim_h, dim_i, counts in ((512, 224, [70, 0, 200]), (1024, 256, [1, 129, 0, 64])):
+        key = f"mxfp8_ws/{kind}"
+        monkeypatch.setitem(gg._MM_CONFIGS, key, gg._MM_CONFIGS[key] if rings == "committed" else small)
+    # (H, I, rows per expert, kinds whose K = H or I is a multiple of 128)
+    cases = ((512, 256, [70, 0, 200], set(gg._MODE_NAMES.values())),
+             (1024, 192, [1, 129, 0, 64], {"swiglu", "swiglu_bwd"}),  # N = I = 192: a partial N tile
+             (704, 256, [33, 0, 150], {"plain", "dual"}))  # N = H = 704: a partial N tile
+    for dim_h, dim_i, counts, runs in cases:
         group_end, kinds = _mx_kinds(counts, dim_h, dim_i, w_kn)
         for kind, (mode, a1, a2, b1, b2, outs, gu) in kinds.items():
             ref, ws = outs(), outs()
             gg._launch_mm(mode, a1, a2, b1, b2, group_end, ref, gu=gu, swiglu_limit=7.0, warp_specialized=False)
+            if kind not in runs:
+                with pytest.raises(ValueError, match="multiple of 128"):
+                    gg._launch_mm(mode, a1, a2, b1, b2, group_end, ws, gu=gu, swiglu_limit=7.0, warp_specialized=True)
+                continue
             gg._launch_mm(mode, a1, a2, b1, b2, group_end, ws, gu=gu, swiglu_limit=7.0, warp_specialized=True)
             n = sum(counts)
             for r, w in zip(ref, ws):
@@ -259,3 +269,12 @@ def test_warp_specialized_without_config_is_refused(monkeypatch):
     c = torch.zeros(8, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="mxfp8_ws/plain has no config"):
         gg._launch_mm(gg.PLAIN, x, None, mxfp8_quantize(w_down, 2, "w"), None, group_end, [c], warp_specialized=True)
+
+
+def test_warp_specialized_needs_whole_loads_of_k():
+    """Forcing the warp-specialized kernel on a K that is not a multiple of its loads is refused by name."""
+    (x, _, _, w_down, _), group_end = make_case(counts=[3, 5], dim_h=64, dim_i=96, device="cpu")
+    c = torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"K \(here 96\) to be a multiple of 128"):
+        gg._launch_mm(gg.PLAIN, x.new_zeros(8, 96), None, mxfp8_quantize(w_down, 2, "w"), None, group_end, [c],
+                      warp_specialized=True)

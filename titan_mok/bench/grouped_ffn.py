@@ -316,21 +316,17 @@ _BF16_VARIANTS = [dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=w, num_stages=
                   for bn, w, st in ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 8, 3))]
 
 
-def _ws(bn=128, num_warps=8, maxnreg=128, stages=4, wstages=2):
-    return dict(BM=128, BN=bn, GROUP_M=8, STAGES=stages, WSTAGES=wstages, DQ_REGS=96, num_warps=num_warps,
-                maxnreg=maxnreg)
+def _ws(bm=128, stages=4, regs=232):
+    return dict(BM=bm, BN=128, GROUP_M=8, STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
 
 
-# MXFP8 on CUDA: None runs the Triton kernel ("mxfp8/<kind>"), a dict the warp-specialized one. The
-# deeper rings (8 TMA slots, 4 weight slots) are untimed candidates (NOTES.md, session 6: at one CTA
-# per SM the loads in flight may be what bounds a step).
-_MX_WS_DEEP = [_ws(stages=8), _ws(stages=8, wstages=4)]
+# MXFP8 on CUDA: None runs the Triton kernel ("mxfp8/<kind>"), a dict the warp-specialized one.
 TUNE_VARIANTS = {
     **{f"bf16/{kind}": _BF16_VARIANTS for kind in _KINDS},
-    "mxfp8_ws/plain": [None, _ws(), _ws(num_warps=4, maxnreg=168), *_MX_WS_DEEP],
-    "mxfp8_ws/swiglu": [None, _ws(), _ws(bn=64), *_MX_WS_DEEP],
-    "mxfp8_ws/swiglu_bwd": [None, _ws(), _ws(bn=64, num_warps=4, maxnreg=168), *_MX_WS_DEEP],
-    "mxfp8_ws/dual": [None, _ws(), _ws(num_warps=4, maxnreg=168), *_MX_WS_DEEP],
+    "mxfp8_ws/plain": [None, _ws(stages=3), _ws(stages=4), _ws(bm=64)],
+    "mxfp8_ws/swiglu": [None, _ws(stages=3), _ws(stages=3, regs=248), _ws(stages=2)],
+    "mxfp8_ws/swiglu_bwd": [None, _ws(regs=248), _ws(), _ws(stages=3, regs=248)],
+    "mxfp8_ws/dual": [None, _ws(), _ws(stages=3)],
     "mxfp8_fp8_mma": [dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
                       dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)],
 }
