@@ -25,8 +25,9 @@ Default (``_grouped_mm_tma_kernel``, bf16 and MXFP8): operand tiles by TMA; an M
 tile is dequantized in registers one 32-wide scale block at a time (E4M3 * 2^e -> bf16, exact)
 and reaches the bf16 tensor cores through shared memory, against bf16 activations holding the
 MXFP8 values; the scales of block k+1 are loaded while block k runs. On CUDA, the MXFP8 kinds
-with a ``"mxfp8_ws/<kind>"`` config run ``grouped_mm_ws`` instead: the same tiles and bits, with
-loading, dequantization and MMAs in separate warp partitions. ``fp8_mma=True``
+with a ``"mxfp8_ws/<kind>"`` config and K a multiple of 128 run ``grouped_mm_ws`` instead: the same
+bits, computed transposed with the dequantized weights as the MMA's register operand, a TMA loader
+warp and two consumer warpgroups. ``fp8_mma=True``
 (``_grouped_mm_fp8_mma_kernel``): E4M3 x E4M3 MMAs per 32-wide K block, each partial sum promoted
 into the fp32 accumulator with its two scales (DeepGEMM-style); measured slower on H200 (NOTES.md).
 fp32 accumulation, one program per output tile, fixed K order: no split-K, no atomics,
@@ -83,9 +84,9 @@ _MM_CONFIGS = {
     # (None) the Triton kernel above. BN is fixed at 128 (two warpgroups of 64 weight rows); BM tokens
     # per tile; STAGES loads in flight (each grouped_mm_ws.KB K blocks); CONSUMER_REGS registers per
     # thread of the second consumer warpgroup (a worker partition; the first gets what is left).
-    "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, STAGES=3, CONSUMER_REGS=232, num_warps=4),
-    "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, STAGES=3, CONSUMER_REGS=232, num_warps=4),
-    "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, CONSUMER_REGS=248, num_warps=4),
+    "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, CONSUMER_REGS=232, num_warps=4),
+    "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, STAGES=2, CONSUMER_REGS=232, num_warps=4),
+    "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, STAGES=3, CONSUMER_REGS=248, num_warps=4),
     "mxfp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, CONSUMER_REGS=232, num_warps=4),
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
 }
