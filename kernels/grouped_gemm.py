@@ -82,8 +82,8 @@ _MM_CONFIGS = {
     "mxfp8/dual": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     # MXFP8 on CUDA: the warp-specialized Gluon kernel (grouped_mm_ws) where it measured faster, else
     # (None) the Triton kernel above. BN is fixed at 128 (two warpgroups of 64 weight rows); BM tokens
-    # per tile; STAGES loads in flight (each grouped_mm_ws.KB K blocks); CONSUMER_REGS registers per
-    # thread of the second consumer warpgroup (a worker partition; the first gets what is left).
+    # per tile; STAGES loads in flight (each grouped_mm_ws.KB K blocks); CONSUMER_REGS the registers
+    # per thread asked for the second consumer warpgroup (a worker partition of warp_specialize).
     "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, CONSUMER_REGS=232, num_warps=4),
     "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, STAGES=2, CONSUMER_REGS=232, num_warps=4),
     "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, STAGES=3, CONSUMER_REGS=248, num_warps=4),
