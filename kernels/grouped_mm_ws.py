@@ -105,18 +105,19 @@ def _w_operand(w_buf, q: gl.constexpr, half: gl.constexpr, bits, B_KN: gl.conste
 
 
 @gluon.jit
-def _next_operands(w_bufs, s, q: gl.constexpr, half: gl.constexpr, i0, sa1, sa2, sb1, sb2, sb1_ptr, sb2_ptr, s_off, n_ok,
-                   k_steps, n_steps, stride_sk, MODE: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr,
-                   W_OP: gl.constexpr):
+def _next_operands(w_bufs, s, q: gl.constexpr, half: gl.constexpr, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2,
+                   sb1_ptr, sb2_ptr, s_off, n_ok, k_steps, n_steps, stride_sk, MODE: gl.constexpr, B_KN: gl.constexpr,
+                   NB: gl.constexpr, W_OP: gl.constexpr):
     """K block q's register operand(s) from slot s, and the scale pipeline moved on by one block: the
-    E8M0 bits are loaded two blocks ahead, so a load's latency overlaps earlier blocks' work."""
+    E8M0 bits are loaded a whole load (KB = 4 blocks) ahead, so their global-load latency overlaps the
+    previous load's MMAs (two blocks ahead, half of each load's blocks waited for their scales)."""
     w1 = _w_operand(w_bufs.index(s * NB), q, half, sa1, B_KN, W_OP)
     if NB == 2:
         w2 = _w_operand(w_bufs.index(s * NB + 1), q, half, sa2, B_KN, W_OP)
     else:
         w2 = w1
-    n1, n2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + q + 2, k_steps, n_steps, stride_sk, MODE, NB)
-    return w1, w2, sb1, sb2, n1, n2
+    n1, n2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + q + 4, k_steps, n_steps, stride_sk, MODE, NB)
+    return w1, w2, sb1, sb2, sc1, sc2, sd1, sd2, n1, n2
 
 
 @gluon.jit
@@ -142,6 +143,8 @@ def _consumer(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_
     s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
     sa1, sa2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 0, k_steps, n_steps, stride_sk, MODE, NB)
     sb1, sb2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 1, k_steps, n_steps, stride_sk, MODE, NB)
+    sc1, sc2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 2, k_steps, n_steps, stride_sk, MODE, NB)
+    sd1, sd2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 3, k_steps, n_steps, stride_sk, MODE, NB)
     acc1 = gl.zeros([64, BM], gl.float32, ACC)
     if NB == 2:
         acc2 = gl.zeros([64, BM], gl.float32, ACC)
@@ -150,14 +153,18 @@ def _consumer(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_
         mbarrier.wait(full.index(s), (l // STAGES) & 1)
         second = l >= loads_per_pair
         i0 = (l - gl.where(second, loads_per_pair, 0)) * KB + gl.where(second, k_steps, 0)  # first block's step
-        w1a, w2a, sa1, sa2, sb1, sb2 = _next_operands(w_bufs, s, 0, half, i0, sa1, sa2, sb1, sb2, sb1_ptr, sb2_ptr,
-                                                      s_off, n_ok, k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
-        w1b, w2b, sa1, sa2, sb1, sb2 = _next_operands(w_bufs, s, 1, half, i0, sa1, sa2, sb1, sb2, sb1_ptr, sb2_ptr,
-                                                      s_off, n_ok, k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
-        w1c, w2c, sa1, sa2, sb1, sb2 = _next_operands(w_bufs, s, 2, half, i0, sa1, sa2, sb1, sb2, sb1_ptr, sb2_ptr,
-                                                      s_off, n_ok, k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
-        w1d, w2d, sa1, sa2, sb1, sb2 = _next_operands(w_bufs, s, 3, half, i0, sa1, sa2, sb1, sb2, sb1_ptr, sb2_ptr,
-                                                      s_off, n_ok, k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+        w1a, w2a, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
+            w_bufs, s, 0, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
+            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+        w1b, w2b, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
+            w_bufs, s, 1, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
+            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+        w1c, w2c, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
+            w_bufs, s, 2, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
+            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+        w1d, w2d, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
+            w_bufs, s, 3, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
+            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
         if NB == 2:
             acc1, acc2 = _mma_block(a_bufs, s * KB + 0, w1a, w2a, acc1, acc2, NB)
             acc1, acc2 = _mma_block(a_bufs, s * KB + 1, w1b, w2b, acc1, acc2, NB)
