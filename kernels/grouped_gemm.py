@@ -56,6 +56,7 @@ from titan_mok.kernels.mxfp8_quant import (
     _COLS_BQ,
     _COLS_WARPS,
     mx_dequantize_bf16,
+    mx_dequantize_bits,
     mx_quantize_block,
     mx_scale_of_bits,
     mxfp8_fake_quantize,
@@ -255,11 +256,11 @@ def _b_tile(b_desc, e, n0, k, N, K, s_bits, B_KN: tl.constexpr, MX: tl.constexpr
     if B_KN:  # stored [E, K, N]: the block is [KB, BN]
         b = b_desc.load([e * K + k, n0])
         if MX:
-            b = (b.to(tl.float32) * mx_scale_of_bits(s_bits)[None, :]).to(tl.bfloat16)
+            b = mx_dequantize_bits(b, s_bits, 0)
     else:  # stored [E, N, K]: the block is [BN, KB]
         b = b_desc.load([e * N + n0, k])
         if MX:
-            b = (b.to(tl.float32) * mx_scale_of_bits(s_bits)[:, None]).to(tl.bfloat16)
+            b = mx_dequantize_bits(b, s_bits, 1)
         b = tl.trans(b)
     return b
 

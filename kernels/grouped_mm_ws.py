@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from titan_mok.kernels.grouped_tiles import _epilogue, _tile_of_program
-from titan_mok.kernels.mxfp8_quant import mx_scale_of_bits
+from titan_mok.kernels.mxfp8_quant import mx_dequantize_bits
 
 KB = 4  # 32-wide K blocks per load: [BN, 128] E4M3 weight tiles
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
@@ -100,8 +100,7 @@ def _w_operand(w_buf, q: gl.constexpr, half: gl.constexpr, bits, B_KN: gl.conste
         blk = w_buf.slice(q * 32, 32, dim=0).slice(half * 64, 64, dim=1).permute((1, 0))
     else:  # the tile is [BN, 32 * KB]
         blk = w_buf.slice(half * 64, 64, dim=0).slice(q * 32, 32, dim=1)
-    w = blk.load(W_OP)
-    return (w.to(gl.float32) * gl.expand_dims(mx_scale_of_bits(bits), 1)).to(gl.bfloat16)
+    return mx_dequantize_bits(blk.load(W_OP), bits, 1)
 
 
 @gluon.jit
