@@ -48,6 +48,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation as triton_allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from titan_mok.kernels import grouped_mm_ws
@@ -84,17 +85,23 @@ _MM_CONFIGS = {
     # MXFP8 on CUDA: the warp-specialized Gluon kernel (grouped_mm_ws) where it measured faster, else
     # (None) the Triton kernel above. BN is fixed at 128 (two warpgroups of 64 weight rows); BM tokens
     # per tile; STAGES loads in flight (each grouped_mm_ws.KB K blocks); CONSUMER_REGS the registers
-    # per thread asked for the second consumer warpgroup (a worker partition of warp_specialize).
-    "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, CONSUMER_REGS=232, num_warps=4),
-    "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, STAGES=2, CONSUMER_REGS=232, num_warps=4),
-    "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, STAGES=3, CONSUMER_REGS=248, num_warps=4),
-    "mxfp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, STAGES=4, CONSUMER_REGS=232, num_warps=4),
+    # per thread asked for the second consumer warpgroup (a worker partition of warp_specialize);
+    # PERSISTENT: one program per SM looping over tiles, else one program per tile.
+    "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4),
+    "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232, num_warps=4),
+    "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=248, num_warps=4),
+    "mxfp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4),
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
 }
 # Weight gradient: the flat loop while experts average fewer than _WGRAD_FLAT_MAX_ROWS rows (a
-# static property of the shapes, so the choice never depends on the routing); its K tiles are split
-# among more programs only when there would be fewer than _WGRAD_MIN_PROGRAMS. Measured 2026-12-01.
-_WGRAD_CONFIG = dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3)
+# static property of the shapes, so the choice never depends on the routing), else the row loop;
+# each with its tiles (BR rows summed per MMA step; same bits for any BR on the GPU: NOTES.md,
+# session 8). The flat loop's K tiles are split among more programs only when there would be
+# fewer than _WGRAD_MIN_PROGRAMS. Measured 2026-12-01.
+_WGRAD_CONFIGS = {
+    "flat": dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3),
+    "rows": dict(BR=64, BN=128, BK=256, num_warps=8, num_stages=3),
+}
 _WGRAD_FLAT_MAX_ROWS = 512
 _WGRAD_MIN_PROGRAMS = 1024
 
@@ -355,46 +362,53 @@ def _grouped_wgrad_kernel(
 ):
     """c[e, BN features, k_tiles_per_program K tiles], rows summed in ascending BR-row blocks.
 
-    FLAT (few rows per expert): one loop over (K tile, row block), each tile stored after its
-    last row block, so the next tile's loads overlap the store instead of restarting the load
-    pipeline per tile. Otherwise (many rows) one K tile per program and the row loop alone,
-    whose pipeline then has no store-and-reset to wait on. Same blocks, same order: same bits.
+    The operand tiles come by TMA through descriptors made here over the expert's own rows, so
+    rows past its end read as zeros. FLAT (few rows per expert): one loop over (K tile, row block),
+    each tile stored after its last row block, so the next tile's loads overlap the store instead
+    of restarting the load pipeline per tile. Otherwise (many rows) one K tile per program and the
+    row loop alone, whose pipeline then has no store-and-reset to wait on. Same blocks, same order:
+    same bits.
     """
     e = tl.program_id(1)
     first_k_tile = tl.program_id(2) * k_tiles_per_program
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n0 = tl.program_id(0) * BN
+    offs_n = n0 + tl.arange(0, BN)
     n_ok = offs_n < N
     row_start = tl.load(group_end_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
     row_end = tl.load(group_end_ptr + e).to(tl.int32)
+    rows = row_end - row_start
+    # A TMA box needs at least one row: an expert without rows gets a one-row descriptor and its
+    # single row block starts past it (skip), so it too reads zeros and stores a zero gradient.
+    skip = tl.where(rows == 0, BR, 0)
+    a_desc = tl.make_tensor_descriptor(a_ptr + row_start.to(tl.int64) * N, shape=[tl.maximum(rows, 1), N],
+                                       strides=[N, 1], block_shape=[BR, BN])
+    b_desc = tl.make_tensor_descriptor(b_ptr + row_start.to(tl.int64) * K, shape=[tl.maximum(rows, 1), K],
+                                       strides=[K, 1], block_shape=[BR, BK])
     c_rows = c_ptr + e.to(tl.int64) * N * K + offs_n[:, None] * K  # [BN, 1]
+    row_blocks = tl.maximum(tl.cdiv(rows, BR), 1)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     if FLAT:
         k_tiles = tl.minimum(k_tiles_per_program, tl.cdiv(K, BK) - first_k_tile)
-        row_blocks = tl.maximum(tl.cdiv(row_end - row_start, BR), 1)  # no rows: one all-masked block stores zeros
         for i in range(0, row_blocks * k_tiles):
-            offs_k = (first_k_tile + i // row_blocks) * BK + tl.arange(0, BK)
+            k0 = (first_k_tile + i // row_blocks) * BK
             block = i % row_blocks
-            acc = _wgrad_block(acc, a_ptr, b_ptr, row_start + block * BR, row_end, offs_n, n_ok, offs_k, N, K, BR,
-                               DOT_F32)
+            acc = _wgrad_block(acc, a_desc, b_desc, block * BR + skip, n0, k0, DOT_F32)
             if block == row_blocks - 1:
+                offs_k = k0 + tl.arange(0, BK)
                 tl.store(c_rows + offs_k[None, :], _bf16_rne(acc), mask=n_ok[:, None] & (offs_k < K)[None, :])
                 acc = tl.zeros((BN, BK), dtype=tl.float32)
     else:
-        offs_k = first_k_tile * BK + tl.arange(0, BK)
-        for r in range(row_start, row_end, BR):
-            acc = _wgrad_block(acc, a_ptr, b_ptr, r, row_end, offs_n, n_ok, offs_k, N, K, BR, DOT_F32)
+        k0 = first_k_tile * BK
+        for block in range(row_blocks):
+            acc = _wgrad_block(acc, a_desc, b_desc, block * BR + skip, n0, k0, DOT_F32)
+        offs_k = k0 + tl.arange(0, BK)
         tl.store(c_rows + offs_k[None, :], _bf16_rne(acc), mask=n_ok[:, None] & (offs_k < K)[None, :])
 
 
 @triton.jit
-def _wgrad_block(acc, a_ptr, b_ptr, r0, row_end, offs_n, n_ok, offs_k, N, K, BR: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc [BN, BK] += a[r0:r0+BR, offs_n]^T @ b[r0:r0+BR, offs_k], rows past row_end as zeros."""
-    rows = r0 + tl.arange(0, BR)
-    r_ok = rows < row_end
-    a = tl.load(a_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-    b = tl.load(b_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :], mask=r_ok[:, None] & (offs_k < K)[None, :],
-                other=0.0)
-    return _dot(tl.trans(a), b, acc, DOT_F32)
+def _wgrad_block(acc, a_desc, b_desc, r, n0, k0, DOT_F32: tl.constexpr):
+    """acc [BN, BK] += a[r:r+BR, n0:n0+BN]^T @ b[r:r+BR, k0:k0+BK] (rows of the expert's descriptors)."""
+    return _dot(tl.trans(a_desc.load([r, n0])), b_desc.load([r, k0]), acc, DOT_F32)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -458,6 +472,13 @@ def _weight_descriptors(b1_data: torch.Tensor, b2_data: torch.Tensor, block_n: i
     return kn[0], descs
 
 
+def _set_triton_allocator():
+    """Device-made TMA descriptors need global scratch from Triton's allocator, a per-thread setting
+    (autograd runs the backward on its own threads): torch memory, unless the caller set one."""
+    if isinstance(triton_allocation._allocator.get(), triton_allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
 def _tile_ends(group_end_E: torch.Tensor, rows_per_tile: int, tiles_per_rows: int) -> torch.Tensor:
     """Cumulative tile counts per expert (int32, on the device: no host sync)."""
     counts_E = torch.diff(group_end_E, prepend=group_end_E.new_zeros(1))
@@ -518,7 +539,8 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     args = (*a_descs, *b_descs, *scales, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
             *(b1_s.stride() if mx else (0, 0, 0)), limit)
     if warp_specialized:
-        grouped_mm_ws._grouped_mm_mx_ws_kernel[grid](*args, B_KN=b_kn, KB=grouped_mm_ws.KB, **common)
+        persistent = common.pop("PERSISTENT")
+        grouped_mm_ws.launch(grid[0], persistent, *args, B_KN=b_kn, KB=grouped_mm_ws.KB, **common)
     else:
         _grouped_mm_tma_kernel[grid](*args, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32, **common)
 
@@ -591,15 +613,20 @@ def grouped_wgrad(a_RN, b_RK, group_end_E, precision: str) -> torch.Tensor:
     if precision == "mxfp8":
         a_RN, b_RK = mxfp8_fake_quantize_groups(a_RN, group_end_E), mxfp8_fake_quantize_groups(b_RK, group_end_E)
     a_RN, b_RK = a_RN.contiguous(), b_RK.contiguous()
-    cfg = _WGRAD_CONFIG
+    for name, t in (("a_RN", a_RN), ("b_RK", b_RK)):
+        if t.shape[1] % 8 or t.data_ptr() % 16:  # each expert's rows are a TMA descriptor's rows
+            raise ValueError(f"grouped_wgrad: {name}'s rows must be 16-byte aligned (a multiple of 8 features, "
+                             f"a 16-byte aligned start), got {tuple(t.shape)} at {t.data_ptr() % 16} bytes past 16")
     num_experts, n, k = group_end_E.shape[0], a_RN.shape[1], b_RK.shape[1]
     c_ENK = torch.empty(num_experts, n, k, dtype=torch.bfloat16, device=a_RN.device)
     if num_experts:
-        n_tiles, k_tiles = triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"])
         flat = a_RN.shape[0] < _WGRAD_FLAT_MAX_ROWS * num_experts
+        cfg = _WGRAD_CONFIGS["flat" if flat else "rows"]
+        n_tiles, k_tiles = triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"])
         splits = min(k_tiles, triton.cdiv(_WGRAD_MIN_PROGRAMS, n_tiles * num_experts))
         per_program = triton.cdiv(k_tiles, splits) if flat else 1
         grid = (n_tiles, num_experts, triton.cdiv(k_tiles, per_program))
+        _set_triton_allocator()
         _grouped_wgrad_kernel[grid](a_RN, b_RK, c_ENK, group_end_E, n, k, per_program, FLAT=flat, DOT_F32=_DOT_F32,
                                     **cfg)
     return c_ENK

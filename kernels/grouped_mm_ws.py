@@ -20,6 +20,8 @@ barrier ties them) fill the tensor cores for each other. DUAL runs its two (A, B
 loads into one accumulator; SWIGLU dequantizes two weights per block.
 """
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -40,6 +42,20 @@ def tma_descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t2d, block, layout)
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def launch(max_tiles: int, persistent: bool, *args, **kwargs):
+    """The kernel on max_tiles programs (an upper bound of the tiles, one each), or persistent: one
+    program per SM, each looping over tiles t, t + grid, ... up to the device-side tile count, its
+    loader prefetching the next tile's loads while the consumers store the last one's results. Which
+    is faster depends on the kind (NOTES.md, session 8); the bits are the same."""
+    grid = (min(max_tiles, _sm_count(torch.cuda.current_device())) if persistent else max_tiles,)
+    _grouped_mm_mx_ws_kernel[grid](*args, **kwargs)
+
+
 @gluon.jit
 def _load_a(a_desc, a_bufs, bar, s, m0, kb0, KB: gl.constexpr):
     for q in gl.static_range(KB):
@@ -47,31 +63,36 @@ def _load_a(a_desc, a_bufs, bar, s, m0, kb0, KB: gl.constexpr):
 
 
 @gluon.jit
-def _loader(a1_desc, a2_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, empty, e, m0, n0, N, K, loads_per_pair, n_loads,
-            MODE: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr):
+def _loader(a1_desc, a2_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, empty, group_end_ptr, tile_end_ptr, N, K, E,
+            loads_per_pair, n_loads, MODE: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr, KB: gl.constexpr,
+            STAGES: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
     load_bytes: gl.constexpr = KB * a1_desc.block_type.nbytes + NB * b1_desc.block_type.nbytes
-    for l in range(n_loads):
-        s = l % STAGES
-        mbarrier.wait(empty.index(s), ((l // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
-        mbarrier.expect(full.index(s), load_bytes)
-        second = l >= loads_per_pair  # DUAL: the (A2, B2) pair follows (A1, B1) in the same accumulator
-        kb0 = (l - gl.where(second, loads_per_pair, 0)) * KB
-        if B_KN:
-            w_at = [e * K + kb0 * 32, n0]
-        else:
-            w_at = [e * N + n0, kb0 * 32]
-        if MODE == 3:
-            if second:
-                _load_a(a2_desc, a_bufs, full.index(s), s, m0, kb0, KB)
-                tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s))
+    c = 0  # loads issued by this program, over all its tiles: the ring position
+    for t in range(gl.program_id(0), gl.load(tile_end_ptr + E - 1), gl.num_programs(0)):
+        e, m0, _, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
+        for l in range(n_loads):
+            s = c % STAGES
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+            mbarrier.expect(full.index(s), load_bytes)
+            second = l >= loads_per_pair  # DUAL: the (A2, B2) pair follows (A1, B1) in the same accumulator
+            kb0 = (l - gl.where(second, loads_per_pair, 0)) * KB
+            if B_KN:
+                w_at = [e * K + kb0 * 32, n0]
+            else:
+                w_at = [e * N + n0, kb0 * 32]
+            if MODE == 3:
+                if second:
+                    _load_a(a2_desc, a_bufs, full.index(s), s, m0, kb0, KB)
+                    tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s))
+                else:
+                    _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB)
+                    tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s))
             else:
                 _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB)
-                tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s))
-        else:
-            _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB)
-            tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s * NB))
-            if NB == 2:
-                tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s * NB + 1))
+                tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s * NB))
+                if NB == 2:
+                    tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s * NB + 1))
+            c += 1
 
 
 @gluon.jit
@@ -130,62 +151,67 @@ def _mma_block(a_bufs, slot, w1, w2, acc1, acc2, NB: gl.constexpr):
 
 @gluon.jit
 def _consumer(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
-              e, m0, row_end, n0, N, k_steps, n_steps, loads_per_pair, n_loads, valid, stride_se, stride_sn, stride_sk,
-              limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr,
-              BM: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, ACC: gl.constexpr, half: gl.constexpr):
-    """One warpgroup: weight rows [n0 + 64 * half, +64) of the tile against its BM tokens, then their
-    epilogue."""
+              group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
+              stride_se, stride_sn, stride_sk, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
+              B_KN: gl.constexpr, NB: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, ACC: gl.constexpr,
+              half: gl.constexpr):
+    """One warpgroup: for each of the program's tiles, weight rows [n0 + 64 * half, +64) against its
+    BM tokens, then their epilogue."""
     gl.static_assert(KB == 4, "_consumer unrolls four K blocks per load")
     W_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-    offs_w = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, W_OP))
-    n_ok = offs_w < N
-    s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
-    sa1, sa2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 0, k_steps, n_steps, stride_sk, MODE, NB)
-    sb1, sb2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 1, k_steps, n_steps, stride_sk, MODE, NB)
-    sc1, sc2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 2, k_steps, n_steps, stride_sk, MODE, NB)
-    sd1, sd2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 3, k_steps, n_steps, stride_sk, MODE, NB)
-    acc1 = gl.zeros([64, BM], gl.float32, ACC)
-    if NB == 2:
-        acc2 = gl.zeros([64, BM], gl.float32, ACC)
-    for l in range(n_loads):
-        s = l % STAGES
-        mbarrier.wait(full.index(s), (l // STAGES) & 1)
-        second = l >= loads_per_pair
-        i0 = (l - gl.where(second, loads_per_pair, 0)) * KB + gl.where(second, k_steps, 0)  # first block's step
-        w1a, w2a, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-            w_bufs, s, 0, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
-            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
-        w1b, w2b, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-            w_bufs, s, 1, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
-            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
-        w1c, w2c, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-            w_bufs, s, 2, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
-            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
-        w1d, w2d, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-            w_bufs, s, 3, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
-            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+    c = 0  # loads consumed by this program, over all its tiles: the ring position
+    for t in range(gl.program_id(0), gl.load(tile_end_ptr + E - 1), gl.num_programs(0)):
+        e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
+        offs_w = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, W_OP))
+        n_ok = offs_w < N
+        s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
+        sa1, sa2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 0, k_steps, n_steps, stride_sk, MODE, NB)
+        sb1, sb2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 1, k_steps, n_steps, stride_sk, MODE, NB)
+        sc1, sc2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 2, k_steps, n_steps, stride_sk, MODE, NB)
+        sd1, sd2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 3, k_steps, n_steps, stride_sk, MODE, NB)
+        acc1 = gl.zeros([64, BM], gl.float32, ACC)
         if NB == 2:
-            acc1, acc2 = _mma_block(a_bufs, s * KB + 0, w1a, w2a, acc1, acc2, NB)
-            acc1, acc2 = _mma_block(a_bufs, s * KB + 1, w1b, w2b, acc1, acc2, NB)
-            acc1, acc2 = _mma_block(a_bufs, s * KB + 2, w1c, w2c, acc1, acc2, NB)
-            acc1, acc2 = _mma_block(a_bufs, s * KB + 3, w1d, w2d, acc1, acc2, NB)
-            acc1, acc2 = warpgroup_mma_wait(0, deps=(acc1, acc2))
-        else:  # no second accumulator carried through the loop
-            acc1, _ = _mma_block(a_bufs, s * KB + 0, w1a, w1a, acc1, acc1, NB)
-            acc1, _ = _mma_block(a_bufs, s * KB + 1, w1b, w1b, acc1, acc1, NB)
-            acc1, _ = _mma_block(a_bufs, s * KB + 2, w1c, w1c, acc1, acc1, NB)
-            acc1, _ = _mma_block(a_bufs, s * KB + 3, w1d, w1d, acc1, acc1, NB)
-            acc1 = warpgroup_mma_wait(0, deps=(acc1,))
-        mbarrier.arrive(empty.index(s), count=1)
-    if NB == 1:
-        acc2 = acc1  # unused outside SWIGLU
+            acc2 = gl.zeros([64, BM], gl.float32, ACC)
+        for l in range(n_loads):
+            s = c % STAGES
+            mbarrier.wait(full.index(s), (c // STAGES) & 1)
+            second = l >= loads_per_pair
+            i0 = (l - gl.where(second, loads_per_pair, 0)) * KB + gl.where(second, k_steps, 0)  # first block's step
+            w1a, w2a, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
+                w_bufs, s, 0, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
+                n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+            w1b, w2b, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
+                w_bufs, s, 1, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
+                n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+            w1c, w2c, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
+                w_bufs, s, 2, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
+                n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+            w1d, w2d, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
+                w_bufs, s, 3, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
+                n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+            if NB == 2:
+                acc1, acc2 = _mma_block(a_bufs, s * KB + 0, w1a, w2a, acc1, acc2, NB)
+                acc1, acc2 = _mma_block(a_bufs, s * KB + 1, w1b, w2b, acc1, acc2, NB)
+                acc1, acc2 = _mma_block(a_bufs, s * KB + 2, w1c, w2c, acc1, acc2, NB)
+                acc1, acc2 = _mma_block(a_bufs, s * KB + 3, w1d, w2d, acc1, acc2, NB)
+                acc1, acc2 = warpgroup_mma_wait(0, deps=(acc1, acc2))
+            else:  # no second accumulator carried through the loop
+                acc1, _ = _mma_block(a_bufs, s * KB + 0, w1a, w1a, acc1, acc1, NB)
+                acc1, _ = _mma_block(a_bufs, s * KB + 1, w1b, w1b, acc1, acc1, NB)
+                acc1, _ = _mma_block(a_bufs, s * KB + 2, w1c, w1c, acc1, acc1, NB)
+                acc1, _ = _mma_block(a_bufs, s * KB + 3, w1d, w1d, acc1, acc1, NB)
+                acc1 = warpgroup_mma_wait(0, deps=(acc1,))
+            mbarrier.arrive(empty.index(s), count=1)
+            c += 1
+        if NB == 1:
+            acc2 = acc1  # unused outside SWIGLU
 
-    offs_n = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
-    rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
-    row_ok = (rows < row_end) & valid
-    c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
-    c_ok = gl.expand_dims(row_ok, 0) & gl.expand_dims(offs_n < N, 1)
-    _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT)
+        offs_n = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
+        rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
+        c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
+        c_ok = gl.expand_dims(rows < row_end, 0) & gl.expand_dims(offs_n < N, 1)
+        _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT)
 
 
 @gluon.jit
@@ -203,10 +229,7 @@ def _grouped_mm_mx_ws_kernel(
 ):
     gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 weight rows each")
     NB: gl.constexpr = 2 if MODE == 1 else 1  # weight tiles per block (SWIGLU: gate and up)
-    t = gl.program_id(0)
-    e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
-    valid = t < gl.load(tile_end_ptr + E - 1)  # past the last tile: no loads, nothing stored
-    k_steps = gl.where(valid, K // 32, 0)
+    k_steps = K // 32
     pairs = 2 if MODE == 3 else 1
     n_steps = k_steps * pairs
     loads_per_pair = k_steps // KB  # the launcher checks K % (32 * KB) == 0
@@ -224,11 +247,13 @@ def _grouped_mm_mx_ws_kernel(
                                                    instr_shape=[16, BM, 16])
     gl.warp_specialize([
         (_consumer, (a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
-                     e, m0, row_end, n0, N, k_steps, n_steps, loads_per_pair, n_loads, valid,
-                     stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, BM, KB, STAGES, ACC, 0)),
+                     group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
+                     stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, LOG_E, BM, BN, GROUP_M, KB,
+                     STAGES, ACC, 0)),
         (_consumer, (a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
-                     e, m0, row_end, n0, N, k_steps, n_steps, loads_per_pair, n_loads, valid,
-                     stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, BM, KB, STAGES, ACC, 1)),
-        (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, empty, e, m0, n0, N, K,
-                   loads_per_pair, n_loads, MODE, B_KN, NB, KB, STAGES)),
+                     group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
+                     stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, LOG_E, BM, BN, GROUP_M, KB,
+                     STAGES, ACC, 1)),
+        (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, empty, group_end_ptr, tile_end_ptr, N, K,
+                   E, loads_per_pair, n_loads, MODE, B_KN, NB, KB, STAGES, LOG_E, BM, BN, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, 24])

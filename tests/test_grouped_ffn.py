@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from titan_mok.kernels import grouped_gemm as gg
+from titan_mok.kernels import grouped_mm_ws
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, weight_operand
 from titan_mok.kernels.grouped_gemm import grouped_mm, mxfp8_fake_quantize_groups, ref_grouped_mm
 from titan_mok.mxfp8 import MXTensor, fake_quantize_mxfp8
@@ -145,7 +146,10 @@ def test_mxfp8_reference_quantizes():
 
 def test_wgrad_loop_shapes_keep_bits(monkeypatch):
     """The weight gradient's loop shape (flat over K tiles and row blocks, or one K tile per
-    program) and the split of K tiles among programs follow the shapes; the bits do not."""
+    program) and the split of K tiles among programs follow the shapes; the bits do not. (Both
+    loops with one tile config: the interpreter's fp32 dots round per row block; the GPU's row
+    blocks are test_wgrad_row_blocks_keep_bits_on_gpu.)"""
+    monkeypatch.setitem(gg._WGRAD_CONFIGS, "rows", gg._WGRAD_CONFIGS["flat"])
 
     g = torch.Generator().manual_seed(3)
     a, b = (torch.randn(45, n, generator=g).to(torch.bfloat16).to(DEVICE) for n in (32, 3 * 128 + 16))
@@ -159,6 +163,30 @@ def test_wgrad_loop_shapes_keep_bits(monkeypatch):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert rel_err(outs[0], gg.ref_grouped_wgrad(a, b, group_end, "bf16")) < 1e-2
     assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1])), "an expert with no rows gets a zero gradient"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_wgrad_row_blocks_keep_bits_on_gpu(monkeypatch):
+    """On the GPU the flat loop (32-row blocks) and the row loop (64-row blocks, wider K tiles) give
+    the same bits: each MMA step adds its rows to the accumulator 16 at a time, in order."""
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randn(2100, n, generator=g).to(torch.bfloat16).cuda() for n in (384, 1024 + 64))
+    group_end = torch.tensor([300, 300, 1011, 2100]).cuda()  # an empty expert, partial row blocks
+    outs = []
+    for flat_max_rows in (10**6, 0):
+        monkeypatch.setattr(gg, "_WGRAD_FLAT_MAX_ROWS", flat_max_rows)
+        outs.append(gg.grouped_wgrad(a, b, group_end, "bf16"))
+    assert gg._WGRAD_CONFIGS["flat"]["BR"] != gg._WGRAD_CONFIGS["rows"]["BR"]
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], gg.ref_grouped_wgrad(a, b, group_end, "bf16")) < 1e-2
+
+
+def test_wgrad_needs_aligned_rows():
+    """Each expert's rows are read through a TMA descriptor: features must fill 16-byte rows."""
+    a, b = torch.zeros(6, 12, dtype=torch.bfloat16), torch.zeros(6, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"a_RN's rows must be 16-byte aligned .*\(6, 12\)"):
+        gg.grouped_wgrad(a, b, torch.tensor([2, 6]), "bf16")
 
 
 def test_bad_inputs():
@@ -233,13 +261,18 @@ def _mx_kinds(counts, dim_h, dim_i, w_kn):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("programs", ["per_sm", 3])
 @pytest.mark.parametrize("rings", ["committed", "small"])
 @pytest.mark.parametrize("w_kn", [False, True])
-def test_warp_specialized_matches_triton_bits(monkeypatch, w_kn, rings):
+def test_warp_specialized_matches_triton_bits(monkeypatch, w_kn, rings, programs):
     """The Gluon warp-specialized MXFP8 kernel gives the Triton kernel's bits for every kind, both
     weight layouts, an empty expert, partial N tiles and padding rows; with the committed configs and
-    with 64-token tiles and a two-load ring. Kinds whose K is not a multiple of 128 are refused."""
-    small = dict(BM=64, BN=128, GROUP_M=8, STAGES=2, CONSUMER_REGS=232, num_warps=4)
+    with 64-token tiles and a two-load ring (every kind persistent); with a program per SM (here one
+    tile each) and with 3 programs looping over all tiles (the ring's phases carried across tiles).
+    Kinds whose K is not a multiple of 128 are refused."""
+    small = dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232, num_warps=4)
+    if programs != "per_sm":
+        monkeypatch.setattr(grouped_mm_ws, "_sm_count", lambda device_index: programs)
     for kind in gg._MODE_NAMES.values():
         key = f"mxfp8_ws/{kind}"
         monkeypatch.setitem(gg._MM_CONFIGS, key, gg._MM_CONFIGS[key] if rings == "committed" else small)

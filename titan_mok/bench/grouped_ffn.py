@@ -316,8 +316,8 @@ _BF16_VARIANTS = [dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=w, num_stages=
                   for bn, w, st in ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 8, 3))]
 
 
-def _ws(bm=128, stages=4, regs=232):
-    return dict(BM=bm, BN=128, GROUP_M=8, STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
+def _ws(bm=128, stages=4, regs=232, persistent=True):
+    return dict(BM=bm, BN=128, GROUP_M=8, PERSISTENT=persistent, STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
 
 
 # MXFP8 on CUDA: None runs the Triton kernel ("mxfp8/<kind>"), a dict the warp-specialized one. The
