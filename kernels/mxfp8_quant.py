@@ -65,13 +65,7 @@ def mx_scale_of_bits(bits):
 def mx_dequantize_bits(q, bits, AXIS: tl.constexpr):
     """E4M3 tile q times its scales, 2^(bits - 127), as bf16 (exact): ``bits`` holds one E8M0 per
     index of q's other dim, spread along ``AXIS`` (1: one per row, 0: one per column)."""
-    return mx_dequantize_scaled(q, mx_scale_of_bits(bits), AXIS)
-
-
-@triton.jit
-def mx_dequantize_scaled(q, scale, AXIS: tl.constexpr):
-    """mx_dequantize_bits with the scales already decoded (``mx_scale_of_bits``)."""
-    return (q.to(tl.float32) * tl.expand_dims(scale, AXIS)).to(tl.bfloat16)
+    return (q.to(tl.float32) * tl.expand_dims(mx_scale_of_bits(bits), AXIS)).to(tl.bfloat16)
 
 
 @triton.jit
