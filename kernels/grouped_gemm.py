@@ -14,7 +14,8 @@ Two GEMM shapes cover the expert FFN's forward and backward:
   of a contiguous [E, K, N], rows of 16-byte multiples. Fused
   variants: gate/up with the SwiGLU epilogue, down-dgrad with the SwiGLU-backward epilogue,
   and a two-term sum (dx).
-- ``grouped_wgrad``: ``c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e]``.
+- ``grouped_wgrad``: ``c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e]``, each expert's rows read
+  by TMA through descriptors the kernel makes over them (rows past the expert's end read as zeros).
 
 Precision: bf16 operands, or MXFP8 (DESIGN §6). Weights arrive as ``MXTensor`` blocked along
 K (quantized once per pass by ``mxfp8_quantize``, in the layout each GEMM reads). Activations
@@ -27,11 +28,12 @@ and reaches the bf16 tensor cores through shared memory, against bf16 activation
 MXFP8 values; the scales of block k+1 are loaded while block k runs. On CUDA, the MXFP8 kinds
 with a ``"mxfp8_ws/<kind>"`` config and K a multiple of 128 run ``grouped_mm_ws`` instead: the same
 bits, computed transposed with the dequantized weights as the MMA's register operand, a TMA loader
-warp and two consumer warpgroups. ``fp8_mma=True``
+warp and two consumer warpgroups (for three kinds persistent: one program per SM looping over
+tiles). ``fp8_mma=True``
 (``_grouped_mm_fp8_mma_kernel``): E4M3 x E4M3 MMAs per 32-wide K block, each partial sum promoted
 into the fp32 accumulator with its two scales (DeepGEMM-style); measured slower on H200 (NOTES.md).
-fp32 accumulation, one program per output tile, fixed K order: no split-K, no atomics,
-run-to-run deterministic.
+fp32 accumulation, each output tile computed by one program, fixed K order: no split-K, no
+atomics, run-to-run deterministic.
 
 Row-batch invariance: tile shapes (``_MM_CONFIGS``) depend only on the kind of GEMM and the
 precision, never on the rows; every row goes through the same instruction sequence whatever
