@@ -1,6 +1,6 @@
 """Warp-specialized MXFP8 grouped GEMM for Hopper (Gluon): ``grouped_mm``'s MXFP8 kinds on CUDA where
 ``_MM_CONFIGS["mxfp8_ws/<kind>"]`` gives it a config and K is a multiple of 32 * KB (NOTES.md,
-"MXFP8 with register-sourced weights, session 7").
+"MXFP8 with register-sourced weights, session 7", and "Session 8").
 
 Same contract and K order as ``grouped_gemm._grouped_mm_tma_kernel`` (MX=True), which stays the
 definition it must match bit for bit (GPU test) and the path Triton's CPU interpreter runs (Gluon has
@@ -16,8 +16,11 @@ the dequantized weights are the MMA's register operand and never go back to shar
 A consumer defines all of a load's register operands before its first wgmma: a register operand
 redefined while a wgmma is in flight makes ptxas serialize every wgmma of the kernel. So a warpgroup
 never overlaps its own dequantization with its MMAs; the two warpgroups (separate partitions, so no
-barrier ties them) fill the tensor cores for each other. DUAL runs its two (A, B) pairs as consecutive
-loads into one accumulator; SWIGLU dequantizes two weights per block.
+barrier ties them) fill the tensor cores for each other (making them take turns measured slower:
+ptxas interleaves a load's HGMMA issue with the dequantization of its later blocks). DUAL runs its
+two (A, B) pairs as consecutive loads into one accumulator; SWIGLU dequantizes two weights per block.
+Every partition walks the program's tiles t, t + grid, ... (one tile each unless launched
+persistent), its ring position carried across tiles.
 """
 
 import functools
