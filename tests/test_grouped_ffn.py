@@ -311,3 +311,12 @@ def test_warp_specialized_needs_whole_loads_of_k():
     with pytest.raises(ValueError, match=r"K \(here 96\) to be a multiple of 128"):
         gg._launch_mm(gg.PLAIN, x.new_zeros(8, 96), None, mxfp8_quantize(w_down, 2, "w"), None, group_end, [c],
                       warp_specialized=True)
+
+
+def test_tune_sweeps_hold_the_committed_configs():
+    """`bench.grouped_ffn --tune` installs the fastest of each kind's list, so each list must hold the
+    committed config: else a tune could only move away from it."""
+    from titan_mok.bench.grouped_ffn import TUNE_VARIANTS
+
+    for key, variants in TUNE_VARIANTS.items():
+        assert gg._MM_CONFIGS[key] in variants, f"{key}: committed config {gg._MM_CONFIGS[key]} is not swept"
