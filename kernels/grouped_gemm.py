@@ -35,9 +35,11 @@ into the fp32 accumulator with its two scales (DeepGEMM-style); measured slower 
 fp32 accumulation, each output tile computed by one program, fixed K order: no split-K, no
 atomics, run-to-run deterministic.
 
-Row-batch invariance: tile shapes (``_MM_CONFIGS``) depend only on the kind of GEMM and the
-precision, never on the rows; every row goes through the same instruction sequence whatever
-its group's size or its position in a tile.
+Row-batch invariance: every row goes through the same instruction sequence whatever its group's
+size or its position in a tile. Tile shapes (``_MM_CONFIGS``) depend on the kind of GEMM and the
+precision, and the token tile also on the rows held per expert (``_token_tile``): a row's bits do
+not follow the token tile (each MMA sums a row's K in the same order whatever its M or N; a GPU
+test compares 64- and 128-token tiles bit for bit), so that choice keeps them.
 
 Grid: tiles are enumerated expert by expert (tile prefix sums computed on the device), and
 within an expert in GROUP_M-row super-tiles, so the programs of one expert's N-tiles run side
@@ -71,15 +73,17 @@ from titan_mok.mxfp8 import BLOCK, MXTensor, fake_quantize_mxfp8
 PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 
 # Tile configs per kind of GEMM and precision ("<precision>/<mode>"), module-level so benchmarks
-# can try others. They must not depend on the number of rows (batch invariance). On the MXFP8
-# path the K loop takes one 32-wide scale block per TMA load (BK: how many it unrolls). Chosen by
-# `python -m titan_mok.bench.grouped_ffn --tune` on an H200 (benchmarks/NOTES.md, 2026-12-01).
+# can try others. Only the token tile BM may follow the number of rows (``_token_tile``): tests hold
+# a row's bits equal across it, on the GPU and the interpreter (BK, by contrast, changes the
+# interpreter's rounding). On the MXFP8 path the K loop takes one 32-wide scale block per TMA load (BK: how many it unrolls). Chosen by
+# `python -m titan_mok.bench.grouped_ffn --tune` on an H200 (benchmarks/NOTES.md, 2026-12-01); bf16/dual's
+# 128 x 256 tiles by a wider sweep over all four shapes (session 9).
 _MODE_NAMES = {PLAIN: "plain", SWIGLU: "swiglu", SWIGLU_BWD: "swiglu_bwd", DUAL: "dual"}
 _MM_CONFIGS = {
     "bf16/plain": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=3),
     "bf16/swiglu": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
     "bf16/swiglu_bwd": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
-    "bf16/dual": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=3),
+    "bf16/dual": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
     "mxfp8/plain": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8/swiglu": dict(BM=128, BN=64, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8/swiglu_bwd": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
@@ -95,6 +99,11 @@ _MM_CONFIGS = {
     "mxfp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4),
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
 }
+# Token tile: when the experts hold at most _FEW_ROWS rows each on average (the MoE regime at EP=1),
+# _FEW_ROWS-token tiles instead of the config's BM, whose MMAs would run mostly on padding rows:
+# balanced routing at 32-64 rows per expert, 8-30% faster for every kind in both precisions (NOTES.md,
+# session 9). From the row count of the operand (padding included), so the host never syncs.
+_FEW_ROWS = 64
 # Weight gradient: the flat loop while experts average fewer than _WGRAD_FLAT_MAX_ROWS rows (a
 # static property of the shapes, so the choice never depends on the routing), else the row loop;
 # each with its tiles (BR rows summed per MMA step; same bits for any BR on the GPU: NOTES.md,
@@ -519,6 +528,7 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         return
     a1, sa1 = _a_operand(a1, mx, fp8_mma, "a1")
     a2, sa2 = _a_operand(a2, mx, fp8_mma, "a2") if a2 is not None else (a1, sa1)
+    cfg = {**cfg, "BM": _token_tile(cfg["BM"], a1.shape[0], num_experts)}
     bm, bn = cfg["BM"], cfg["BN"]
     n_tiles = triton.cdiv(n, bn)
     tile_end_E = _tile_ends(group_end_E, bm, n_tiles)
@@ -545,6 +555,11 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         grouped_mm_ws.launch(grid[0], persistent, *args, B_KN=b_kn, KB=grouped_mm_ws.KB, **common)
     else:
         _grouped_mm_tma_kernel[grid](*args, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32, **common)
+
+
+def _token_tile(bm: int, rows: int, num_experts: int) -> int:
+    """Tokens per tile: the config's BM, or _FEW_ROWS when the experts average at most that many rows."""
+    return min(bm, _FEW_ROWS) if rows <= _FEW_ROWS * num_experts else bm
 
 
 def mm_config_key(mode: int, mx: bool, fp8_mma: bool, warp_specialized: bool = False) -> str:

@@ -231,6 +231,36 @@ def test_gpu_real_sizes(name, dim_h, dim_i, counts, precision):
     assert torch.equal(alone[0], tri[0][: counts[0]]) and torch.equal(alone[1], tri[1][: counts[0]])
 
 
+def _tile_runs(monkeypatch, tensors, group_end, **kw):
+    """Forward and backward with the configs' 128-token tiles and with 64-token tiles (grouped_gemm._token_tile)."""
+    runs = []
+    for few_rows in (0, 64):  # 0: never "few rows", so BM stays 128; 64: the committed rule (these cases qualify)
+        monkeypatch.setattr(gg, "_FEW_ROWS", few_rows)
+        runs.append(run(tensors, group_end, use_triton=True, **kw))
+    return runs
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_token_tile_keeps_bits(monkeypatch, precision):
+    """The token tile follows the rows per expert; a row's bits must not (every kind of grouped_mm)."""
+    tensors, group_end = make_case(**CPU_CASE)
+    wide, narrow = _tile_runs(monkeypatch, tensors, group_end, precision=precision, swiglu_limit=0.5)
+    for name, a, b in zip(NAMES, wide, narrow):
+        assert torch.equal(a, b), f"{name}: 64- and 128-token tiles give different bits"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_token_tile_keeps_bits_on_gpu(monkeypatch, precision):
+    """As above at Kimi's sizes, 45 rows per expert: the MXFP8 kinds on the warp-specialized kernel."""
+    name, dim_h, dim_i, counts = GPU_SHAPES[0]
+    tensors, group_end = make_case(counts=counts, dim_h=dim_h, dim_i=dim_i, padding=5)
+    wide, narrow = _tile_runs(monkeypatch, tensors, group_end, precision=precision, swiglu_limit=10.0)
+    for n, a, b in zip(NAMES, wide, narrow):
+        assert torch.equal(a, b), f"{name} {n}: 64- and 128-token tiles give different bits"
+
+
 def _mx_kinds(counts, dim_h, dim_i, w_kn):
     """Inputs of the four kinds of MXFP8 grouped_mm at these sizes: {kind: (mode, a1, a2, b1, b2, outs, gu)}.
     w_kn: the dgrad weights as transposed views of contiguous [E, K, N] (else contiguous [E, N, K])."""

@@ -313,24 +313,23 @@ def run_case(name, H, I, counts, ceil, impls, rep_ms, log):
 
 _KINDS = ("plain", "swiglu", "swiglu_bwd", "dual")
 _BF16_VARIANTS = [dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=w, num_stages=st)
-                  for bn, w, st in ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 8, 3))]
+                  for bn, w, st in ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 8, 3), (256, 8, 4))]
 
 
-def _ws(bm=128, stages=4, regs=232, persistent=True):
-    return dict(BM=bm, BN=128, GROUP_M=8, PERSISTENT=persistent, STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
+def _ws(stages=4, regs=232, persistent=True):
+    return dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=persistent, STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
 
 
 # MXFP8 on CUDA: None runs the Triton kernel ("mxfp8/<kind>"), a dict the warp-specialized one; each
-# list holds its kind's committed config (SwiGLU gate/up: one program per tile). The 64-token tiles
-# are timed per case for a later choice by rows per expert (NOTES.md, session 7: plain at Kimi EP=1,
-# 42 rows per expert, 3.44 -> 2.81 ms); the summed choice rarely picks them.
+# list holds its kind's committed config (SwiGLU gate/up: one program per tile). No list varies BM:
+# the launcher picks the token tile by rows per expert (grouped_gemm._token_tile), so the EP=1 case
+# runs every variant on 64-token tiles.
 TUNE_VARIANTS = {
     **{f"bf16/{kind}": _BF16_VARIANTS for kind in _KINDS},
-    "mxfp8_ws/plain": [None, _ws(stages=3), _ws(stages=4), _ws(bm=64)],
-    "mxfp8_ws/swiglu": [None, _ws(stages=2, persistent=False), _ws(stages=2), _ws(stages=3), _ws(stages=3, regs=248),
-                        _ws(bm=64, stages=3)],
-    "mxfp8_ws/swiglu_bwd": [None, _ws(regs=248), _ws(), _ws(stages=3, regs=248), _ws(bm=64, regs=248)],
-    "mxfp8_ws/dual": [None, _ws(), _ws(stages=3), _ws(bm=64)],
+    "mxfp8_ws/plain": [None, _ws(stages=3), _ws(stages=4)],
+    "mxfp8_ws/swiglu": [None, _ws(stages=2, persistent=False), _ws(stages=2), _ws(stages=3), _ws(stages=3, regs=248)],
+    "mxfp8_ws/swiglu_bwd": [None, _ws(regs=248), _ws(), _ws(stages=3, regs=248)],
+    "mxfp8_ws/dual": [None, _ws(), _ws(stages=3)],
     "mxfp8_fp8_mma": [dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
                       dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)],
 }
