@@ -73,11 +73,12 @@ from titan_mok.mxfp8 import BLOCK, MXTensor, fake_quantize_mxfp8
 PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 
 # Tile configs per kind of GEMM and precision ("<precision>/<mode>"), module-level so benchmarks
-# can try others. Only the token tile BM may follow the number of rows (``_token_tile``): tests hold
-# a row's bits equal across it, on the GPU and the interpreter (BK, by contrast, changes the
-# interpreter's rounding). On the MXFP8 path the K loop takes one 32-wide scale block per TMA load (BK: how many it unrolls). Chosen by
-# `python -m titan_mok.bench.grouped_ffn --tune` on an H200 (benchmarks/NOTES.md, 2026-12-01); bf16/dual's
-# 128 x 256 tiles by a wider sweep over all four shapes (session 9).
+# can try others. Only the token tile BM may follow the number of rows (``_token_tile``): tests
+# hold a row's bits equal across it, on the GPU and the interpreter (BK, by contrast, changes the
+# interpreter's rounding). On the MXFP8 path the K loop takes one 32-wide scale block per TMA
+# load (BK: how many it unrolls). Chosen by `python -m titan_mok.bench.grouped_ffn --tune` on an
+# H200 (benchmarks/NOTES.md, 2026-12-01); bf16/dual's 128 x 256 tiles by a wider sweep over all
+# four shapes (session 9).
 _MODE_NAMES = {PLAIN: "plain", SWIGLU: "swiglu", SWIGLU_BWD: "swiglu_bwd", DUAL: "dual"}
 _MM_CONFIGS = {
     "bf16/plain": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=3),
