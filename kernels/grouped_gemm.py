@@ -37,7 +37,7 @@ atomics, run-to-run deterministic.
 
 Row-batch invariance: every row goes through the same instruction sequence whatever its group's
 size or its position in a tile. Tile shapes (``_MM_CONFIGS``) depend on the kind of GEMM and the
-precision, and the token tile also on the rows held per expert (``_token_tile``): a row's bits do
+precision, and the token tile also on the rows held per expert (``_mm_config``): a row's bits do
 not follow the token tile (each MMA sums a row's K in the same order whatever its M or N; a GPU
 test compares 64- and 128-token tiles bit for bit), so that choice keeps them.
 
@@ -73,7 +73,7 @@ from titan_mok.mxfp8 import BLOCK, MXTensor, fake_quantize_mxfp8
 PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 
 # Tile configs per kind of GEMM and precision ("<precision>/<mode>"), module-level so benchmarks
-# can try others. Only the token tile BM may follow the number of rows (``_token_tile``): tests
+# can try others. Only the token tile BM may follow the number of rows (``_mm_config``): tests
 # hold a row's bits equal across it, on the GPU and the interpreter (BK, by contrast, changes the
 # interpreter's rounding). On the MXFP8 path the K loop takes one 32-wide scale block per TMA
 # load (BK: how many it unrolls). Chosen by `python -m titan_mok.bench.grouped_ffn --tune` on an
@@ -93,17 +93,27 @@ _MM_CONFIGS = {
     # (None) the Triton kernel above. BN is fixed at 128 (two warpgroups of 64 weight rows); BM tokens
     # per tile; STAGES loads in flight (each grouped_mm_ws.KB K blocks); CONSUMER_REGS the registers
     # per thread asked for the second consumer warpgroup (a worker partition of warp_specialize);
-    # PERSISTENT: one program per SM looping over tiles, else one program per tile.
+    # PERSISTENT: one program per SM looping over tiles, else one program per tile; maxnreg (optional)
+    # caps the kernel's registers per thread, so that two programs fit on an SM.
     "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4),
     "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232, num_warps=4),
     "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=248, num_warps=4),
     "mxfp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4),
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+    # At few rows per expert (below): 64-token tiles halve the accumulators, so two programs fit on an
+    # SM (80 registers per thread, 104 for the consumers, two loads in flight) and hide each other's
+    # latencies: 8-14% faster for the dgrad kinds; plain was level and SwiGLU gate/up (two
+    # accumulators) spills (NOTES.md, session 11).
+    "mxfp8_ws/swiglu_bwd@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=104,
+                                         maxnreg=80, num_warps=4),
+    "mxfp8_ws/dual@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=104,
+                                   maxnreg=80, num_warps=4),
 }
-# Token tile: when the experts hold at most _FEW_ROWS rows each on average (the MoE regime at EP=1),
-# _FEW_ROWS-token tiles instead of the config's BM, whose MMAs would run mostly on padding rows:
-# balanced routing at 32-64 rows per expert, 8-30% faster for every kind in both precisions (NOTES.md,
-# session 9). From the row count of the operand (padding included), so the host never syncs.
+# Few rows: when the experts hold at most _FEW_ROWS rows each on average (the MoE regime at EP=1),
+# the kind's "<key>@few_rows" config where there is one, else its config with _FEW_ROWS-token tiles
+# instead of a BM whose MMAs would run mostly on padding rows: balanced routing at 32-64 rows per
+# expert, 8-30% faster for every kind in both precisions (NOTES.md, session 9). From the row count of
+# the operand (padding included), so the host never syncs.
 _FEW_ROWS = 64
 # Weight gradient: the flat loop while experts average fewer than _WGRAD_FLAT_MAX_ROWS rows (a
 # static property of the shapes, so the choice never depends on the routing), else the row loop;
@@ -508,8 +518,9 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     mx = b1_s is not None
     fp8_mma = fp8_mma and mx
     num_experts, n, k = b1_data.shape
+    few_rows = a1.shape[0] <= _FEW_ROWS * num_experts
     ws_key = mm_config_key(mode, True, False, True)
-    ws_cfg = _MM_CONFIGS[ws_key] if mx and not fp8_mma else None
+    ws_cfg = _mm_config(ws_key, few_rows) if mx and not fp8_mma else None
     ws_k = 32 * grouped_mm_ws.KB  # its loads take K in blocks of ws_k
     if warp_specialized is None:
         warp_specialized = b1_data.is_cuda and not _DOT_F32 and ws_cfg is not None and k % ws_k == 0
@@ -520,7 +531,7 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     if warp_specialized and k % ws_k:
         raise ValueError(f"the warp-specialized kernel needs K (here {k}) to be a multiple of {ws_k}; "
                          "the Triton kernel runs any K")
-    cfg = ws_cfg if warp_specialized else _MM_CONFIGS[mm_config_key(mode, mx, fp8_mma)]
+    cfg = ws_cfg if warp_specialized else _mm_config(mm_config_key(mode, mx, fp8_mma), few_rows)
     if a1.shape[1] != k:
         raise ValueError(f"A operand has K = {a1.shape[1]}, B has K = {k}")
     if group_end_E.shape != (num_experts,):
@@ -529,7 +540,6 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         return
     a1, sa1 = _a_operand(a1, mx, fp8_mma, "a1")
     a2, sa2 = _a_operand(a2, mx, fp8_mma, "a2") if a2 is not None else (a1, sa1)
-    cfg = {**cfg, "BM": _token_tile(cfg["BM"], a1.shape[0], num_experts)}
     bm, bn = cfg["BM"], cfg["BN"]
     n_tiles = triton.cdiv(n, bn)
     tile_end_E = _tile_ends(group_end_E, bm, n_tiles)
@@ -558,9 +568,13 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         _grouped_mm_tma_kernel[grid](*args, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32, **common)
 
 
-def _token_tile(bm: int, rows: int, num_experts: int) -> int:
-    """Tokens per tile: the config's BM, or _FEW_ROWS when the experts average at most that many rows."""
-    return min(bm, _FEW_ROWS) if rows <= _FEW_ROWS * num_experts else bm
+def _mm_config(key: str, few_rows: bool) -> dict | None:
+    """The kind's tile config (None: no warp-specialized config); with few rows per expert, its
+    "@few_rows" config where there is one, else the same with at most _FEW_ROWS-token tiles."""
+    cfg = _MM_CONFIGS[key]
+    if not few_rows or cfg is None:
+        return cfg
+    return _MM_CONFIGS.get(f"{key}@few_rows") or {**cfg, "BM": min(cfg["BM"], _FEW_ROWS)}
 
 
 def mm_config_key(mode: int, mx: bool, fp8_mma: bool, warp_specialized: bool = False) -> str:

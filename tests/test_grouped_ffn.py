@@ -232,7 +232,8 @@ def test_gpu_real_sizes(name, dim_h, dim_i, counts, precision):
 
 
 def _tile_runs(monkeypatch, tensors, group_end, **kw):
-    """Forward and backward with the configs' 128-token tiles and with 64-token tiles (grouped_gemm._token_tile)."""
+    """Forward and backward with the configs' 128-token tiles and with the few-rows configs' 64-token
+    tiles (grouped_gemm._mm_config; on the GPU two programs per SM for the MXFP8 dgrad kinds)."""
     runs = []
     for few_rows in (0, 64):  # 0: never "few rows", so BM stays 128; 64: the committed rule (these cases qualify)
         monkeypatch.setattr(gg, "_FEW_ROWS", few_rows)
@@ -303,8 +304,7 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, w_kn, rings, programs
     small = dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232, num_warps=4)
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "_sm_count", lambda device_index: programs)
-    for kind in gg._MODE_NAMES.values():
-        key = f"mxfp8_ws/{kind}"
+    for key in [k for k in gg._MM_CONFIGS if k.startswith("mxfp8_ws/")]:  # "@few_rows" too: case 2 has few rows
         monkeypatch.setitem(gg._MM_CONFIGS, key, gg._MM_CONFIGS[key] if rings == "committed" else small)
     # (H, I, rows per expert, kinds whose K = H or I is a multiple of 128)
     cases = ((512, 256, [70, 0, 200], set(gg._MODE_NAMES.values())),

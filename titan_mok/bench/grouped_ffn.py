@@ -316,20 +316,28 @@ _BF16_VARIANTS = [dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=w, num_stages=
                   for bn, w, st in ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 8, 3), (256, 8, 4))]
 
 
-def _ws(stages=4, regs=232, persistent=True):
-    return dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=persistent, STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
+def _ws(stages=4, regs=232, persistent=True, bm=128, **kw):
+    return dict(BM=bm, BN=128, GROUP_M=8, PERSISTENT=persistent, STAGES=stages, CONSUMER_REGS=regs, num_warps=4, **kw)
+
+
+def _ws_two_per_sm(stages=2, regs=104):  # 64-token tiles, registers capped so two programs share an SM
+    return _ws(stages=stages, regs=regs, persistent=False, bm=64, maxnreg=80)
 
 
 # MXFP8 on CUDA: None runs the Triton kernel ("mxfp8/<kind>"), a dict the warp-specialized one; each
-# list holds its kind's committed config (SwiGLU gate/up: one program per tile). No list varies BM:
-# the launcher picks the token tile by rows per expert (grouped_gemm._token_tile), so the EP=1 case
-# runs every variant on 64-token tiles.
+# list holds its kind's committed config (SwiGLU gate/up: one program per tile). Only the "@few_rows"
+# lists vary BM: with few rows per expert the launcher takes 64-token tiles (grouped_gemm._mm_config),
+# so the EP=1 case runs the other lists' variants on 64-token tiles; a "@few_rows" list is timed on
+# that case alone.
 TUNE_VARIANTS = {
     **{f"bf16/{kind}": _BF16_VARIANTS for kind in _KINDS},
     "mxfp8_ws/plain": [None, _ws(stages=3), _ws(stages=4)],
     "mxfp8_ws/swiglu": [None, _ws(stages=2, persistent=False), _ws(stages=2), _ws(stages=3), _ws(stages=3, regs=248)],
     "mxfp8_ws/swiglu_bwd": [None, _ws(regs=248), _ws(), _ws(stages=3, regs=248)],
     "mxfp8_ws/dual": [None, _ws(), _ws(stages=3)],
+    "mxfp8_ws/swiglu_bwd@few_rows": [_ws(stages=3, regs=248, bm=64), _ws_two_per_sm(), _ws_two_per_sm(regs=112),
+                                     _ws_two_per_sm(stages=3)],
+    "mxfp8_ws/dual@few_rows": [_ws(bm=64), _ws_two_per_sm(), _ws_two_per_sm(regs=112), _ws_two_per_sm(stages=3)],
     "mxfp8_fp8_mma": [dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
                       dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)],
 }
@@ -352,13 +360,15 @@ def gemms_by_kind(c, precision):
 def tune(log, kernels):
     """Tile-config sweep on two MoE-regime cases and one compute-regime case; installs, per kernel
     key, the config with the least summed time (so the runs that follow use it). Each kind of GEMM
-    is timed on its own; fp8-MMA on the forward phase."""
+    is timed on its own, on the cases whose rows per expert pick that key; fp8-MMA on the forward
+    phase."""
     H, I, E, K = SHAPES["kimi"]
     cases = {"kimi_ep1_balanced": route_counts(TOKENS_PER_GPU * K, E, False),
              "kimi_ep2_balanced": route_counts(TOKENS_PER_GPU * K, E // 2, False),
              "kimi_compute": torch.full((8,), 4096, dtype=torch.int64)}
     total = {key: [0.0] * len(TUNE_VARIANTS[key]) for key in kernels}
     for cname, counts in cases.items():
+        few_rows = int(counts.sum()) <= gg._FEW_ROWS * counts.numel()
         c = Case(H, I, counts)
         timed = {}
         for precision, prefix in (("bf16", "bf16/"), ("mxfp8", "mxfp8_ws/")):
@@ -367,11 +377,14 @@ def tune(log, kernels):
         if "mxfp8_fp8_mma" in kernels:
             timed["mxfp8_fp8_mma"] = phases_ours(c, "mxfp8", fp8_mma=True)["fwd"]
         for key in kernels:
+            kind_key, _, variant = key.partition("@")
+            if (variant == "few_rows") != (few_rows and f"{kind_key}@few_rows" in gg._MM_CONFIGS):
+                continue  # another key's config runs at this many rows
             default = gg._MM_CONFIGS[key]
             for i, v in enumerate(TUNE_VARIANTS[key]):
                 gg._MM_CONFIGS[key] = v
                 try:
-                    ms = bench(timed[key], 60)
+                    ms = bench(timed[kind_key], 60)
                     rec = {"case": cname, "kernel": key, "cfg": v, "ms": ms}
                 except Exception as e:
                     ms, rec = float("inf"), {"case": cname, "kernel": key, "cfg": v, "error": repr(e)[:200]}
