@@ -102,8 +102,8 @@ _MM_CONFIGS = {
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
     # At few rows per expert (below): 64-token tiles halve the accumulators, so two programs fit on an
     # SM (80 registers per thread, 104 for the consumers, two loads in flight) and hide each other's
-    # latencies: 8-14% faster for the dgrad kinds; plain was level and SwiGLU gate/up (two
-    # accumulators) spills (NOTES.md, session 11).
+    # latencies: the dgrad kinds 1-13% faster per kind and case (the dgrad 6-9% at EP=1); plain was
+    # level and SwiGLU gate/up (two accumulators) spills (NOTES.md, session 11).
     "mxfp8_ws/swiglu_bwd@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=104,
                                          maxnreg=80, num_warps=4),
     "mxfp8_ws/dual@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=104,
