@@ -1,0 +1,49 @@
+"""The offline sm_90 report (titan_mok.bench.sass): the kernels of an MXFP8 pass compiled on a
+CPU-only machine, and the two-programs-per-SM promise of the few-rows dgrad configs kept."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from titan_mok.bench import sass
+
+pytestmark = pytest.mark.skipif(
+    not all(os.path.exists(os.path.join(sass._TOOLS, t)) for t in ("ptxas", "nvdisasm", "cuobjdump")),
+    reason="Triton's wheel has no ptxas/nvdisasm/cuobjdump here")
+
+
+def _report(*args):
+    """The tool's JSON, run without the interpreter (tests set TRITON_INTERPRET=1 before any kernel
+    is defined, and interpreted kernels cannot be compiled)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "titan_mok.bench.sass", "--json", *args], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_few_rows_dgrad_kernels_fit_two_programs_per_sm():
+    """At 40 rows per expert (Qwen3.5, EP=1) every MXFP8 kind compiles on the warp-specialized kernel;
+    the dgrad kinds' "@few_rows" configs must fit two programs on an SM, the forward kinds one."""
+    ws = {r["step"]: r for r in _report("--shape", "qwen", "--rows-per-expert", "40")
+          if r["kernel"] == "_grouped_mm_mx_ws_kernel"}
+    assert sorted(ws) == ["dgrad: down + SwiGLU bwd", "dgrad: gate/up (dual)", "fwd: down", "fwd: gate/up + SwiGLU"]
+    for step, r in ws.items():
+        assert r["opcodes"].get("HGMMA", 0) > 0, f"{step}: no wgmma in the SASS"
+        want = 2 if step.startswith("dgrad") else 1
+        assert r["programs_per_sm"] == want, f"{step}: {r['programs_per_sm']} programs per SM, want {want}: {r}"
+
+
+def test_compiling_context_restores_what_it_replaced():
+    """The stand-in driver, the compile-only launches and the SM count are undone on exit, even after
+    an error inside."""
+    patched = (sass.JITFunction.run, sass.grouped_mm_ws._sm_count, torch.cuda.current_device)
+    with pytest.raises(RuntimeError, match="inside"):
+        with sass.compiling_for_sm90():
+            assert sass.JITFunction.run is not patched[0]
+            raise RuntimeError("inside")
+    assert (sass.JITFunction.run, sass.grouped_mm_ws._sm_count, torch.cuda.current_device) == patched

@@ -1,0 +1,187 @@
+"""What ptxas makes of the grouped expert GEMMs for Hopper, without a GPU: registers, spill stack,
+shared memory and SASS instruction mix of every kernel one MoE FFN pass would launch.
+
+    python3 -m titan_mok.bench.sass [--shape kimi] [--rows-per-expert 43] [--precision mxfp8] [--sass-dir DIR] [--json]
+
+Why: device time is scarce. A tile config that spills, or that cannot fit two programs on an SM,
+shows here first (benchmarks/NOTES.md, session 11). Triton's wheel carries ptxas, nvdisasm and
+cuobjdump; a stand-in driver reports an sm_90 target, and every kernel the launchers would start
+is compiled instead (``JITFunction.run`` with ``warmup=True``), so nothing runs and the tensors are
+CPU tensors whose values do not matter. The kernel choice follows what CUDA would pick: MXFP8 kinds
+with a warp-specialized config take the Gluon kernel, and the configs follow the rows per expert.
+Registers and shared memory are per program; a warp-specialized kernel's partitions then move
+registers among themselves (``setmaxnreg``, listed).
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import JITFunction
+
+from titan_mok.bench.grouped_ffn import SHAPES
+from titan_mok.kernels import grouped_gemm as gg
+from titan_mok.kernels import grouped_mm_ws
+from titan_mok.kernels.grouped_ffn import weight_operand
+
+H200_SMS = 132
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 228 * 1024  # bytes; one program may take up to 227 KB of it
+_TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+class _Sm90Driver:
+    """The few driver calls compiling needs, answered for an H100/H200 (compute capability 9.0)."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+@contextlib.contextmanager
+def compiling_for_sm90():
+    """Inside: every Triton/Gluon launch compiles for sm_90 and launches nothing; yields the list
+    that collects (kernel name, compiled kernel)."""
+    compiled = []
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+        return kernel
+
+    sm_count, current_device = grouped_mm_ws._sm_count, torch.cuda.current_device
+    active = triton.runtime.driver._active  # None until a driver is used: reset_active() would need a GPU
+    triton.runtime.driver.set_active(_Sm90Driver())
+    JITFunction.run = compile_only
+    grouped_mm_ws._sm_count = lambda device_index: H200_SMS  # persistent grids: one program per SM
+    torch.cuda.current_device = lambda: 0
+    try:
+        yield compiled
+    finally:
+        JITFunction.run = run
+        grouped_mm_ws._sm_count, torch.cuda.current_device = sm_count, current_device
+        triton.runtime.driver._active = active
+
+
+def _tool(name: str, cubin: bytes, *flags: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([os.path.join(_TOOLS, name), *flags, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def kernel_report(name: str, kernel) -> dict:
+    """Registers per thread at launch, stack (spill) and shared bytes per program, warps, SASS opcode
+    counts and setmaxnreg targets of a compiled kernel."""
+    usage = _tool("cuobjdump", kernel.asm["cubin"], "-res-usage")
+    sass = _tool("nvdisasm", kernel.asm["cubin"], "-c")
+    opcodes = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+    return {
+        "kernel": name,
+        "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+        "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+        "shared_bytes": kernel.metadata.shared,
+        "warps": kernel.metadata.num_warps,
+        "instructions": len(opcodes),
+        "opcodes": Counter(op.split(".")[0] for op in opcodes),
+        "setmaxnreg": sorted({int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?0x([0-9a-f]+)", sass)}),
+        "sass": sass,
+    }
+
+
+def programs_per_sm(report: dict) -> int:
+    """Programs that fit on one SM by registers (allocated per warp in units of 256) and shared memory."""
+    regs_per_warp = -(-report["registers"] * 32 // 256) * 256
+    by_regs = REGISTERS_PER_SM // (regs_per_warp * report["warps"])
+    by_shared = SHARED_PER_SM // max(report["shared_bytes"] + 1024, 1)  # 1 KB reserved per program
+    return min(by_regs, by_shared)
+
+
+def ffn_pass_kernels(shape: str, rows_per_expert: int, precision: str, num_experts: int = 2) -> list[dict]:
+    """Compile the grouped GEMMs (and MXFP8 quantizations) of one forward and backward of the routed
+    experts at this many rows per expert, as CUDA would launch them; one report per kernel."""
+    dim_h, dim_i, _, _ = SHAPES[shape]
+    rows = rows_per_expert * num_experts
+    bf16 = dict(dtype=torch.bfloat16)
+    x, dy = torch.zeros(rows, dim_h, **bf16), torch.zeros(rows, dim_h, **bf16)
+    g, u, h, dg, du = (torch.zeros(rows, dim_i, **bf16) for _ in range(5))
+    w_gate, w_up = torch.zeros(num_experts, dim_i, dim_h, **bf16), torch.zeros(num_experts, dim_i, dim_h, **bf16)
+    w_down = torch.zeros(num_experts, dim_h, dim_i, **bf16)
+    group_end = torch.arange(1, num_experts + 1, dtype=torch.int32) * rows_per_expert
+    mx = precision == "mxfp8"
+
+    def launch(mode, a1, a2, b1, b2, outs, gu=(None, None)):  # the kernel CUDA would pick
+        ws_key = gg.mm_config_key(mode, True, False, True)
+        k = (b1.data if mx else b1).shape[2]
+        warp_specialized = mx and gg._MM_CONFIGS[ws_key] is not None and k % (32 * grouped_mm_ws.KB) == 0
+        gg._launch_mm(mode, a1, a2, b1, b2, group_end, outs, gu=gu, warp_specialized=warp_specialized)
+
+    weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    reports, seen = [], set()
+    with compiling_for_sm90() as compiled:
+
+        def step(label, launches):  # run launches(), report the kernels it compiled
+            first = len(compiled)
+            result = launches()
+            for name, kernel in compiled[first:]:
+                if id(kernel) not in seen:  # a kernel compiled by an earlier step
+                    seen.add(id(kernel))
+                    reports.append({"step": label, **kernel_report(name, kernel)})
+            return result
+
+        fwd = step("weights: forward layout", lambda: {n: weight_operand(w, precision, 2, n) for n, w in weights.items()})
+        bwd = step("weights: dgrad layout", lambda: {n: weight_operand(w, precision, 1, n) for n, w in weights.items()})
+        step("fwd: gate/up + SwiGLU", lambda: launch(gg.SWIGLU, x, None, fwd["w_gate"], fwd["w_up"], [g, u, h]))
+        step("fwd: down", lambda: launch(gg.PLAIN, h, None, fwd["w_down"], None, [x]))
+        step("dgrad: down + SwiGLU bwd", lambda: launch(gg.SWIGLU_BWD, dy, None, bwd["w_down"], None, [dg, du], (g, u)))
+        step("dgrad: gate/up (dual)", lambda: launch(gg.DUAL, dg, du, bwd["w_gate"], bwd["w_up"], [x]))
+        step("wgrad", lambda: [gg.grouped_wgrad(a, b, group_end, precision) for a, b in ((dg, x), (dy, h))])
+    return reports
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="kimi", choices=sorted(SHAPES))
+    parser.add_argument("--rows-per-expert", type=int, default=43, help="43: Kimi at EP=1, 2048 tokens/GPU")
+    parser.add_argument("--precision", default="mxfp8", choices=("bf16", "mxfp8"))
+    parser.add_argument("--sass-dir", help="also write each kernel's SASS here")
+    parser.add_argument("--json", action="store_true", help="print the reports as JSON (no SASS text)")
+    opts = parser.parse_args()
+    if opts.rows_per_expert < 1:
+        parser.error(f"--rows-per-expert must be >= 1, got {opts.rows_per_expert}")
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        parser.error("TRITON_INTERPRET=1 interprets the kernels instead of compiling them: unset it")
+    reports = ffn_pass_kernels(opts.shape, opts.rows_per_expert, opts.precision)
+    if opts.json:
+        print(json.dumps([{**{k: v for k, v in r.items() if k != "sass"}, "programs_per_sm": programs_per_sm(r)}
+                          for r in reports]))
+        return
+    print(f"{'step':26} {'kernel':30} {'regs':>4} {'stack':>5} {'shared':>7} {'warps':>5} {'per SM':>6} "
+          f"{'instr':>6} {'HGMMA':>5}  setmaxnreg")
+    for i, r in enumerate(reports):
+        print(f"{r['step']:26} {r['kernel']:30} {r['registers']:4} {r['stack_bytes']:5} {r['shared_bytes']:7} "
+              f"{r['warps']:5} {programs_per_sm(r):6} {r['instructions']:6} {r['opcodes']['HGMMA']:5}  "
+              f"{r['setmaxnreg'] or '-'}")
+        if opts.sass_dir:
+            os.makedirs(opts.sass_dir, exist_ok=True)
+            with open(os.path.join(opts.sass_dir, f"{i:02d}_{r['kernel']}.sass"), "w") as f:
+                f.write(r["sass"])
+
+
+if __name__ == "__main__":
+    main()
