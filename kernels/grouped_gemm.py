@@ -518,12 +518,12 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     mx = b1_s is not None
     fp8_mma = fp8_mma and mx
     num_experts, n, k = b1_data.shape
-    few_rows = a1.shape[0] <= _FEW_ROWS * num_experts
+    few_rows = has_few_rows(a1.shape[0], num_experts)
     ws_key = mm_config_key(mode, True, False, True)
     ws_cfg = _mm_config(ws_key, few_rows) if mx and not fp8_mma else None
     ws_k = 32 * grouped_mm_ws.KB  # its loads take K in blocks of ws_k
     if warp_specialized is None:
-        warp_specialized = b1_data.is_cuda and not _DOT_F32 and ws_cfg is not None and k % ws_k == 0
+        warp_specialized = _on_cuda(b1_data) and not _DOT_F32 and ws_cfg is not None and k % ws_k == 0
     warp_specialized = warp_specialized and mx and not fp8_mma
     if warp_specialized and ws_cfg is None:
         raise ValueError(f"{ws_key} has no config (None: this kind runs the Triton kernel); set one to run the "
@@ -566,6 +566,17 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         grouped_mm_ws.launch(grid[0], persistent, *args, B_KN=b_kn, KB=grouped_mm_ws.KB, **common)
     else:
         _grouped_mm_tma_kernel[grid](*args, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32, **common)
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    """Whether launches for t's operands run on CUDA (titan_mok.bench.sass answers yes while compiling
+    for sm_90 on the CPU, so that the kernel choice is CUDA's)."""
+    return t.is_cuda
+
+
+def has_few_rows(rows: int, num_experts: int) -> bool:
+    """Whether the experts average at most _FEW_ROWS rows (padding included): the few-rows configs."""
+    return rows <= _FEW_ROWS * num_experts
 
 
 def _mm_config(key: str, few_rows: bool) -> dict | None:

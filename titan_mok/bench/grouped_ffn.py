@@ -368,7 +368,7 @@ def tune(log, kernels):
              "kimi_compute": torch.full((8,), 4096, dtype=torch.int64)}
     total = {key: [0.0] * len(TUNE_VARIANTS[key]) for key in kernels}
     for cname, counts in cases.items():
-        few_rows = int(counts.sum()) <= gg._FEW_ROWS * counts.numel()
+        few_rows = gg.has_few_rows(int(counts.sum()), counts.numel())
         c = Case(H, I, counts)
         timed = {}
         for precision, prefix in (("bf16", "bf16/"), ("mxfp8", "mxfp8_ws/")):

@@ -7,8 +7,8 @@ Why: device time is scarce. A tile config that spills, or that cannot fit two pr
 shows here first (benchmarks/NOTES.md, session 11). Triton's wheel carries ptxas, nvdisasm and
 cuobjdump; a stand-in driver reports an sm_90 target, and every kernel the launchers would start
 is compiled instead (``JITFunction.run`` with ``warmup=True``), so nothing runs and the tensors are
-CPU tensors whose values do not matter. The kernel choice follows what CUDA would pick: MXFP8 kinds
-with a warp-specialized config take the Gluon kernel, and the configs follow the rows per expert.
+CPU tensors whose values do not matter. The launchers are told they run on CUDA, so they pick the
+kernels and configs they would there (the Gluon kernel for MXFP8, the rows-per-expert configs).
 Registers and shared memory are per program; a warp-specialized kernel's partitions then move
 registers among themselves (``setmaxnreg``, listed).
 """
@@ -63,17 +63,18 @@ def compiling_for_sm90():
         compiled.append((self.fn.__name__, kernel))
         return kernel
 
-    sm_count, current_device = grouped_mm_ws._sm_count, torch.cuda.current_device
+    sm_count, current_device, on_cuda = grouped_mm_ws._sm_count, torch.cuda.current_device, gg._on_cuda
     active = triton.runtime.driver._active  # None until a driver is used: reset_active() would need a GPU
     triton.runtime.driver.set_active(_Sm90Driver())
     JITFunction.run = compile_only
     grouped_mm_ws._sm_count = lambda device_index: H200_SMS  # persistent grids: one program per SM
     torch.cuda.current_device = lambda: 0
+    gg._on_cuda = lambda t: True  # the launchers pick the kernels they would on CUDA
     try:
         yield compiled
     finally:
         JITFunction.run = run
-        grouped_mm_ws._sm_count, torch.cuda.current_device = sm_count, current_device
+        grouped_mm_ws._sm_count, torch.cuda.current_device, gg._on_cuda = sm_count, current_device, on_cuda
         triton.runtime.driver._active = active
 
 
@@ -108,7 +109,7 @@ def programs_per_sm(report: dict) -> int:
     """Programs that fit on one SM by registers (allocated per warp in units of 256) and shared memory."""
     regs_per_warp = -(-report["registers"] * 32 // 256) * 256
     by_regs = REGISTERS_PER_SM // (regs_per_warp * report["warps"])
-    by_shared = SHARED_PER_SM // max(report["shared_bytes"] + 1024, 1)  # 1 KB reserved per program
+    by_shared = SHARED_PER_SM // (report["shared_bytes"] + 1024)  # 1 KB reserved per program
     return min(by_regs, by_shared)
 
 
@@ -123,13 +124,6 @@ def ffn_pass_kernels(shape: str, rows_per_expert: int, precision: str, num_exper
     w_gate, w_up = torch.zeros(num_experts, dim_i, dim_h, **bf16), torch.zeros(num_experts, dim_i, dim_h, **bf16)
     w_down = torch.zeros(num_experts, dim_h, dim_i, **bf16)
     group_end = torch.arange(1, num_experts + 1, dtype=torch.int32) * rows_per_expert
-    mx = precision == "mxfp8"
-
-    def launch(mode, a1, a2, b1, b2, outs, gu=(None, None)):  # the kernel CUDA would pick
-        ws_key = gg.mm_config_key(mode, True, False, True)
-        k = (b1.data if mx else b1).shape[2]
-        warp_specialized = mx and gg._MM_CONFIGS[ws_key] is not None and k % (32 * grouped_mm_ws.KB) == 0
-        gg._launch_mm(mode, a1, a2, b1, b2, group_end, outs, gu=gu, warp_specialized=warp_specialized)
 
     weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
     reports, seen = [], set()
@@ -146,10 +140,10 @@ def ffn_pass_kernels(shape: str, rows_per_expert: int, precision: str, num_exper
 
         fwd = step("weights: forward layout", lambda: {n: weight_operand(w, precision, 2, n) for n, w in weights.items()})
         bwd = step("weights: dgrad layout", lambda: {n: weight_operand(w, precision, 1, n) for n, w in weights.items()})
-        step("fwd: gate/up + SwiGLU", lambda: launch(gg.SWIGLU, x, None, fwd["w_gate"], fwd["w_up"], [g, u, h]))
-        step("fwd: down", lambda: launch(gg.PLAIN, h, None, fwd["w_down"], None, [x]))
-        step("dgrad: down + SwiGLU bwd", lambda: launch(gg.SWIGLU_BWD, dy, None, bwd["w_down"], None, [dg, du], (g, u)))
-        step("dgrad: gate/up (dual)", lambda: launch(gg.DUAL, dg, du, bwd["w_gate"], bwd["w_up"], [x]))
+        step("fwd: gate/up + SwiGLU", lambda: gg.grouped_gate_up_swiglu(x, group_end, fwd["w_gate"], fwd["w_up"], None))
+        step("fwd: down", lambda: gg.grouped_mm(h, group_end, fwd["w_down"]))
+        step("dgrad: down + SwiGLU bwd", lambda: gg.grouped_down_dgrad_swiglu(dy, group_end, bwd["w_down"], g, u, None))
+        step("dgrad: gate/up (dual)", lambda: gg.grouped_mm_sum(dg, du, group_end, bwd["w_gate"], bwd["w_up"]))
         step("wgrad", lambda: [gg.grouped_wgrad(a, b, group_end, precision) for a, b in ((dg, x), (dy, h))])
     return reports
 
