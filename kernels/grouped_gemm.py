@@ -81,10 +81,13 @@ PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 # four shapes (session 9).
 _MODE_NAMES = {PLAIN: "plain", SWIGLU: "swiglu", SWIGLU_BWD: "swiglu_bwd", DUAL: "dual"}
 _MM_CONFIGS = {
-    "bf16/plain": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=3),
-    "bf16/swiglu": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
-    "bf16/swiglu_bwd": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
-    "bf16/dual": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    # HALF_TILES (BM >= 128): a tile holding at most BM / 2 of its expert's rows runs BM / 2-row MMAs
+    # (an expert's last tile; with skewed routing most light experts' only one): 4-10% faster per
+    # kind at EP=2 with skewed routing, level with balanced routing (NOTES.md, session 12).
+    "bf16/plain": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=3, HALF_TILES=True),
+    "bf16/swiglu": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4, HALF_TILES=True),
+    "bf16/swiglu_bwd": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4, HALF_TILES=True),
+    "bf16/dual": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4, HALF_TILES=True),
     "mxfp8/plain": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8/swiglu": dict(BM=128, BN=64, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8/swiglu_bwd": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
@@ -108,6 +111,9 @@ _MM_CONFIGS = {
                                          maxnreg=80, num_warps=4),
     "mxfp8_ws/dual@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=104,
                                    maxnreg=80, num_warps=4),
+    # The bf16 SwiGLU backward at 128 tokens spills (255 registers); its 64-token tiles were 5-8%
+    # faster than HALF_TILES' 64-row path in the 128-token kernel at EP=1 (session 12).
+    "bf16/swiglu_bwd@few_rows": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
 }
 # Few rows: when the experts hold at most _FEW_ROWS rows each on average (the MoE regime at EP=1),
 # the kind's "<key>@few_rows" config where there is one, else its config with _FEW_ROWS-token tiles
@@ -202,9 +208,10 @@ def _fp8_mma_block(acc, a_ptrs, a_ok, sa_ptrs, sa_ok, b_ptrs, b_ok, sb_ptrs, sb_
 
 @triton.jit
 def _grouped_mm_tma_kernel(
-    # tensor descriptors (TMA): A operands [R, K] bf16 (MXFP8 values on that path), blocks [BM, KB];
-    # B operands bf16 or E4M3 as 2D views, blocks [BN, KB] of [E*N, K] or, with B_KN, [KB, BN] of [E*K, N]
-    a1_desc, a2_desc, b1_desc, b2_desc,
+    # tensor descriptors (TMA): A operands [R, K] bf16 (MXFP8 values on that path), blocks [BM, KB]
+    # (a1h/a2h: the same with [BM / 2, KB] blocks, for HALF_TILES); B operands bf16 or E4M3 as 2D
+    # views, blocks [BN, KB] of [E*N, K] or, with B_KN, [KB, BN] of [E*K, N]
+    a1_desc, a2_desc, a1h_desc, a2h_desc, b1_desc, b2_desc,
     # E8M0 bits of MXFP8 B operands [E, N, K/32] (any strides; unused in bf16)
     sb1_ptr, sb2_ptr,
     # outputs [R, N] row-major; g/u inputs [R, N] of the SwiGLU backward
@@ -217,20 +224,45 @@ def _grouped_mm_tma_kernel(
     # meta-parameters
     MODE: tl.constexpr, MX: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr, B_KN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
+    HALF_TILES: tl.constexpr,
 ):
     """C [BM, BN] = A [BM, K] @ B[e]^T, bf16 or MXFP8 B (dequantized per 32-wide K block, MX).
 
     Operand tiles arrive by TMA (no per-element address arithmetic); a tile reaching past its
     expert's rows or columns reads the next expert's (or zeros past the tensor), which only meets
-    outputs that are never stored. MX: the scales of block k+1 are loaded (raw E8M0 bits, carried
-    across iterations) while block k runs, so their global-memory latency is off the MMA chain.
+    outputs that are never stored. HALF_TILES: a tile holding at most BM / 2 of its expert's rows
+    (an expert's last tile; most tiles under skewed routing) runs BM / 2-row MMAs, the same
+    instructions per row, so the same bits.
     """
-    KB: tl.constexpr = 32 if MX else BK  # K per TMA load: one scale block on the MXFP8 path
     t = tl.program_id(0)
     e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
     # The grid is an upper bound on the tiles: programs past the last one run no K steps and
     # store nothing (a loop bound, not an early return, keeps the K loop software-pipelined).
     valid = t < tl.load(tile_end_ptr + E - 1)
+    if HALF_TILES:
+        if row_end - m0 <= BM // 2:
+            _mm_tile(a1h_desc, a2h_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+                     e, m0, row_end, n0, valid, N, K, stride_se, stride_sn, stride_sk, limit,
+                     MODE, MX, HAS_LIMIT, B_KN, BM // 2, BN, BK, DOT_F32)
+        else:
+            _mm_tile(a1_desc, a2_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+                     e, m0, row_end, n0, valid, N, K, stride_se, stride_sn, stride_sk, limit,
+                     MODE, MX, HAS_LIMIT, B_KN, BM, BN, BK, DOT_F32)
+    else:
+        _mm_tile(a1_desc, a2_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+                 e, m0, row_end, n0, valid, N, K, stride_se, stride_sn, stride_sk, limit,
+                 MODE, MX, HAS_LIMIT, B_KN, BM, BN, BK, DOT_F32)
+
+
+@triton.jit
+def _mm_tile(a1_desc, a2_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+             e, m0, row_end, n0, valid, N, K, stride_se, stride_sn, stride_sk, limit,
+             MODE: tl.constexpr, MX: tl.constexpr, HAS_LIMIT: tl.constexpr, B_KN: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """One output tile [BM, BN] at (m0, n0) of expert e: the K loop (MX: the scales of block k+1
+    are loaded, raw E8M0 bits carried across iterations, while block k runs, so their
+    global-memory latency is off the MMA chain) and the epilogue."""
+    KB: tl.constexpr = 32 if MX else BK  # K per TMA load: one scale block on the MXFP8 path
     k_end = tl.where(valid, K, 0)
     rows = m0 + tl.arange(0, BM)
     row_ok = (rows < row_end) & valid
@@ -559,13 +591,15 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     a_descs = [_tma_descriptor(a, [bm, block_k], name, warp_specialized) for name, a in (("a1", a1), ("a2", a2))]
     b_kn, b_descs = _weight_descriptors(b1_data, b2_data, bn, block_kw, warp_specialized)
     scales = (b1_s, b2_s) if mx else (a1, a1)  # bf16: never read
-    args = (*a_descs, *b_descs, *scales, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
+    args = (*scales, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
             *(b1_s.stride() if mx else (0, 0, 0)), limit)
     if warp_specialized:
         persistent = common.pop("PERSISTENT")
-        grouped_mm_ws.launch(grid[0], persistent, *args, B_KN=b_kn, KB=grouped_mm_ws.KB, **common)
+        grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, *args, B_KN=b_kn, KB=grouped_mm_ws.KB, **common)
     else:
-        _grouped_mm_tma_kernel[grid](*args, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32, **common)
+        half = common["HALF_TILES"] = common.get("HALF_TILES", False) and bm >= 128
+        a_half = [_tma_descriptor(a, [bm // 2, block_k], name) for name, a in (("a1", a1), ("a2", a2))] if half else a_descs
+        _grouped_mm_tma_kernel[grid](*a_descs, *a_half, *b_descs, *args, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32, **common)
 
 
 def _on_cuda(t: torch.Tensor) -> bool:
@@ -581,11 +615,16 @@ def has_few_rows(rows: int, num_experts: int) -> bool:
 
 def _mm_config(key: str, few_rows: bool) -> dict | None:
     """The kind's tile config (None: no warp-specialized config); with few rows per expert, its
-    "@few_rows" config where there is one, else the same with at most _FEW_ROWS-token tiles."""
+    "@few_rows" config where there is one, else (but for HALF_TILES configs, whose half tiles are
+    those experts' tiles already) the same with at most _FEW_ROWS-token tiles."""
     cfg = _MM_CONFIGS[key]
     if not few_rows or cfg is None:
         return cfg
-    return _MM_CONFIGS.get(f"{key}@few_rows") or {**cfg, "BM": min(cfg["BM"], _FEW_ROWS)}
+    if f"{key}@few_rows" in _MM_CONFIGS:
+        return _MM_CONFIGS[f"{key}@few_rows"]
+    if cfg.get("HALF_TILES"):
+        return cfg
+    return {**cfg, "BM": min(cfg["BM"], _FEW_ROWS)}
 
 
 def mm_config_key(mode: int, mx: bool, fp8_mma: bool, warp_specialized: bool = False) -> str:

@@ -262,6 +262,40 @@ def test_token_tile_keeps_bits_on_gpu(monkeypatch, precision):
         assert torch.equal(a, b), f"{name} {n}: 64- and 128-token tiles give different bits"
 
 
+def _half_tile_runs(monkeypatch, tensors, group_end, **kw):
+    """Forward and backward on 128-token tiles, the Triton kernel's configs without and with
+    HALF_TILES (a tile holding at most 64 of its expert's rows runs 64-row MMAs)."""
+    monkeypatch.setattr(gg, "_FEW_ROWS", 0)  # never "few rows": BM stays 128
+    runs = []
+    for half in (False, True):
+        for key in [k for k in gg._MM_CONFIGS if k.startswith(("bf16/", "mxfp8/"))]:
+            monkeypatch.setitem(gg._MM_CONFIGS, key, {**gg._MM_CONFIGS[key], "HALF_TILES": half})
+        runs.append(run(tensors, group_end, use_triton=True, **kw))
+    return runs
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_half_tiles_keep_bits(monkeypatch, precision):
+    """A row's bits do not follow HALF_TILES: experts of 5 and 37 rows (half tiles only), 150 rows
+    (a full tile, then a half one), an empty expert, padding rows."""
+    tensors, group_end = make_case(counts=[5, 0, 37, 150], dim_h=64, dim_i=96, padding=3)
+    full, half = _half_tile_runs(monkeypatch, tensors, group_end, precision=precision, swiglu_limit=0.5)
+    for name, a, b in zip(NAMES, full, half):
+        assert torch.equal(a, b), f"{name}: HALF_TILES changes the bits"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_half_tiles_keep_bits_on_gpu(monkeypatch):
+    """As above at Kimi's sizes with skewed counts (1 to 300 rows per expert), bf16 (the MXFP8 kinds
+    run the warp-specialized kernel on the GPU)."""
+    counts = [1, 300, 64, 65, 0, 17, 129, 200]
+    tensors, group_end = make_case(counts=counts, dim_h=7168, dim_i=2048, padding=5)
+    full, half = _half_tile_runs(monkeypatch, tensors, group_end, precision="bf16", swiglu_limit=10.0)
+    for n, a, b in zip(NAMES, full, half):
+        assert torch.equal(a, b), f"{n}: HALF_TILES changes the bits"
+
+
 def _mx_kinds(counts, dim_h, dim_i, w_kn):
     """Inputs of the four kinds of MXFP8 grouped_mm at these sizes: {kind: (mode, a1, a2, b1, b2, outs, gu)}.
     w_kn: the dgrad weights as transposed views of contiguous [E, K, N] (else contiguous [E, N, K])."""

@@ -312,8 +312,10 @@ def run_case(name, H, I, counts, ceil, impls, rep_ms, log):
 
 
 _KINDS = ("plain", "swiglu", "swiglu_bwd", "dual")
-_BF16_VARIANTS = [dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=w, num_stages=st)
+_BF16_VARIANTS = [dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=w, num_stages=st, HALF_TILES=True)
                   for bn, w, st in ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 8, 3), (256, 8, 4))]
+_BF16_FEW_ROWS_VARIANTS = [dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=w, num_stages=st)
+                           for w, st in ((8, 4), (4, 3), (4, 4))]
 
 
 def _ws(stages=4, regs=232, persistent=True, bm=128, **kw):
@@ -326,11 +328,12 @@ def _ws_two_per_sm(stages=2, regs=104):  # 64-token tiles, registers capped so t
 
 # MXFP8 on CUDA: None runs the Triton kernel ("mxfp8/<kind>"), a dict the warp-specialized one; each
 # list holds its kind's committed config (SwiGLU gate/up: one program per tile). Only the "@few_rows"
-# lists vary BM: with few rows per expert the launcher takes 64-token tiles (grouped_gemm._mm_config),
-# so the EP=1 case runs the other lists' variants on 64-token tiles; a "@few_rows" list is timed on
-# that case alone.
+# lists vary BM: with few rows per expert the launcher takes 64-token tiles (grouped_gemm._mm_config;
+# bf16's HALF_TILES configs their half tiles), so the EP=1 case runs the other lists' variants on
+# 64-token tiles; a "@few_rows" list is timed on that case alone.
 TUNE_VARIANTS = {
     **{f"bf16/{kind}": _BF16_VARIANTS for kind in _KINDS},
+    "bf16/swiglu_bwd@few_rows": [*_BF16_FEW_ROWS_VARIANTS, _BF16_VARIANTS[1]],
     "mxfp8_ws/plain": [None, _ws(stages=3), _ws(stages=4)],
     "mxfp8_ws/swiglu": [None, _ws(stages=2, persistent=False), _ws(stages=2), _ws(stages=3), _ws(stages=3, regs=248)],
     "mxfp8_ws/swiglu_bwd": [None, _ws(regs=248), _ws(), _ws(stages=3, regs=248)],
