@@ -56,7 +56,7 @@ from triton.runtime import _allocation as triton_allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from titan_mok.kernels import grouped_mm_ws
-from titan_mok.kernels.grouped_tiles import _bf16_rne, _epilogue, _tile_of_program
+from titan_mok.kernels.grouped_tiles import _bf16_rne, _epilogue, _group_of, _tile_of_program
 from titan_mok.kernels.mxfp8_quant import (
     _COLS_BQ,
     _COLS_WARPS,
@@ -124,8 +124,9 @@ _FEW_ROWS = 64
 # Weight gradient: the flat loop while experts average fewer than _WGRAD_FLAT_MAX_ROWS rows (a
 # static property of the shapes, so the choice never depends on the routing), else the row loop;
 # each with its tiles (BR rows summed per MMA step; same bits for any BR on the GPU: NOTES.md,
-# session 8). The flat loop's K tiles are split among more programs only when there would be
-# fewer than _WGRAD_MIN_PROGRAMS. Measured 2026-12-01.
+# session 8). The flat loop's K tiles are split among more programs when there would be fewer than
+# _WGRAD_MIN_PROGRAMS, and for experts with more rows than average (_wgrad_programs). Measured
+# 2026-12-01.
 _WGRAD_CONFIGS = {
     "flat": dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3),
     "rows": dict(BR=64, BN=128, BK=256, num_warps=8, num_stages=3),
@@ -411,20 +412,30 @@ def _mx_fake_quant_groups_kernel(
 def _grouped_wgrad_kernel(
     a_ptr, b_ptr, c_ptr,  # a [R, N], b [R, K] row-major bf16; c [E, N, K] contiguous bf16
     group_end_ptr,
-    N, K, k_tiles_per_program,
-    BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FLAT: tl.constexpr, DOT_F32: tl.constexpr,
+    prog_end_ptr, k_tiles_per_prog_ptr,  # [E]: cumulative programs per expert (per BN features); K tiles each
+    N, K, E,
+    LOG_E: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FLAT: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
-    """c[e, BN features, k_tiles_per_program K tiles], rows summed in ascending BR-row blocks.
+    """c[e, BN features, the program's K tiles], rows summed in ascending BR-row blocks.
 
-    The operand tiles come by TMA through descriptors made here over the expert's own rows, so
-    rows past its end read as zeros. FLAT (few rows per expert): one loop over (K tile, row block),
-    each tile stored after its last row block, so the next tile's loads overlap the store instead
-    of restarting the load pipeline per tile. Otherwise (many rows) one K tile per program and the
-    row loop alone, whose pipeline then has no store-and-reset to wait on. Same blocks, same order:
-    same bits.
+    Program (n, p): expert e = the first with prog_end[e] > p, its K tiles from (p - prog_end[e - 1])
+    * k_tiles_per_prog[e] (the launcher gives experts with many rows fewer K tiles per program, so
+    the heaviest expert's programs are no longer the tail). The operand tiles come by TMA through
+    descriptors made here over the expert's own rows, so rows past its end read as zeros. FLAT
+    (few rows per expert): one loop over (K tile, row block), each tile stored after its last row
+    block, so the next tile's loads overlap the store instead of restarting the load pipeline per
+    tile. Otherwise (many rows) one K tile per program and the row loop alone, whose pipeline then
+    has no store-and-reset to wait on. Same blocks, same order, whichever program: same bits.
     """
-    e = tl.program_id(1)
-    first_k_tile = tl.program_id(2) * k_tiles_per_program
+    p = tl.program_id(1)
+    if p >= tl.load(prog_end_ptr + E - 1):  # the grid is an upper bound: return before any other load
+        return
+    e = _group_of(p, prog_end_ptr, E, LOG_E)
+    chunk = p - tl.load(prog_end_ptr + e - 1, mask=e > 0, other=0)
+    k_tiles_per_prog = tl.load(k_tiles_per_prog_ptr + e)
+    first_k_tile = chunk * k_tiles_per_prog
+    k_tiles = tl.minimum(k_tiles_per_prog, tl.cdiv(K, BK) - first_k_tile)
     n0 = tl.program_id(0) * BN
     offs_n = n0 + tl.arange(0, BN)
     n_ok = offs_n < N
@@ -442,7 +453,6 @@ def _grouped_wgrad_kernel(
     row_blocks = tl.maximum(tl.cdiv(rows, BR), 1)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     if FLAT:
-        k_tiles = tl.minimum(k_tiles_per_program, tl.cdiv(K, BK) - first_k_tile)
         for i in range(0, row_blocks * k_tiles):
             k0 = (first_k_tile + i // row_blocks) * BK
             block = i % row_blocks
@@ -451,7 +461,7 @@ def _grouped_wgrad_kernel(
                 offs_k = k0 + tl.arange(0, BK)
                 tl.store(c_rows + offs_k[None, :], _bf16_rne(acc), mask=n_ok[:, None] & (offs_k < K)[None, :])
                 acc = tl.zeros((BN, BK), dtype=tl.float32)
-    else:
+    else:  # one K tile per program
         k0 = first_k_tile * BK
         for block in range(row_blocks):
             acc = _wgrad_block(acc, a_desc, b_desc, block * BR + skip, n0, k0, DOT_F32)
@@ -705,10 +715,39 @@ def grouped_wgrad(a_RN, b_RK, group_end_E, precision: str) -> torch.Tensor:
         flat = a_RN.shape[0] < _WGRAD_FLAT_MAX_ROWS * num_experts
         cfg = _WGRAD_CONFIGS["flat" if flat else "rows"]
         n_tiles, k_tiles = triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"])
-        splits = min(k_tiles, triton.cdiv(_WGRAD_MIN_PROGRAMS, n_tiles * num_experts))
-        per_program = triton.cdiv(k_tiles, splits) if flat else 1
-        grid = (n_tiles, num_experts, triton.cdiv(k_tiles, per_program))
+        prog_end_E, k_tiles_per_prog_E, max_programs = _wgrad_programs(group_end_E, a_RN.shape[0], cfg["BR"], n_tiles,
+                                                                       k_tiles, flat)
         _set_triton_allocator()
-        _grouped_wgrad_kernel[grid](a_RN, b_RK, c_ENK, group_end_E, n, k, per_program, FLAT=flat, DOT_F32=_DOT_F32,
-                                    **cfg)
+        _grouped_wgrad_kernel[(n_tiles, max_programs)](
+            a_RN, b_RK, c_ENK, group_end_E, prog_end_E, k_tiles_per_prog_E, n, k, num_experts,
+            LOG_E=num_experts.bit_length(), FLAT=flat, DOT_F32=_DOT_F32, **cfg,
+        )
     return c_ENK
+
+
+def _wgrad_programs(group_end_E, num_rows: int, block_rows: int, n_tiles: int, k_tiles: int, flat: bool):
+    """(cumulative programs per expert [E], K tiles per program [E], an upper bound of the programs)
+    for one column of BN features, on the device (no host sync).
+
+    Row loop: one K tile per program. Flat loop: each expert's K tiles in chunks of P, split further
+    (fewer than _WGRAD_MIN_PROGRAMS programs otherwise), and an expert with more row blocks b than
+    the average A gets max(1, P * A // b) K tiles per program: no program walks much more than
+    P * A (row block, K tile) steps, where a heavy expert's programs made the tail under skewed
+    routing (NOTES.md, session 12). Which program computes a tile never changes its bits."""
+    num_experts = group_end_E.shape[0]
+    if not flat:
+        k_tiles_per_prog_E = torch.ones(num_experts, dtype=torch.int32, device=group_end_E.device)
+        prog_end_E = torch.arange(1, num_experts + 1, dtype=torch.int32, device=group_end_E.device) * k_tiles
+        return prog_end_E, k_tiles_per_prog_E, num_experts * k_tiles
+    splits = min(k_tiles, triton.cdiv(_WGRAD_MIN_PROGRAMS, n_tiles * num_experts))
+    per_program = triton.cdiv(k_tiles, splits)
+    avg_blocks = max(1, triton.cdiv(num_rows, block_rows * num_experts))
+    counts_E = torch.diff(group_end_E, prepend=group_end_E.new_zeros(1))
+    blocks_E = torch.clamp(torch.div(counts_E + block_rows - 1, block_rows, rounding_mode="floor"), min=1)
+    k_tiles_per_prog_E = torch.clamp(torch.div(per_program * avg_blocks, blocks_E, rounding_mode="floor"), 1, per_program)
+    programs_E = torch.div(k_tiles + k_tiles_per_prog_E - 1, k_tiles_per_prog_E, rounding_mode="floor")
+    # Bound: an average expert has cdiv(k_tiles, P) programs; one with b > A blocks at most
+    # k_tiles / (P * A // b) + 1 <= 2 * k_tiles * b / (P * A) + 1, and the blocks sum to at most R / BR + E.
+    heavy = triton.cdiv(2 * k_tiles * (triton.cdiv(num_rows, block_rows) + num_experts), per_program * avg_blocks)
+    max_programs = min(num_experts * (triton.cdiv(k_tiles, per_program) + 1) + heavy, num_experts * k_tiles)
+    return programs_E.cumsum(0).to(torch.int32), k_tiles_per_prog_E.to(torch.int32), max_programs

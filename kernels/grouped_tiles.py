@@ -12,19 +12,26 @@ from titan_mok.kernels.mxfp8_quant import _ROUND_IN_FP32
 
 
 @triton.jit
-def _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     GROUP_M: tl.constexpr):
-    """Tile t -> (expert, first row of the tile, end row of the expert, first column)."""
+def _group_of(t, end_ptr, E, LOG_E: tl.constexpr):
+    """The first e with end[e] > t (binary search over E cumulative counts, LOG_E >= log2(E + 1)
+    steps); E - 1 for t past the last (see the callers)."""
     lo = t * 0
     hi = lo + E
-    for _ in tl.static_range(LOG_E):  # binary search: the first e with tile_end[e] > t
+    for _ in tl.static_range(LOG_E):
         active = lo < hi
         mid = (lo + hi) // 2
-        v = tl.load(tile_end_ptr + tl.minimum(mid, E - 1))
+        v = tl.load(end_ptr + tl.minimum(mid, E - 1))
         right = active & (v <= t)
         lo = tl.where(right, mid + 1, lo)
         hi = tl.where(active & (v > t), mid, hi)
-    e = tl.minimum(lo, E - 1)  # past the last tile (see the callers): any expert, nothing is stored
+    return tl.minimum(lo, E - 1)
+
+
+@triton.jit
+def _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    """Tile t -> (expert, first row of the tile, end row of the expert, first column)."""
+    e = _group_of(t, tile_end_ptr, E, LOG_E)  # past the last tile: any expert, nothing is stored
     tile_start = tl.load(tile_end_ptr + e - 1, mask=e > 0, other=0)
     row_start = tl.load(group_end_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
     row_end = tl.load(group_end_ptr + e).to(tl.int32)

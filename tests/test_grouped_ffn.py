@@ -384,3 +384,35 @@ def test_tune_sweeps_hold_the_committed_configs():
 
     for key, variants in TUNE_VARIANTS.items():
         assert gg._MM_CONFIGS[key] in variants, f"{key}: committed config {gg._MM_CONFIGS[key]} is not swept"
+
+
+@pytest.mark.parametrize("counts", [[45, 0, 3], [4000, 0, 1, 1, 1], [0, 0, 0, 0], [70] * 8 + [3000], [1] * 30 + [10**4]])
+def test_wgrad_programs_cover_every_k_tile_once(counts):
+    """The weight gradient's programs per expert (heavier experts: fewer K tiles per program) stay
+    within the launch's bound and give every (expert, K tile) exactly one program."""
+    group_end = torch.tensor(counts).cumsum(0)
+    rows = sum(counts) + 7  # padding rows
+    for flat, k_tiles in ((True, 56), (True, 3), (False, 12)):
+        prog_end, per_prog, bound = gg._wgrad_programs(group_end, rows, 32, 16, k_tiles, flat)
+        assert prog_end[-1] <= bound
+        starts = torch.cat([prog_end.new_zeros(1), prog_end[:-1]])
+        for e in range(len(counts)):
+            firsts = [(p - starts[e]) * per_prog[e] for p in range(starts[e], prog_end[e])]
+            tiles = [t for f in firsts for t in range(f, min(f + per_prog[e], k_tiles))]
+            assert tiles == list(range(k_tiles)), f"expert {e}: K tiles {tiles}"
+
+
+def test_wgrad_skewed_split_keeps_bits(monkeypatch):
+    """One heavy expert (its K tiles split among more programs) and light ones: the same bits as one
+    program per expert walking all K tiles."""
+    g = torch.Generator().manual_seed(4)
+    a, b = (torch.randn(300, n, generator=g).to(torch.bfloat16).to(DEVICE) for n in (32, 4 * 128))
+    group_end = torch.tensor([3, 3, 290, 300]).to(DEVICE)
+    outs = []
+    for min_programs in (1, 10**6):  # P = 4 K tiles (the heavy expert: 1 per program); P = 1 for all
+        monkeypatch.setattr(gg, "_WGRAD_MIN_PROGRAMS", min_programs)
+        outs.append(gg.grouped_wgrad(a, b, group_end, "bf16"))
+    monkeypatch.setattr(gg, "_WGRAD_MIN_PROGRAMS", 1)
+    assert gg._wgrad_programs(group_end, 300, 32, 1, 4, True)[1].tolist() == [4, 4, 1, 4]
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], gg.ref_grouped_wgrad(a, b, group_end, "bf16")) < 1e-2
