@@ -97,11 +97,15 @@ _MM_CONFIGS = {
     # per tile; STAGES loads in flight (each grouped_mm_ws.KB K blocks); CONSUMER_REGS the registers
     # per thread asked for the second consumer warpgroup (a worker partition of warp_specialize);
     # PERSISTENT: one program per SM looping over tiles, else one program per tile; maxnreg (optional)
-    # caps the kernel's registers per thread, so that two programs fit on an SM.
+    # caps the kernel's registers per thread, so that two programs fit on an SM. HALF_TILES as for bf16
+    # (64-token MMAs): kept for the dgrad kinds, 0-7% faster in 27 of 32 cases at EP=2 and in the
+    # compute case; SwiGLU gate/up (more spills) and plain (mixed) were slower (NOTES.md, session 12).
     "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4),
     "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232, num_warps=4),
-    "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=248, num_warps=4),
-    "mxfp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4),
+    "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=248, num_warps=4,
+                                HALF_TILES=True),
+    "mxfp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4,
+                          HALF_TILES=True),
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
     # At few rows per expert (below): 64-token tiles halve the accumulators, so two programs fit on an
     # SM (80 registers per thread, 104 for the consumers, two loads in flight) and hide each other's
@@ -603,11 +607,11 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     scales = (b1_s, b2_s) if mx else (a1, a1)  # bf16: never read
     args = (*scales, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
             *(b1_s.stride() if mx else (0, 0, 0)), limit)
+    half = common["HALF_TILES"] = common.get("HALF_TILES", False) and bm >= 128
     if warp_specialized:
         persistent = common.pop("PERSISTENT")
         grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, *args, B_KN=b_kn, KB=grouped_mm_ws.KB, **common)
     else:
-        half = common["HALF_TILES"] = common.get("HALF_TILES", False) and bm >= 128
         a_half = [_tma_descriptor(a, [bm // 2, block_k], name) for name, a in (("a1", a1), ("a2", a2))] if half else a_descs
         _grouped_mm_tma_kernel[grid](*a_descs, *a_half, *b_descs, *args, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32, **common)
 

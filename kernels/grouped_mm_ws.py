@@ -20,7 +20,9 @@ barrier ties them) fill the tensor cores for each other (making them take turns 
 ptxas interleaves a load's HGMMA issue with the dequantization of its later blocks). DUAL runs its
 two (A, B) pairs as consecutive loads into one accumulator; SWIGLU dequantizes two weights per block.
 Every partition walks the program's tiles t, t + grid, ... (one tile each unless launched
-persistent), its ring position carried across tiles.
+persistent), its ring position carried across tiles. HALF_TILES: the consumers run a tile that holds
+at most BM / 2 of its expert's rows on BM / 2-token MMAs against the first half of the loaded
+activation tiles (the loader is unchanged), with the same instructions per token: the same bits.
 """
 
 import functools
@@ -144,8 +146,9 @@ def _next_operands(w_bufs, s, q: gl.constexpr, half: gl.constexpr, i0, sa1, sa2,
 
 
 @gluon.jit
-def _mma_block(a_bufs, slot, w1, w2, acc1, acc2, NB: gl.constexpr):
-    x = a_bufs.index(slot).permute((1, 0))  # the activation tile [BM, 32] as the MMA's B [32, BM]
+def _mma_block(a_bufs, slot, w1, w2, acc1, acc2, NB: gl.constexpr, BMT: gl.constexpr):
+    # the activation tile's first BMT tokens [BMT, 32] as the MMA's B [32, BMT]
+    x = a_bufs.index(slot).slice(0, BMT, dim=0).permute((1, 0))
     acc1 = warpgroup_mma(w1, x, acc1, is_async=True)
     if NB == 2:
         acc2 = warpgroup_mma(w2, x, acc2, is_async=True)
@@ -157,64 +160,86 @@ def _consumer(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_
               group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
               stride_se, stride_sn, stride_sk, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
               B_KN: gl.constexpr, NB: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, ACC: gl.constexpr,
+              GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, HALF_TILES: gl.constexpr,
               half: gl.constexpr):
     """One warpgroup: for each of the program's tiles, weight rows [n0 + 64 * half, +64) against its
-    BM tokens, then their epilogue."""
-    gl.static_assert(KB == 4, "_consumer unrolls four K blocks per load")
-    W_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    BM tokens (HALF_TILES: against the first BM / 2 where the tile holds no more of its expert's
+    rows: half the MMA work, the same instructions per token), then their epilogue."""
     c = 0  # loads consumed by this program, over all its tiles: the ring position
     for t in range(gl.program_id(0), gl.load(tile_end_ptr + E - 1), gl.num_programs(0)):
         e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
-        offs_w = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, W_OP))
-        n_ok = offs_w < N
-        s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
-        sa1, sa2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 0, k_steps, n_steps, stride_sk, MODE, NB)
-        sb1, sb2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 1, k_steps, n_steps, stride_sk, MODE, NB)
-        sc1, sc2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 2, k_steps, n_steps, stride_sk, MODE, NB)
-        sd1, sd2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 3, k_steps, n_steps, stride_sk, MODE, NB)
-        acc1 = gl.zeros([64, BM], gl.float32, ACC)
-        if NB == 2:
-            acc2 = gl.zeros([64, BM], gl.float32, ACC)
-        for l in range(n_loads):
-            s = c % STAGES
-            mbarrier.wait(full.index(s), (c // STAGES) & 1)
-            second = l >= loads_per_pair
-            i0 = (l - gl.where(second, loads_per_pair, 0)) * KB + gl.where(second, k_steps, 0)  # first block's step
-            w1a, w2a, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-                w_bufs, s, 0, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
-                n_steps, stride_sk, MODE, B_KN, NB, W_OP)
-            w1b, w2b, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-                w_bufs, s, 1, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
-                n_steps, stride_sk, MODE, B_KN, NB, W_OP)
-            w1c, w2c, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-                w_bufs, s, 2, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
-                n_steps, stride_sk, MODE, B_KN, NB, W_OP)
-            w1d, w2d, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-                w_bufs, s, 3, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
-                n_steps, stride_sk, MODE, B_KN, NB, W_OP)
-            if NB == 2:
-                acc1, acc2 = _mma_block(a_bufs, s * KB + 0, w1a, w2a, acc1, acc2, NB)
-                acc1, acc2 = _mma_block(a_bufs, s * KB + 1, w1b, w2b, acc1, acc2, NB)
-                acc1, acc2 = _mma_block(a_bufs, s * KB + 2, w1c, w2c, acc1, acc2, NB)
-                acc1, acc2 = _mma_block(a_bufs, s * KB + 3, w1d, w2d, acc1, acc2, NB)
-                acc1, acc2 = warpgroup_mma_wait(0, deps=(acc1, acc2))
-            else:  # no second accumulator carried through the loop
-                acc1, _ = _mma_block(a_bufs, s * KB + 0, w1a, w1a, acc1, acc1, NB)
-                acc1, _ = _mma_block(a_bufs, s * KB + 1, w1b, w1b, acc1, acc1, NB)
-                acc1, _ = _mma_block(a_bufs, s * KB + 2, w1c, w1c, acc1, acc1, NB)
-                acc1, _ = _mma_block(a_bufs, s * KB + 3, w1d, w1d, acc1, acc1, NB)
-                acc1 = warpgroup_mma_wait(0, deps=(acc1,))
-            mbarrier.arrive(empty.index(s), count=1)
-            c += 1
-        if NB == 1:
-            acc2 = acc1  # unused outside SWIGLU
+        if HALF_TILES and row_end - m0 <= BM // 2:
+            c = _consume_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+                              e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
+                              stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, BM // 2, KB, STAGES,
+                              half)
+        else:
+            c = _consume_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+                              e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
+                              stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, BM, KB, STAGES, half)
 
-        offs_n = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
-        rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
-        c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
-        c_ok = gl.expand_dims(rows < row_end, 0) & gl.expand_dims(offs_n < N, 1)
-        _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT)
+
+@gluon.jit
+def _consume_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+                  e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
+                  stride_se, stride_sn, stride_sk, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                  B_KN: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
+                  half: gl.constexpr):
+    """One tile's loads (ring positions c, c + 1, ...) against its first BMT tokens, and its
+    epilogue; returns the ring position after them."""
+    gl.static_assert(KB == 4, "_consume_tile unrolls four K blocks per load")
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BMT, 16])
+    W_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    offs_w = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, W_OP))
+    n_ok = offs_w < N
+    s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
+    sa1, sa2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 0, k_steps, n_steps, stride_sk, MODE, NB)
+    sb1, sb2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 1, k_steps, n_steps, stride_sk, MODE, NB)
+    sc1, sc2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 2, k_steps, n_steps, stride_sk, MODE, NB)
+    sd1, sd2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 3, k_steps, n_steps, stride_sk, MODE, NB)
+    acc1 = gl.zeros([64, BMT], gl.float32, ACC)
+    if NB == 2:
+        acc2 = gl.zeros([64, BMT], gl.float32, ACC)
+    for l in range(n_loads):
+        s = c % STAGES
+        mbarrier.wait(full.index(s), (c // STAGES) & 1)
+        second = l >= loads_per_pair
+        i0 = (l - gl.where(second, loads_per_pair, 0)) * KB + gl.where(second, k_steps, 0)  # first block's step
+        w1a, w2a, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
+            w_bufs, s, 0, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
+            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+        w1b, w2b, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
+            w_bufs, s, 1, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
+            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+        w1c, w2c, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
+            w_bufs, s, 2, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
+            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+        w1d, w2d, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
+            w_bufs, s, 3, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
+            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+        if NB == 2:
+            acc1, acc2 = _mma_block(a_bufs, s * KB + 0, w1a, w2a, acc1, acc2, NB, BMT)
+            acc1, acc2 = _mma_block(a_bufs, s * KB + 1, w1b, w2b, acc1, acc2, NB, BMT)
+            acc1, acc2 = _mma_block(a_bufs, s * KB + 2, w1c, w2c, acc1, acc2, NB, BMT)
+            acc1, acc2 = _mma_block(a_bufs, s * KB + 3, w1d, w2d, acc1, acc2, NB, BMT)
+            acc1, acc2 = warpgroup_mma_wait(0, deps=(acc1, acc2))
+        else:  # no second accumulator carried through the loop
+            acc1, _ = _mma_block(a_bufs, s * KB + 0, w1a, w1a, acc1, acc1, NB, BMT)
+            acc1, _ = _mma_block(a_bufs, s * KB + 1, w1b, w1b, acc1, acc1, NB, BMT)
+            acc1, _ = _mma_block(a_bufs, s * KB + 2, w1c, w1c, acc1, acc1, NB, BMT)
+            acc1, _ = _mma_block(a_bufs, s * KB + 3, w1d, w1d, acc1, acc1, NB, BMT)
+            acc1 = warpgroup_mma_wait(0, deps=(acc1,))
+        mbarrier.arrive(empty.index(s), count=1)
+        c += 1
+    if NB == 1:
+        acc2 = acc1  # unused outside SWIGLU
+
+    offs_n = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
+    rows = m0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, ACC))
+    c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
+    c_ok = gl.expand_dims(rows < row_end, 0) & gl.expand_dims(offs_n < N, 1)
+    _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT)
+    return c
 
 
 @gluon.jit
@@ -228,7 +253,7 @@ def _grouped_mm_mx_ws_kernel(
     limit,
     MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, LOG_E: gl.constexpr, B_KN: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, HALF_TILES: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 weight rows each")
     NB: gl.constexpr = 2 if MODE == 1 else 1  # weight tiles per block (SWIGLU: gate and up)
@@ -246,17 +271,15 @@ def _grouped_mm_mx_ws_kernel(
         mbarrier.init(full.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups
 
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                   instr_shape=[16, BM, 16])
     gl.warp_specialize([
         (_consumer, (a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
                      group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, ACC, 0)),
+                     STAGES, HALF_TILES, 0)),
         (_consumer, (a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
                      group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, ACC, 1)),
+                     STAGES, HALF_TILES, 1)),
         (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, empty, group_end_ptr, tile_end_ptr, N, K,
                    E, loads_per_pair, n_loads, MODE, B_KN, NB, KB, STAGES, LOG_E, BM, BN, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, 24])

@@ -327,19 +327,21 @@ def _mx_kinds(counts, dim_h, dim_i, w_kn):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("programs", ["per_sm", 3])
-@pytest.mark.parametrize("rings", ["committed", "small"])
+@pytest.mark.parametrize("rings", ["committed", "small", "half"])
 @pytest.mark.parametrize("w_kn", [False, True])
 def test_warp_specialized_matches_triton_bits(monkeypatch, w_kn, rings, programs):
     """The Gluon warp-specialized MXFP8 kernel gives the Triton kernel's bits for every kind, both
     weight layouts, an empty expert, partial N tiles and padding rows; with the committed configs and
     with 64-token tiles and a two-load ring (every kind persistent); with a program per SM (here one
     tile each) and with 3 programs looping over all tiles (the ring's phases carried across tiles).
-    Kinds whose K is not a multiple of 128 are refused."""
+    Kinds whose K is not a multiple of 128 are refused. "half": the committed configs with HALF_TILES
+    (tiles holding at most 64 of their expert's rows on 64-token MMAs)."""
     small = dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232, num_warps=4)
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "_sm_count", lambda device_index: programs)
     for key in [k for k in gg._MM_CONFIGS if k.startswith("mxfp8_ws/")]:  # "@few_rows" too: case 2 has few rows
-        monkeypatch.setitem(gg._MM_CONFIGS, key, gg._MM_CONFIGS[key] if rings == "committed" else small)
+        cfg = {"committed": gg._MM_CONFIGS[key], "small": small, "half": {**gg._MM_CONFIGS[key], "HALF_TILES": True}}
+        monkeypatch.setitem(gg._MM_CONFIGS, key, cfg[rings])
     # (H, I, rows per expert, kinds whose K = H or I is a multiple of 128)
     cases = ((512, 256, [70, 0, 200], set(gg._MODE_NAMES.values())),
              (1024, 192, [1, 129, 0, 64], {"swiglu", "swiglu_bwd"}),  # N = I = 192: a partial N tile
