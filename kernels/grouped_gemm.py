@@ -98,8 +98,9 @@ _MM_CONFIGS = {
     # per thread asked for the second consumer warpgroup (a worker partition of warp_specialize);
     # PERSISTENT: one program per SM looping over tiles, else one program per tile; maxnreg (optional)
     # caps the kernel's registers per thread, so that two programs fit on an SM. HALF_TILES as for bf16
-    # (64-token MMAs): kept for the dgrad kinds, 0-7% faster in 27 of 32 cases at EP=2 and in the
-    # compute case; SwiGLU gate/up (more spills) and plain (mixed) were slower (NOTES.md, session 12).
+    # (64-token MMAs): kept for the dgrad kinds, 0.4-7.4% faster in all 18 cases where it applies (EP=2
+    # and 8 x 4096 rows, three shapes); SwiGLU gate/up (more spills) and plain were slower or mixed
+    # (NOTES.md, session 12).
     "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4),
     "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232, num_warps=4),
     "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=248, num_warps=4,
