@@ -82,8 +82,9 @@ PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 _MODE_NAMES = {PLAIN: "plain", SWIGLU: "swiglu", SWIGLU_BWD: "swiglu_bwd", DUAL: "dual"}
 _MM_CONFIGS = {
     # HALF_TILES (BM >= 128): a tile holding at most BM / 2 of its expert's rows runs BM / 2-row MMAs
-    # (an expert's last tile; with skewed routing most light experts' only one): 4-10% faster per
-    # kind at EP=2 with skewed routing, level with balanced routing (NOTES.md, session 12).
+    # (an expert's last tile; with skewed routing most light experts' only one): with skewed routing
+    # 5-10% faster per kind at EP=2 (GLM-5.2's dual level) and up to 11% at EP=1; within +-4% with
+    # balanced routing and at 8 x 4096 rows (NOTES.md, session 12).
     "bf16/plain": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=3, HALF_TILES=True),
     "bf16/swiglu": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4, HALF_TILES=True),
     "bf16/swiglu_bwd": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4, HALF_TILES=True),
