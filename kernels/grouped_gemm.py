@@ -99,7 +99,7 @@ _MM_CONFIGS = {
     # per thread asked for the second consumer warpgroup (a worker partition of warp_specialize);
     # PERSISTENT: one program per SM looping over tiles, else one program per tile; maxnreg (optional)
     # caps the kernel's registers per thread, so that two programs fit on an SM. HALF_TILES as for bf16
-    # (64-token MMAs): kept for the dgrad kinds, 0.4-7.4% faster in all 18 cases where it applies (EP=2
+    # (64-token MMAs): kept for the dgrad kinds, 0.4-7.2% faster in all 18 cases where it applies (EP=2
     # and 8 x 4096 rows, three shapes); SwiGLU gate/up (more spills) and plain were slower or mixed
     # (NOTES.md, session 12).
     "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4),
@@ -117,8 +117,8 @@ _MM_CONFIGS = {
                                          maxnreg=80, num_warps=4),
     "mxfp8_ws/dual@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=104,
                                    maxnreg=80, num_warps=4),
-    # The bf16 SwiGLU backward at 128 tokens spills (255 registers); its 64-token tiles were 5-8%
-    # faster than HALF_TILES' 64-row path in the 128-token kernel at EP=1 (session 12).
+    # The bf16 SwiGLU backward at 128 tokens spills (255 registers); its 64-token tiles were 4.6-8%
+    # faster than HALF_TILES' 64-row path in the 128-token kernel at EP=1, skewed routing (session 12).
     "bf16/swiglu_bwd@few_rows": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
 }
 # Few rows: when the experts hold at most _FEW_ROWS rows each on average (the MoE regime at EP=1),
