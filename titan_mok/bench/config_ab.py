@@ -1,0 +1,130 @@
+"""A/B of grouped-GEMM tile configs on a GPU: each kind of grouped_mm timed with the committed
+``_MM_CONFIGS`` and with a variant of them, in one process, bits compared.
+
+    python3 -m titan_mok.bench.config_ab --precision bf16 --set 'bf16/plain={"HALF_TILES": false}'
+    python3 -m titan_mok.bench.config_ab --precision mxfp8 --unset mxfp8_ws/dual@few_rows --shapes kimi
+
+``--set KEY=JSON`` merges a JSON object into the committed entry KEY (a new "@few_rows" key starts
+empty) or, with ``null``, makes it None; ``--unset KEY`` removes an entry. Per shape and case (the
+grouped_ffn benchmark's MoE-regime cases and 8 × 4096 rows), each kind's outputs under both configs
+are compared with ``torch.equal`` and then both are timed in ``--rounds`` rounds of
+``bench(fn, --rep-ms)``, their order alternating; the median round is reported. One JSON line per
+(shape, case, kind) goes to stdout and ``$OUT/config_ab.jsonl`` (or ``--out``).
+"""
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+from titan_mok.bench.grouped_ffn import SHAPES, TOKENS_PER_GPU, Case, bench, gemms_by_kind, route_counts
+from titan_mok.kernels import grouped_gemm as gg
+
+CASES = ("EP=1 balanced", "EP=1 skewed", "EP=2 balanced", "EP=2 skewed", "8x4096")
+
+
+def variant_configs(committed: dict, sets: list[str], unsets: list[str]) -> dict:
+    """committed with each "KEY=JSON" of sets merged in and each KEY of unsets removed."""
+    configs = dict(committed)
+    for item in sets:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=JSON, e.g. 'bf16/plain={{\"HALF_TILES\": false}}'")
+        _check_key(key, committed, "--set")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--set {key}: {text!r} is not JSON ({e})") from None
+        if value is None:
+            configs[key] = None
+        elif isinstance(value, dict):
+            configs[key] = {**(configs.get(key) or {}), **value}
+        else:
+            raise ValueError(f"--set {key}: the value must be a JSON object or null, got {text!r}")
+    for key in unsets:
+        if key not in configs:
+            raise ValueError(f"--unset {key}: no such entry; entries: {', '.join(sorted(configs))}")
+        del configs[key]
+    return configs
+
+
+def _check_key(key: str, committed: dict, flag: str):
+    base, _, variant = key.partition("@")
+    if base not in committed or variant not in ("", "few_rows"):
+        raise ValueError(f"{flag} {key}: not an _MM_CONFIGS key (or one of them + '@few_rows'); "
+                         f"keys: {', '.join(sorted(committed))}")
+
+
+def case_counts(shape: str, case: str) -> torch.Tensor:
+    """Rows per expert of a grouped_ffn benchmark case."""
+    _, _, num_experts, top_k = SHAPES[shape]
+    if case == "8x4096":
+        return torch.full((8,), 4096, dtype=torch.int64)
+    ep, routing = case.split()
+    return route_counts(TOKENS_PER_GPU * top_k, num_experts // int(ep.removeprefix("EP=")), routing == "skewed")
+
+
+def _outputs(fn) -> list[torch.Tensor]:
+    out = fn()
+    return [out.clone()] if torch.is_tensor(out) else [t.clone() for t in out]
+
+
+def compare(fn, configs: dict[str, dict], rounds: int, rep_ms: float) -> dict:
+    """Bits of fn under configs["variant"] against configs["committed"], then the median times."""
+    def use(name):
+        gg._MM_CONFIGS.clear()
+        gg._MM_CONFIGS.update(configs[name])
+
+    use("committed")
+    ref = _outputs(fn)
+    use("variant")
+    bits_equal = all(torch.equal(a, b) for a, b in zip(ref, _outputs(fn)))
+    del ref
+    times = {name: [] for name in configs}
+    for r in range(rounds):
+        for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
+            use(name)
+            times[name].append(bench(fn, rep_ms))
+    use("committed")
+    return {"bits_equal": bits_equal, **{f"{name}_ms": round(statistics.median(t), 4) for name, t in times.items()}}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--precision", choices=["bf16", "mxfp8"], required=True)
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=JSON")
+    p.add_argument("--unset", dest="unsets", action="append", default=[], metavar="KEY")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rep-ms", type=float, default=25)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    shapes, cases = args.shapes.split(","), args.cases.split(",")
+    for flag, given, allowed in (("--shapes", shapes, SHAPES), ("--cases", cases, CASES)):
+        if bad := [x for x in given if x not in allowed]:
+            p.error(f"{flag}: {bad} not among {list(allowed)}")
+    committed = dict(gg._MM_CONFIGS)
+    try:
+        configs = {"committed": committed, "variant": variant_configs(committed, args.sets, args.unsets)}
+    except ValueError as e:
+        p.error(str(e))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "config_ab.jsonl"), "a") as log:
+        log.write(json.dumps({"sets": args.sets, "unsets": args.unsets, "precision": args.precision}) + "\n")
+        for shape in shapes:
+            dim_h, dim_i, _, _ = SHAPES[shape]
+            for case in cases:
+                c = Case(dim_h, dim_i, case_counts(shape, case))
+                for key, fn in gemms_by_kind(c, args.precision).items():
+                    rec = {"shape": shape, "case": case, "kind": key, **compare(fn, configs, args.rounds, args.rep_ms)}
+                    print(json.dumps(rec), flush=True)
+                    log.write(json.dumps(rec) + "\n")
+                del c
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
