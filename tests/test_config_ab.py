@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from titan_mok.bench.config_ab import case_counts, variant_configs
+from titan_mok.bench.config_ab import case_counts, compare, variant_configs
 from titan_mok.bench.grouped_ffn import SHAPES, TOKENS_PER_GPU
 from titan_mok.kernels import grouped_gemm as gg
 
@@ -37,3 +37,37 @@ def test_cases_are_the_benchmarks():
         counts = case_counts("kimi", case)
         assert counts.numel() == num_experts and int(counts.sum()) == TOKENS_PER_GPU * top_k
     assert torch.equal(case_counts("glm", "8x4096"), torch.full((8,), 4096, dtype=torch.int64))
+
+
+def test_compare_reports_changed_bits():
+    """compare() runs fn under each config: outputs that follow the config are told apart."""
+    committed = dict(gg._MM_CONFIGS)
+    for variant, equal in (({"HALF_TILES": False}, True), ({"BK": 32}, False)):
+        configs = {"committed": committed, "variant": {**committed, "bf16/plain": {**committed["bf16/plain"], **variant}}}
+        fn = lambda: torch.tensor([gg._MM_CONFIGS["bf16/plain"]["BK"]])  # noqa: E731
+        assert compare(fn, configs, rounds=1, rep_ms=1, bench=lambda f, rep_ms: (f(), 1.0)[1])["bits_equal"] is equal
+    assert gg._MM_CONFIGS == committed, "the committed configs are restored"
+
+
+def test_config_ab_runs_every_kind(monkeypatch, tmp_path):
+    """The whole tool at a tiny shape on the interpreter (timing stubbed): every kind reported, the
+    bits kept by variants that only move tile shapes (the kernels' contract)."""
+    import json
+    import sys
+
+    from titan_mok.bench import config_ab
+    from titan_mok.bench.grouped_ffn import Case
+
+    monkeypatch.setattr(config_ab, "SHAPES", {"tiny": (128, 64, 8, 2)})
+    monkeypatch.setattr(config_ab, "TOKENS_PER_GPU", 48)
+    monkeypatch.setattr(config_ab, "Case", lambda h, i, counts: Case(h, i, counts, dev="cpu"))
+    monkeypatch.setattr(config_ab, "bench", lambda fn, rep_ms: (fn(), 1.0)[1])
+    monkeypatch.setattr(config_ab.torch.cuda, "empty_cache", lambda: None)
+    argv = ["config_ab", "--precision", "bf16", "--shapes", "tiny", "--cases", "EP=2 skewed", "--rounds", "1",
+            "--out", str(tmp_path), "--set", 'bf16/plain={"HALF_TILES": false}', "--set", 'bf16/dual={"BN": 128}']
+    monkeypatch.setattr(sys, "argv", argv)
+    config_ab.main()
+    rows = [json.loads(line) for line in (tmp_path / "config_ab.jsonl").read_text().splitlines()[1:]]
+    assert [r["kind"] for r in rows] == [f"bf16/{k}" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
+    assert all(r["bits_equal"] and r["committed_ms"] == r["variant_ms"] == 1.0 for r in rows)
+    assert gg._MM_CONFIGS["bf16/dual"]["BN"] == 256, "the committed configs are restored"

@@ -71,7 +71,7 @@ def _outputs(fn) -> list[torch.Tensor]:
     return [out.clone()] if torch.is_tensor(out) else [t.clone() for t in out]
 
 
-def compare(fn, configs: dict[str, dict], rounds: int, rep_ms: float) -> dict:
+def compare(fn, configs: dict[str, dict], rounds: int, rep_ms: float, bench=bench) -> dict:
     """Bits of fn under configs["variant"] against configs["committed"], then the median times."""
     def use(name):
         gg._MM_CONFIGS.clear()
@@ -119,7 +119,8 @@ def main():
             for case in cases:
                 c = Case(dim_h, dim_i, case_counts(shape, case))
                 for key, fn in gemms_by_kind(c, args.precision).items():
-                    rec = {"shape": shape, "case": case, "kind": key, **compare(fn, configs, args.rounds, args.rep_ms)}
+                    rec = {"shape": shape, "case": case, "kind": key,
+                           **compare(fn, configs, args.rounds, args.rep_ms, bench)}
                     print(json.dumps(rec), flush=True)
                     log.write(json.dumps(rec) + "\n")
                 del c
