@@ -246,15 +246,10 @@ def _grouped_mm_tma_kernel(
     # The grid is an upper bound on the tiles: programs past the last one run no K steps and
     # store nothing (a loop bound, not an early return, keeps the K loop software-pipelined).
     valid = t < tl.load(tile_end_ptr + E - 1)
-    if HALF_TILES:
-        if row_end - m0 <= BM // 2:
-            _mm_tile(a1h_desc, a2h_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
-                     e, m0, row_end, n0, valid, N, K, stride_se, stride_sn, stride_sk, limit,
-                     MODE, MX, HAS_LIMIT, B_KN, BM // 2, BN, BK, DOT_F32)
-        else:
-            _mm_tile(a1_desc, a2_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
-                     e, m0, row_end, n0, valid, N, K, stride_se, stride_sn, stride_sk, limit,
-                     MODE, MX, HAS_LIMIT, B_KN, BM, BN, BK, DOT_F32)
+    if HALF_TILES and row_end - m0 <= BM // 2:
+        _mm_tile(a1h_desc, a2h_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+                 e, m0, row_end, n0, valid, N, K, stride_se, stride_sn, stride_sk, limit,
+                 MODE, MX, HAS_LIMIT, B_KN, BM // 2, BN, BK, DOT_F32)
     else:
         _mm_tile(a1_desc, a2_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
                  e, m0, row_end, n0, valid, N, K, stride_se, stride_sn, stride_sk, limit,

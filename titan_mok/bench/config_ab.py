@@ -71,8 +71,9 @@ def _outputs(fn) -> list[torch.Tensor]:
     return [out.clone()] if torch.is_tensor(out) else [t.clone() for t in out]
 
 
-def compare(fn, configs: dict[str, dict], rounds: int, rep_ms: float, bench=bench) -> dict:
-    """Bits of fn under configs["variant"] against configs["committed"], then the median times."""
+def compare(fn, configs: dict[str, dict], rounds: int, rep_ms: float, bench) -> dict:
+    """Bits of fn under configs["variant"] against configs["committed"], then the median times
+    (each round ``bench(fn, rep_ms)``)."""
     def use(name):
         gg._MM_CONFIGS.clear()
         gg._MM_CONFIGS.update(configs[name])
