@@ -29,9 +29,11 @@ MXFP8 values; the scales of block k+1 are loaded while block k runs. On CUDA, th
 with a ``"mxfp8_ws/<kind>"`` config and K a multiple of 128 run ``grouped_mm_ws`` instead: the same
 bits, computed transposed with the dequantized weights as the MMA's register operand, a TMA loader
 warp and two consumer warpgroups (for three kinds persistent: one program per SM looping over
-tiles). ``fp8_mma=True``
-(``_grouped_mm_fp8_mma_kernel``): E4M3 x E4M3 MMAs per 32-wide K block, each partial sum promoted
-into the fp32 accumulator with its two scales (DeepGEMM-style); measured slower on H200 (NOTES.md).
+tiles). ``fp8_mma=True`` (``_grouped_mm_fp8_mma_kernel``): E4M3 x E4M3 MMAs per 32-wide K block,
+each partial sum promoted into the fp32 accumulator with its two scales (DeepGEMM-style); on CUDA
+the same bits from ``grouped_mm_ws`` (FP8_MMA, ``"mxfp8_fp8_ws/<kind>"``), the promotion overlapping
+the next block's MMA. Measured slower than the dequantizing kernel on H200 in every case (NOTES.md,
+session 13), so not the default.
 fp32 accumulation, each output tile computed by one program, fixed K order: no split-K, no
 atomics, run-to-run deterministic.
 
@@ -67,7 +69,7 @@ from titan_mok.kernels.mxfp8_quant import (
     mxfp8_fake_quantize,
     mxfp8_quantize,
 )
-from titan_mok.mxfp8 import BLOCK, MXTensor, fake_quantize_mxfp8
+from titan_mok.mxfp8 import BLOCK, MXTensor, e8m0_values, fake_quantize_mxfp8
 
 # Kinds of grouped_mm (the MODE constexpr).
 PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
@@ -109,6 +111,17 @@ _MM_CONFIGS = {
     "mxfp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4,
                           HALF_TILES=True),
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+    # fp8_mma=True on CUDA: E4M3 x E4M3 wgmmas in the warp-specialized kernel (FP8_MMA), each 32-wide K
+    # block's partial sums promoted while the next block's wgmma runs. 1.2-2x slower than "mxfp8_ws" in
+    # all 40 (shape, case, kind) A/Bs, Kimi K2.7 and Qwen3.5 (NOTES.md, session 13).
+    "mxfp8_fp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4,
+                               HALF_TILES=True),
+    "mxfp8_fp8_ws/swiglu": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=4, CONSUMER_REGS=232,
+                                num_warps=4),
+    "mxfp8_fp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232,
+                                    num_warps=4, HALF_TILES=True),
+    "mxfp8_fp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4,
+                              HALF_TILES=True),
     # At few rows per expert (below): 64-token tiles halve the accumulators, so two programs fit on an
     # SM (80 registers per thread, 104 for the consumers, two loads in flight) and hide each other's
     # latencies: the dgrad kinds 1-13% faster per kind and case (the dgrad 6-9% at EP=1); plain was
@@ -210,7 +223,7 @@ def _fp8_mma_block(acc, a_ptrs, a_ok, sa_ptrs, sa_ok, b_ptrs, b_ok, sb_ptrs, sb_
     b = tl.load(b_ptrs, mask=b_ok, other=0.0)
     sa = mx_scale_of_bits(tl.load(sa_ptrs, mask=sa_ok, other=127))  # [BM]
     sb = mx_scale_of_bits(tl.load(sb_ptrs, mask=sb_ok, other=127))  # [BN]
-    return acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
+    return tl.fma(tl.dot(a, b), sa[:, None] * sb[None, :], acc)
 
 
 @triton.jit
@@ -537,6 +550,14 @@ def _weight_descriptors(b1_data: torch.Tensor, b2_data: torch.Tensor, block_n: i
     return kn[0], descs
 
 
+def _token_scales_t(bits_RB: torch.Tensor, pad: int) -> torch.Tensor:
+    """fp32 values of A's E8M0 bits [R, K/32], transposed: [K/32, R + pad], the pad columns zero."""
+    num_rows, blocks = bits_RB.shape
+    out = torch.zeros(blocks, num_rows + pad, dtype=torch.float32, device=bits_RB.device)
+    out[:, :num_rows] = e8m0_values(bits_RB).T
+    return out
+
+
 def _set_triton_allocator():
     """Device-made TMA descriptors need global scratch from Triton's allocator, a per-thread setting
     (autograd runs the backward on its own threads): torch memory, unless the caller set one."""
@@ -562,12 +583,12 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     fp8_mma = fp8_mma and mx
     num_experts, n, k = b1_data.shape
     few_rows = has_few_rows(a1.shape[0], num_experts)
-    ws_key = mm_config_key(mode, True, False, True)
-    ws_cfg = _mm_config(ws_key, few_rows) if mx and not fp8_mma else None
+    ws_key = mm_config_key(mode, True, fp8_mma, True)
+    ws_cfg = _mm_config(ws_key, few_rows) if mx else None
     ws_k = 32 * grouped_mm_ws.KB  # its loads take K in blocks of ws_k
     if warp_specialized is None:
         warp_specialized = _on_cuda(b1_data) and not _DOT_F32 and ws_cfg is not None and k % ws_k == 0
-    warp_specialized = warp_specialized and mx and not fp8_mma
+    warp_specialized = warp_specialized and mx
     if warp_specialized and ws_cfg is None:
         raise ValueError(f"{ws_key} has no config (None: this kind runs the Triton kernel); set one to run the "
                          "warp-specialized kernel")
@@ -591,7 +612,7 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     g, u = gu if gu[0] is not None else (c1, c1)
     common = dict(HAS_LIMIT=swiglu_limit is not None, LOG_E=num_experts.bit_length(), MODE=mode, **cfg)
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
-    if fp8_mma:
+    if fp8_mma and not warp_specialized:
         _grouped_mm_fp8_mma_kernel[grid](
             a1, a2, sa1, sa2, b1_data, b2_data, b1_s, b2_s, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
             *b1_data.stride(), *b1_s.stride(), limit, **common,
@@ -599,7 +620,8 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         return
     block_k = 32 if mx else cfg["BK"]  # the MXFP8 path loads one scale block at a time...
     block_kw = ws_k if warp_specialized else block_k  # ...but its Gluon kernel's weights KB at a time
-    a_descs = [_tma_descriptor(a, [bm, block_k], name, warp_specialized) for name, a in (("a1", a1), ("a2", a2))]
+    block_ka = block_kw if fp8_mma else block_k  # (and its E4M3 activations too)
+    a_descs = [_tma_descriptor(a, [bm, block_ka], name, warp_specialized) for name, a in (("a1", a1), ("a2", a2))]
     b_kn, b_descs = _weight_descriptors(b1_data, b2_data, bn, block_kw, warp_specialized)
     scales = (b1_s, b2_s) if mx else (a1, a1)  # bf16: never read
     args = (*scales, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
@@ -607,9 +629,15 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     half = common["HALF_TILES"] = common.get("HALF_TILES", False) and bm >= 128
     if warp_specialized:
         persistent = common.pop("PERSISTENT")
-        grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, *args, B_KN=b_kn, KB=grouped_mm_ws.KB, **common)
+        if b_kn and fp8_mma:
+            raise ValueError("E4M3 MMAs read the weights K-major: pass them as a contiguous [E, N, K]")
+        # FP8_MMA: A's scales as fp32 [K/32, R + BM] (else unused)
+        sa_t = [_token_scales_t(sa, bm) for sa in (sa1, sa2)] if fp8_mma else [b1_s, b1_s]
+        grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, *sa_t, sa_t[0].stride(0), *args, B_KN=b_kn,
+                             KB=grouped_mm_ws.KB, FP8_MMA=fp8_mma, **common)
     else:
-        a_half = [_tma_descriptor(a, [bm // 2, block_k], name) for name, a in (("a1", a1), ("a2", a2))] if half else a_descs
+        a_half = ([_tma_descriptor(a, [bm // 2, block_k], name) for name, a in (("a1", a1), ("a2", a2))] if half
+                  else a_descs)
         _grouped_mm_tma_kernel[grid](*a_descs, *a_half, *b_descs, *args, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32, **common)
 
 
@@ -641,7 +669,7 @@ def _mm_config(key: str, few_rows: bool) -> dict | None:
 def mm_config_key(mode: int, mx: bool, fp8_mma: bool, warp_specialized: bool = False) -> str:
     """The ``_MM_CONFIGS`` entry a grouped_mm of this kind and precision runs with."""
     if fp8_mma:
-        return "mxfp8_fp8_mma"
+        return f"mxfp8_fp8_ws/{_MODE_NAMES[mode]}" if warp_specialized else "mxfp8_fp8_mma"
     precision = ("mxfp8_ws" if warp_specialized else "mxfp8") if mx else "bf16"
     return f"{precision}/{_MODE_NAMES[mode]}"
 

@@ -23,6 +23,14 @@ Every partition walks the program's tiles t, t + grid, ... (one tile each unless
 persistent), its ring position carried across tiles. HALF_TILES: the consumers run a tile that holds
 at most BM / 2 of its expert's rows on BM / 2-token MMAs against the first half of the loaded
 activation tiles (the loader is unchanged), with the same instructions per token: the same bits.
+
+FP8_MMA (``grouped_mm(..., fp8_mma=True)``): E4M3 x E4M3 wgmmas instead, the DeepGEMM-style path, with
+the bits of ``grouped_gemm._grouped_mm_fp8_mma_kernel`` (GPU test). The loader brings E4M3 activation
+tiles [BM, 32 * KB] and, by plain loads into shared memory (the full barrier's second arrival), their
+fp32 scales; each consumer runs one wgmma per 32-wide K block into a partial-sum register set (two sets
+taken in turn) and promotes the previous block's set with both scales while the next one runs. It is
+slower than the dequantizing path in every case measured (NOTES.md, session 13): the promotion costs
+two FP32 instructions per partial element per 32-wide block, as many as the MMA saves.
 """
 
 import functools
@@ -34,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from titan_mok.kernels.grouped_tiles import _epilogue, _tile_of_program
-from titan_mok.kernels.mxfp8_quant import mx_dequantize_bits
+from titan_mok.kernels.mxfp8_quant import mx_dequantize_bits, mx_scale_of_bits
 
 KB = 4  # 32-wide K blocks per load: [BN, 128] E4M3 weight tiles
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
@@ -62,41 +70,68 @@ def launch(max_tiles: int, persistent: bool, *args, **kwargs):
 
 
 @gluon.jit
-def _load_a(a_desc, a_bufs, bar, s, m0, kb0, KB: gl.constexpr):
-    for q in gl.static_range(KB):
-        tma.async_copy_global_to_shared(a_desc, [m0, (kb0 + q) * 32], bar, a_bufs.index(s * KB + q))
+def _load_a(a_desc, a_bufs, bar, s, m0, kb0, KB: gl.constexpr, FP8_MMA: gl.constexpr):
+    if FP8_MMA:  # one E4M3 tile [BM, 32 * KB]
+        tma.async_copy_global_to_shared(a_desc, [m0, kb0 * 32], bar, a_bufs.index(s))
+    else:  # KB bf16 tiles [BM, 32]
+        for q in gl.static_range(KB):
+            tma.async_copy_global_to_shared(a_desc, [m0, (kb0 + q) * 32], bar, a_bufs.index(s * KB + q))
 
 
 @gluon.jit
-def _loader(a1_desc, a2_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, empty, group_end_ptr, tile_end_ptr, N, K, E,
-            loads_per_pair, n_loads, MODE: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr, KB: gl.constexpr,
-            STAGES: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
-    load_bytes: gl.constexpr = KB * a1_desc.block_type.nbytes + NB * b1_desc.block_type.nbytes
+def _token_scales(sa_ptr, m0, kb0, stride_sak, KB: gl.constexpr, BM: gl.constexpr):
+    """FP8_MMA: the fp32 scales [KB, BM] of a load's K blocks for the tile's tokens (rows of A's scales
+    [K/32, R + BM], padded so that no tile reads past them)."""
+    L: gl.constexpr = gl.BlockedLayout([1, BM // 32], [1, 32], [1, 1], [1, 0])
+    kb = kb0 + gl.arange(0, KB, layout=gl.SliceLayout(1, L))
+    tok = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, L))
+    return gl.load(sa_ptr + gl.expand_dims(kb.to(gl.int64) * stride_sak, 1) + gl.expand_dims(tok, 0))
+
+
+@gluon.jit
+def _loader(a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_bufs, w_bufs, full, empty, group_end_ptr,
+            tile_end_ptr, N, K, E, stride_sak, loads_per_pair, n_loads, MODE: gl.constexpr, B_KN: gl.constexpr,
+            NB: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr,
+            BN: gl.constexpr, GROUP_M: gl.constexpr, FP8_MMA: gl.constexpr):
+    if FP8_MMA:
+        a_bytes: gl.constexpr = a1_desc.block_type.nbytes
+    else:
+        a_bytes: gl.constexpr = KB * a1_desc.block_type.nbytes
+    load_bytes: gl.constexpr = a_bytes + NB * b1_desc.block_type.nbytes
     c = 0  # loads issued by this program, over all its tiles: the ring position
     for t in range(gl.program_id(0), gl.load(tile_end_ptr + E - 1), gl.num_programs(0)):
         e, m0, _, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
         for l in range(n_loads):
             s = c % STAGES
-            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
-            mbarrier.expect(full.index(s), load_bytes)
             second = l >= loads_per_pair  # DUAL: the (A2, B2) pair follows (A1, B1) in the same accumulator
             kb0 = (l - gl.where(second, loads_per_pair, 0)) * KB
+            if FP8_MMA:  # A's scales by plain loads, issued before the slot wait so that it hides their latency
+                if MODE == 3:
+                    sa_ptr = gl.where(second, sa2_ptr, sa1_ptr)
+                else:
+                    sa_ptr = sa1_ptr
+                sa = _token_scales(sa_ptr, m0, kb0, stride_sak, KB, BM)
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+            mbarrier.expect(full.index(s), load_bytes)
             if B_KN:
                 w_at = [e * K + kb0 * 32, n0]
             else:
                 w_at = [e * N + n0, kb0 * 32]
             if MODE == 3:
                 if second:
-                    _load_a(a2_desc, a_bufs, full.index(s), s, m0, kb0, KB)
+                    _load_a(a2_desc, a_bufs, full.index(s), s, m0, kb0, KB, FP8_MMA)
                     tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s))
                 else:
-                    _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB)
+                    _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB, FP8_MMA)
                     tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s))
             else:
-                _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB)
+                _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB, FP8_MMA)
                 tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s * NB))
                 if NB == 2:
                     tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s * NB + 1))
+            if FP8_MMA:  # the full barrier's second arrival: the scales are in shared memory
+                sa_bufs.index(s).store(sa)
+                mbarrier.arrive(full.index(s), count=1)
             c += 1
 
 
@@ -156,12 +191,12 @@ def _mma_block(a_bufs, slot, w1, w2, acc1, acc2, NB: gl.constexpr, BMT: gl.const
 
 
 @gluon.jit
-def _consumer(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
               group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
               stride_se, stride_sn, stride_sk, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
               B_KN: gl.constexpr, NB: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, HALF_TILES: gl.constexpr,
-              half: gl.constexpr):
+              FP8_MMA: gl.constexpr, half: gl.constexpr):
     """One warpgroup: for each of the program's tiles, weight rows [n0 + 64 * half, +64) against its
     BM tokens (HALF_TILES: against the first BM / 2 where the tile holds no more of its expert's
     rows: half the MMA work, the same instructions per token), then their epilogue."""
@@ -169,26 +204,55 @@ def _consumer(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_
     for t in range(gl.program_id(0), gl.load(tile_end_ptr + E - 1), gl.num_programs(0)):
         e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
         if HALF_TILES and row_end - m0 <= BM // 2:
-            c = _consume_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
-                              e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
+            c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
+                              u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, BM // 2, KB, STAGES,
-                              half)
+                              FP8_MMA, half)
         else:
-            c = _consume_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
-                              e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
-                              stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, BM, KB, STAGES, half)
+            c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
+                              u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
+                              stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, BM, KB, STAGES,
+                              FP8_MMA, half)
 
 
 @gluon.jit
-def _consume_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
                   e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                   stride_se, stride_sn, stride_sk, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   B_KN: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-                  half: gl.constexpr):
+                  FP8_MMA: gl.constexpr, half: gl.constexpr):
     """One tile's loads (ring positions c, c + 1, ...) against its first BMT tokens, and its
     epilogue; returns the ring position after them."""
-    gl.static_assert(KB == 4, "_consume_tile unrolls four K blocks per load")
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BMT, 16])
+    offs_n = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _acc_layout(BMT, FP8_MMA)))
+    if FP8_MMA:
+        acc1, acc2, c = _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_n, c, N, k_steps,
+                                  n_steps, loads_per_pair, n_loads, stride_se, stride_sn, stride_sk, MODE, NB, BMT, KB,
+                                  STAGES, half)
+    else:
+        acc1, acc2, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps,
+                                      n_steps, loads_per_pair, n_loads, stride_se, stride_sn, stride_sk, MODE, B_KN, NB,
+                                      BMT, KB, STAGES, half)
+    rows = m0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, _acc_layout(BMT, FP8_MMA)))
+    c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
+    c_ok = gl.expand_dims(rows < row_end, 0) & gl.expand_dims(offs_n < N, 1)
+    _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT)
+    return c
+
+
+@gluon.constexpr_function
+def _acc_layout(BMT, FP8_MMA):
+    """The accumulator [64 weight rows, BMT tokens] of a warpgroup's wgmmas (K 32 per E4M3 instruction, 16 per
+    bf16 one)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BMT, 32 if FP8_MMA else 16])
+
+
+@gluon.jit
+def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps, n_steps, loads_per_pair,
+                  n_loads, stride_se, stride_sn, stride_sk, MODE: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr,
+                  BMT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, half: gl.constexpr):
+    """The tile's accumulators (acc1, acc2) by bf16 MMAs on dequantized weights, and the ring position."""
+    gl.static_assert(KB == 4, "_dequant_tile unrolls four K blocks per load")
+    ACC: gl.constexpr = _acc_layout(BMT, False)
     W_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     offs_w = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, W_OP))
     n_ok = offs_w < N
@@ -233,18 +297,96 @@ def _consume_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr,
         c += 1
     if NB == 1:
         acc2 = acc1  # unused outside SWIGLU
+    return acc1, acc2, c
 
-    offs_n = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
-    rows = m0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, ACC))
-    c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
-    c_ok = gl.expand_dims(rows < row_end, 0) & gl.expand_dims(offs_n < N, 1)
-    _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT)
-    return c
+
+@gluon.jit
+def _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, l, loads_per_pair, k_steps, n_steps, stride_sk, MODE: gl.constexpr,
+               NB: gl.constexpr, KB: gl.constexpr):
+    """Raw E8M0 bits of load l's KB K blocks of weight rows, ((b1, b2) per block)."""
+    second = l >= loads_per_pair
+    i0 = (l - gl.where(second, loads_per_pair, 0)) * KB + gl.where(second, k_steps, 0)  # first block's step
+    return (_step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0, k_steps, n_steps, stride_sk, MODE, NB),
+            _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + 1, k_steps, n_steps, stride_sk, MODE, NB),
+            _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + 2, k_steps, n_steps, stride_sk, MODE, NB),
+            _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + 3, k_steps, n_steps, stride_sk, MODE, NB))
+
+
+@gluon.jit
+def _fp8_partials(a_bufs, w_bufs, s, q: gl.constexpr, half: gl.constexpr, p1, p2, NB: gl.constexpr, BMT: gl.constexpr):
+    """K block q of slot s: this warpgroup's 64 E4M3 weight rows (of each weight) times the first BMT E4M3
+    tokens, into p1's (p2's) registers: use_acc=False, their values are dead."""
+    x = a_bufs.index(s).slice(0, BMT, dim=0).slice(q * 32, 32, dim=1).permute((1, 0))
+    p1 = warpgroup_mma(w_bufs.index(s * NB).slice(half * 64, 64, dim=0).slice(q * 32, 32, dim=1), x, p1,
+                       use_acc=False, is_async=True)
+    if NB == 2:
+        p2 = warpgroup_mma(w_bufs.index(s * NB + 1).slice(half * 64, 64, dim=0).slice(q * 32, 32, dim=1), x, p2,
+                           use_acc=False, is_async=True)
+    return p1, p2
+
+
+@gluon.jit
+def _promote(acc1, acc2, p1, p2, bits, sa_bufs, s, q: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr):
+    """acc += p * (2^w * s_a): block q's partial sums with their weight-row and token scales, one FMA per
+    element, as the Triton kernel's _fp8_mma_block."""
+    sa = sa_bufs.index(s).slice(q, 1, dim=0).slice(0, BMT, dim=1).load(_acc_layout(BMT, True))  # [1, BMT]
+    acc1 = gl.fma(p1, gl.expand_dims(mx_scale_of_bits(bits[0]), 1) * sa, acc1)
+    if NB == 2:
+        acc2 = gl.fma(p2, gl.expand_dims(mx_scale_of_bits(bits[1]), 1) * sa, acc2)
+    return acc1, acc2
+
+
+@gluon.jit
+def _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_w, c, N, k_steps, n_steps,
+              loads_per_pair, n_loads, stride_se, stride_sn, stride_sk, MODE: gl.constexpr, NB: gl.constexpr,
+              BMT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, half: gl.constexpr):
+    """The tile's accumulators by E4M3 x E4M3 wgmmas, one per 32-wide K block, and the ring position. Each
+    block's partial sums land in one of two register sets taken in turn, and are promoted into the fp32
+    accumulator (both scales) while the next block's wgmma runs."""
+    gl.static_assert(KB == 4, "_fp8_tile unrolls four K blocks per load")
+    ACC: gl.constexpr = _acc_layout(BMT, True)
+    n_ok = offs_w < N
+    s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
+    acc1 = gl.zeros([64, BMT], gl.float32, ACC)
+    pa1 = gl.zeros([64, BMT], gl.float32, ACC)
+    pb1 = gl.zeros([64, BMT], gl.float32, ACC)
+    if NB == 2:
+        acc2 = gl.zeros([64, BMT], gl.float32, ACC)
+        pa2 = gl.zeros([64, BMT], gl.float32, ACC)
+        pb2 = gl.zeros([64, BMT], gl.float32, ACC)
+    else:  # no second set carried through the loop
+        acc2, pa2, pb2 = acc1, pa1, pb1
+    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, 0, loads_per_pair, k_steps, n_steps, stride_sk, MODE, NB, KB)
+    for l in range(n_loads):
+        s = c % STAGES
+        # the next load's scale bits: their global-load latency overlaps this load's MMAs
+        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, l + 1, loads_per_pair, k_steps, n_steps, stride_sk, MODE, NB,
+                         KB)
+        mbarrier.wait(full.index(s), (c // STAGES) & 1)
+        pa1, pa2 = _fp8_partials(a_bufs, w_bufs, s, 0, half, pa1, pa2, NB, BMT)
+        pb1, pb2 = _fp8_partials(a_bufs, w_bufs, s, 1, half, pb1, pb2, NB, BMT)
+        pa1, pa2 = warpgroup_mma_wait(NB, deps=(pa1, pa2))
+        acc1, acc2 = _promote(acc1, acc2, pa1, pa2, bits[0], sa_bufs, s, 0, NB, BMT)
+        pa1, pa2 = _fp8_partials(a_bufs, w_bufs, s, 2, half, pa1, pa2, NB, BMT)
+        pb1, pb2 = warpgroup_mma_wait(NB, deps=(pb1, pb2))
+        acc1, acc2 = _promote(acc1, acc2, pb1, pb2, bits[1], sa_bufs, s, 1, NB, BMT)
+        pb1, pb2 = _fp8_partials(a_bufs, w_bufs, s, 3, half, pb1, pb2, NB, BMT)
+        pa1, pa2 = warpgroup_mma_wait(NB, deps=(pa1, pa2))
+        acc1, acc2 = _promote(acc1, acc2, pa1, pa2, bits[2], sa_bufs, s, 2, NB, BMT)
+        pb1, pb2 = warpgroup_mma_wait(0, deps=(pb1, pb2))
+        acc1, acc2 = _promote(acc1, acc2, pb1, pb2, bits[3], sa_bufs, s, 3, NB, BMT)
+        mbarrier.arrive(empty.index(s), count=1)
+        c += 1
+        bits = nxt
+    return acc1, acc2, c
 
 
 @gluon.jit
 def _grouped_mm_mx_ws_kernel(
-    a1_desc, a2_desc, b1_desc, b2_desc,  # TMA: A [R, K] bf16 blocks [BM, 32]; B E4M3 blocks [BN, 32 * KB] (or [32 * KB, BN], B_KN)
+    # TMA: A [R, K] bf16 blocks [BM, 32] (FP8_MMA: E4M3 blocks [BM, 32 * KB]); B E4M3 blocks [BN, 32 * KB]
+    # (or [32 * KB, BN], B_KN)
+    a1_desc, a2_desc, b1_desc, b2_desc,
+    sa1_ptr, sa2_ptr, stride_sak,  # FP8_MMA: A's scales as fp32 [K/32, R + BM] (row stride stride_sak); else unused
     sb1_ptr, sb2_ptr,  # E8M0 bits of the B operands [E, N, K/32]
     c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
     group_end_ptr, tile_end_ptr,
@@ -253,9 +395,10 @@ def _grouped_mm_mx_ws_kernel(
     limit,
     MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, LOG_E: gl.constexpr, B_KN: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, HALF_TILES: gl.constexpr, num_warps: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, HALF_TILES: gl.constexpr, FP8_MMA: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 weight rows each")
+    gl.static_assert(not (FP8_MMA and B_KN), "E4M3 wgmmas read both operands K-major: weights [E, N, K]")
     NB: gl.constexpr = 2 if MODE == 1 else 1  # weight tiles per block (SWIGLU: gate and up)
     k_steps = K // 32
     pairs = 2 if MODE == 3 else 1
@@ -263,23 +406,29 @@ def _grouped_mm_mx_ws_kernel(
     loads_per_pair = k_steps // KB  # the launcher checks K % (32 * KB) == 0
     n_loads = loads_per_pair * pairs
 
-    a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES * KB] + a1_desc.block_type.shape, a1_desc.layout)
+    if FP8_MMA:
+        a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES] + a1_desc.block_type.shape, a1_desc.layout)
+        sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, KB, BM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    else:
+        a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES * KB] + a1_desc.block_type.shape, a1_desc.layout)
+        sa_bufs = a_bufs  # unused
     w_bufs = gl.allocate_shared_memory(b1_desc.dtype, [STAGES * NB] + b1_desc.block_type.shape, b1_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(full.index(s), count=1)
+        mbarrier.init(full.index(s), count=2 if FP8_MMA else 1)  # FP8_MMA: the TMA bytes and the loader's scales
         mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups
 
     gl.warp_specialize([
-        (_consumer, (a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+        (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
                      group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, 0)),
-        (_consumer, (a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+                     STAGES, HALF_TILES, FP8_MMA, 0)),
+        (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
                      group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, 1)),
-        (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, empty, group_end_ptr, tile_end_ptr, N, K,
-                   E, loads_per_pair, n_loads, MODE, B_KN, NB, KB, STAGES, LOG_E, BM, BN, GROUP_M)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+                     STAGES, HALF_TILES, FP8_MMA, 1)),
+        (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_bufs, w_bufs, full, empty,
+                   group_end_ptr, tile_end_ptr, N, K, E, stride_sak, loads_per_pair, n_loads, MODE, B_KN, NB, KB,
+                   STAGES, LOG_E, BM, BN, GROUP_M, FP8_MMA)),
+    ], [4, 1], [CONSUMER_REGS, 40 if FP8_MMA else 24])

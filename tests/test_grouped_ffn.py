@@ -329,17 +329,22 @@ def _mx_kinds(counts, dim_h, dim_i, w_kn):
 @pytest.mark.parametrize("programs", ["per_sm", 3])
 @pytest.mark.parametrize("rings", ["committed", "small", "half"])
 @pytest.mark.parametrize("w_kn", [False, True])
-def test_warp_specialized_matches_triton_bits(monkeypatch, w_kn, rings, programs):
+@pytest.mark.parametrize("fp8_mma", [False, True])
+def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, w_kn, rings, programs):
     """The Gluon warp-specialized MXFP8 kernel gives the Triton kernel's bits for every kind, both
     weight layouts, an empty expert, partial N tiles and padding rows; with the committed configs and
     with 64-token tiles and a two-load ring (every kind persistent); with a program per SM (here one
     tile each) and with 3 programs looping over all tiles (the ring's phases carried across tiles).
     Kinds whose K is not a multiple of 128 are refused. "half": the committed configs with HALF_TILES
-    (tiles holding at most 64 of their expert's rows on 64-token MMAs)."""
+    (tiles holding at most 64 of their expert's rows on 64-token MMAs). fp8_mma: its E4M3-MMA path
+    against the Triton E4M3-MMA kernel (weights K-major only)."""
+    if fp8_mma and w_kn:
+        pytest.skip("E4M3 MMAs read K-major weights only (the refusal: test_fp8_mma_needs_k_major_weights)")
     small = dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232, num_warps=4)
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "_sm_count", lambda device_index: programs)
-    for key in [k for k in gg._MM_CONFIGS if k.startswith("mxfp8_ws/")]:  # "@few_rows" too: case 2 has few rows
+    prefix = "mxfp8_fp8_ws/" if fp8_mma else "mxfp8_ws/"
+    for key in [k for k in gg._MM_CONFIGS if k.startswith(prefix)]:  # "@few_rows" too: case 2 has few rows
         cfg = {"committed": gg._MM_CONFIGS[key], "small": small, "half": {**gg._MM_CONFIGS[key], "HALF_TILES": True}}
         monkeypatch.setitem(gg._MM_CONFIGS, key, cfg[rings])
     # (H, I, rows per expert, kinds whose K = H or I is a multiple of 128)
@@ -350,12 +355,13 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, w_kn, rings, programs
         group_end, kinds = _mx_kinds(counts, dim_h, dim_i, w_kn)
         for kind, (mode, a1, a2, b1, b2, outs, gu) in kinds.items():
             ref, ws = outs(), outs()
-            gg._launch_mm(mode, a1, a2, b1, b2, group_end, ref, gu=gu, swiglu_limit=7.0, warp_specialized=False)
+            kw = dict(gu=gu, swiglu_limit=7.0, fp8_mma=fp8_mma)
+            gg._launch_mm(mode, a1, a2, b1, b2, group_end, ref, warp_specialized=False, **kw)
             if kind not in runs:
                 with pytest.raises(ValueError, match="multiple of 128"):
-                    gg._launch_mm(mode, a1, a2, b1, b2, group_end, ws, gu=gu, swiglu_limit=7.0, warp_specialized=True)
+                    gg._launch_mm(mode, a1, a2, b1, b2, group_end, ws, warp_specialized=True, **kw)
                 continue
-            gg._launch_mm(mode, a1, a2, b1, b2, group_end, ws, gu=gu, swiglu_limit=7.0, warp_specialized=True)
+            gg._launch_mm(mode, a1, a2, b1, b2, group_end, ws, warp_specialized=True, **kw)
             n = sum(counts)
             for r, w in zip(ref, ws):
                 assert torch.equal(r[:n], w[:n]), f"{kind} (H={dim_h}, I={dim_i}): warp-specialized bits differ"
@@ -368,6 +374,17 @@ def test_warp_specialized_without_config_is_refused(monkeypatch):
     c = torch.zeros(8, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="mxfp8_ws/plain has no config"):
         gg._launch_mm(gg.PLAIN, x, None, mxfp8_quantize(w_down, 2, "w"), None, group_end, [c], warp_specialized=True)
+
+
+def test_fp8_mma_needs_k_major_weights():
+    """E4M3 wgmmas read both operands K-major: the warp-specialized E4M3-MMA path refuses a transposed weight
+    view by name."""
+    (x, _, _, w_down, _), group_end = make_case(counts=[3, 5], dim_h=128, dim_i=128, device="cpu")
+    m = mxfp8_quantize(w_down, 1, "w")
+    w_kn = MXTensor(m.data.transpose(1, 2), m.scale.transpose(1, 2), dim=2)
+    c = torch.zeros(8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="K-major"):
+        gg._launch_mm(gg.PLAIN, x, None, w_kn, None, group_end, [c], fp8_mma=True, warp_specialized=True)
 
 
 def test_warp_specialized_needs_whole_loads_of_k():

@@ -54,11 +54,14 @@ class MXTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """data * 2^e, computed in fp32 (the exact product, rounded once to fp32), cast to ``dtype``."""
-        exp = self.scale_exponent()
-        is_nan = exp == E8M0_NAN - E8M0_BIAS
-        scale = torch.where(is_nan, torch.nan, exp2_exact(exp.clamp(max=E8M0_BIAS)))
-        scale = scale.repeat_interleave(BLOCK, dim=self.dim)  # shape of data
+        scale = e8m0_values(self.scale).repeat_interleave(BLOCK, dim=self.dim)  # shape of data
         return (self.data.float() * scale).to(dtype)
+
+
+def e8m0_values(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales (or their uint8 bits) as fp32 values 2^e, NaN for the NaN scale."""
+    exp = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS
+    return torch.where(exp == E8M0_NAN - E8M0_BIAS, torch.nan, exp2_exact(exp.clamp(max=E8M0_BIAS)))
 
 
 def exp2_exact(n: torch.Tensor) -> torch.Tensor:

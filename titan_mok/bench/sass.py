@@ -113,9 +113,11 @@ def programs_per_sm(report: dict) -> int:
     return min(by_regs, by_shared)
 
 
-def ffn_pass_kernels(shape: str, rows_per_expert: int, precision: str, num_experts: int = 2) -> list[dict]:
+def ffn_pass_kernels(shape: str, rows_per_expert: int, precision: str, num_experts: int = 2,
+                     fp8_mma: bool = False) -> list[dict]:
     """Compile the grouped GEMMs (and MXFP8 quantizations) of one forward and backward of the routed
-    experts at this many rows per expert, as CUDA would launch them; one report per kernel."""
+    experts at this many rows per expert, as CUDA would launch them; one report per kernel. fp8_mma: the
+    MXFP8 grouped_mm kinds on E4M3 MMAs."""
     dim_h, dim_i, _, _ = SHAPES[shape]
     rows = rows_per_expert * num_experts
     bf16 = dict(dtype=torch.bfloat16)
@@ -140,10 +142,13 @@ def ffn_pass_kernels(shape: str, rows_per_expert: int, precision: str, num_exper
 
         fwd = step("weights: forward layout", lambda: {n: weight_operand(w, precision, 2, n) for n, w in weights.items()})
         bwd = step("weights: dgrad layout", lambda: {n: weight_operand(w, precision, 1, n) for n, w in weights.items()})
-        step("fwd: gate/up + SwiGLU", lambda: gg.grouped_gate_up_swiglu(x, group_end, fwd["w_gate"], fwd["w_up"], None))
-        step("fwd: down", lambda: gg.grouped_mm(h, group_end, fwd["w_down"]))
-        step("dgrad: down + SwiGLU bwd", lambda: gg.grouped_down_dgrad_swiglu(dy, group_end, bwd["w_down"], g, u, None))
-        step("dgrad: gate/up (dual)", lambda: gg.grouped_mm_sum(dg, du, group_end, bwd["w_gate"], bwd["w_up"]))
+        f8 = dict(fp8_mma=fp8_mma)
+        step("fwd: gate/up + SwiGLU",
+             lambda: gg.grouped_gate_up_swiglu(x, group_end, fwd["w_gate"], fwd["w_up"], None, **f8))
+        step("fwd: down", lambda: gg.grouped_mm(h, group_end, fwd["w_down"], **f8))
+        step("dgrad: down + SwiGLU bwd",
+             lambda: gg.grouped_down_dgrad_swiglu(dy, group_end, bwd["w_down"], g, u, None, **f8))
+        step("dgrad: gate/up (dual)", lambda: gg.grouped_mm_sum(dg, du, group_end, bwd["w_gate"], bwd["w_up"], **f8))
         step("wgrad", lambda: [gg.grouped_wgrad(a, b, group_end, precision) for a, b in ((dg, x), (dy, h))])
     return reports
 
@@ -153,6 +158,7 @@ def main() -> None:
     parser.add_argument("--shape", default="kimi", choices=sorted(SHAPES))
     parser.add_argument("--rows-per-expert", type=int, default=43, help="43: Kimi at EP=1, 2048 tokens/GPU")
     parser.add_argument("--precision", default="mxfp8", choices=("bf16", "mxfp8"))
+    parser.add_argument("--fp8-mma", action="store_true", help="MXFP8 grouped_mm kinds on E4M3 MMAs")
     parser.add_argument("--sass-dir", help="also write each kernel's SASS here")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON (no SASS text)")
     opts = parser.parse_args()
@@ -160,17 +166,17 @@ def main() -> None:
         parser.error(f"--rows-per-expert must be >= 1, got {opts.rows_per_expert}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         parser.error("TRITON_INTERPRET=1 interprets the kernels instead of compiling them: unset it")
-    reports = ffn_pass_kernels(opts.shape, opts.rows_per_expert, opts.precision)
+    reports = ffn_pass_kernels(opts.shape, opts.rows_per_expert, opts.precision, fp8_mma=opts.fp8_mma)
     if opts.json:
         print(json.dumps([{**{k: v for k, v in r.items() if k != "sass"}, "programs_per_sm": programs_per_sm(r)}
                           for r in reports]))
         return
     print(f"{'step':26} {'kernel':30} {'regs':>4} {'stack':>5} {'shared':>7} {'warps':>5} {'per SM':>6} "
-          f"{'instr':>6} {'HGMMA':>5}  setmaxnreg")
+          f"{'instr':>6} {'GMMA':>5}  setmaxnreg")
     for i, r in enumerate(reports):
+        gmma = r["opcodes"]["HGMMA"] + r["opcodes"]["QGMMA"]  # bf16 and E4M3 wgmmas
         print(f"{r['step']:26} {r['kernel']:30} {r['registers']:4} {r['stack_bytes']:5} {r['shared_bytes']:7} "
-              f"{r['warps']:5} {programs_per_sm(r):6} {r['instructions']:6} {r['opcodes']['HGMMA']:5}  "
-              f"{r['setmaxnreg'] or '-'}")
+              f"{r['warps']:5} {programs_per_sm(r):6} {r['instructions']:6} {gmma:5}  {r['setmaxnreg'] or '-'}")
         if opts.sass_dir:
             os.makedirs(opts.sass_dir, exist_ok=True)
             with open(os.path.join(opts.sass_dir, f"{i:02d}_{r['kernel']}.sass"), "w") as f:
