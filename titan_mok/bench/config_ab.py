@@ -3,6 +3,7 @@
 
     python3 -m titan_mok.bench.config_ab --precision bf16 --set 'bf16/plain={"HALF_TILES": false}'
     python3 -m titan_mok.bench.config_ab --precision mxfp8 --unset mxfp8_ws/dual@few_rows --shapes kimi
+    python3 -m titan_mok.bench.config_ab --precision mxfp8 --fp8-mma --set 'mxfp8_fp8_ws/swiglu={"BM": 128}'
 
 ``--set KEY=JSON`` merges a JSON object into the committed entry KEY (a new "@few_rows" key starts
 empty) or, with ``null``, makes it None; ``--unset KEY`` removes an entry. Per shape and case (the
@@ -95,6 +96,7 @@ def compare(fn, configs: dict[str, dict], rounds: int, rep_ms: float, bench) -> 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--precision", choices=["bf16", "mxfp8"], required=True)
+    p.add_argument("--fp8-mma", action="store_true", help="the MXFP8 kinds on E4M3 MMAs (mxfp8_fp8_ws/<kind>)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=JSON")
     p.add_argument("--unset", dest="unsets", action="append", default=[], metavar="KEY")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -103,6 +105,8 @@ def main():
     p.add_argument("--rep-ms", type=float, default=25)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
+    if args.fp8_mma and args.precision != "mxfp8":
+        p.error("--fp8-mma runs the MXFP8 kinds: it needs --precision mxfp8")
     shapes, cases = args.shapes.split(","), args.cases.split(",")
     for flag, given, allowed in (("--shapes", shapes, SHAPES), ("--cases", cases, CASES)):
         if bad := [x for x in given if x not in allowed]:
@@ -114,12 +118,13 @@ def main():
         p.error(str(e))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "config_ab.jsonl"), "a") as log:
-        log.write(json.dumps({"sets": args.sets, "unsets": args.unsets, "precision": args.precision}) + "\n")
+        log.write(json.dumps({"sets": args.sets, "unsets": args.unsets, "precision": args.precision,
+                              "fp8_mma": args.fp8_mma}) + "\n")
         for shape in shapes:
             dim_h, dim_i, _, _ = SHAPES[shape]
             for case in cases:
                 c = Case(dim_h, dim_i, case_counts(shape, case))
-                for key, fn in gemms_by_kind(c, args.precision).items():
+                for key, fn in gemms_by_kind(c, args.precision, args.fp8_mma).items():
                     rec = {"shape": shape, "case": case, "kind": key,
                            **compare(fn, configs, args.rounds, args.rep_ms, bench)}
                     print(json.dumps(rec), flush=True)

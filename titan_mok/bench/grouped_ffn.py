@@ -342,30 +342,33 @@ TUNE_VARIANTS = {
     "mxfp8_ws/swiglu_bwd@few_rows": [_ws(stages=3, regs=248, bm=64), _ws_two_per_sm(), _ws_two_per_sm(regs=112),
                                      _ws_two_per_sm(stages=3)],
     "mxfp8_ws/dual@few_rows": [_ws(bm=64), _ws_two_per_sm(), _ws_two_per_sm(regs=112), _ws_two_per_sm(stages=3)],
-    "mxfp8_fp8_mma": [dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
-                      dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)],
+    # fp8_mma=True on CUDA (E4M3 MMAs, the same kernel); not swept at few rows per expert (no "@few_rows")
+    "mxfp8_fp8_ws/plain": [_ws(HALF_TILES=True), _ws(), _ws(stages=3, HALF_TILES=True), _ws(bm=64)],
+    "mxfp8_fp8_ws/swiglu": [_ws(bm=64, persistent=False), _ws(bm=64), _ws(bm=64, stages=3, persistent=False)],
+    "mxfp8_fp8_ws/swiglu_bwd": [_ws(HALF_TILES=True), _ws(), _ws(stages=3, regs=248, HALF_TILES=True), _ws(bm=64)],
+    "mxfp8_fp8_ws/dual": [_ws(HALF_TILES=True), _ws(), _ws(stages=3, HALF_TILES=True), _ws(bm=64)],
 }
 
 
-def gemms_by_kind(c, precision):
+def gemms_by_kind(c, precision, fp8_mma=False):
     """One grouped GEMM of each kind in this precision, keyed by the ``_MM_CONFIGS`` entry that picks
-    its kernel on CUDA: "bf16/<kind>", or for MXFP8 "mxfp8_ws/<kind>"."""
+    its kernel on CUDA: "bf16/<kind>", for MXFP8 "mxfp8_ws/<kind>", with fp8_mma "mxfp8_fp8_ws/<kind>"."""
     (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision)
     ge = c.group_end
-    key = "mxfp8_ws" if precision == "mxfp8" else precision
+    key = ("mxfp8_fp8_ws" if fp8_mma else "mxfp8_ws") if precision == "mxfp8" else precision
+    f8 = dict(fp8_mma=fp8_mma)
     return {
-        f"{key}/swiglu": lambda: gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None),
-        f"{key}/plain": lambda: gg.grouped_mm(h, ge, wd),
-        f"{key}/swiglu_bwd": lambda: gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None),
-        f"{key}/dual": lambda: gg.grouped_mm_sum(dg, du, ge, wg_t, wu_t),
+        f"{key}/swiglu": lambda: gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None, **f8),
+        f"{key}/plain": lambda: gg.grouped_mm(h, ge, wd, **f8),
+        f"{key}/swiglu_bwd": lambda: gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None, **f8),
+        f"{key}/dual": lambda: gg.grouped_mm_sum(dg, du, ge, wg_t, wu_t, **f8),
     }
 
 
 def tune(log, kernels):
     """Tile-config sweep on two MoE-regime cases and one compute-regime case; installs, per kernel
     key, the config with the least summed time (so the runs that follow use it). Each kind of GEMM
-    is timed on its own, on the cases whose rows per expert pick that key; fp8-MMA on the forward
-    phase."""
+    is timed on its own, on the cases whose rows per expert pick that key."""
     H, I, E, K = SHAPES["kimi"]
     cases = {"kimi_ep1_balanced": route_counts(TOKENS_PER_GPU * K, E, False),
              "kimi_ep2_balanced": route_counts(TOKENS_PER_GPU * K, E // 2, False),
@@ -375,11 +378,10 @@ def tune(log, kernels):
         few_rows = gg.has_few_rows(int(counts.sum()), counts.numel())
         c = Case(H, I, counts)
         timed = {}
-        for precision, prefix in (("bf16", "bf16/"), ("mxfp8", "mxfp8_ws/")):
+        for precision, prefix, fp8_mma in (("bf16", "bf16/", False), ("mxfp8", "mxfp8_ws/", False),
+                                           ("mxfp8", "mxfp8_fp8_ws/", True)):
             if any(key.startswith(prefix) for key in kernels):
-                timed.update(gemms_by_kind(c, precision))
-        if "mxfp8_fp8_mma" in kernels:
-            timed["mxfp8_fp8_mma"] = phases_ours(c, "mxfp8", fp8_mma=True)["fwd"]
+                timed.update(gemms_by_kind(c, precision, fp8_mma))
         for key in kernels:
             kind_key, _, variant = key.partition("@")
             if (variant == "few_rows") != (few_rows and f"{kind_key}@few_rows" in gg._MM_CONFIGS):
@@ -428,7 +430,7 @@ def main():
     if args.tune:
         kernels = {"ours_bf16": [k for k in TUNE_VARIANTS if k.startswith("bf16/")],
                    "ours_mxfp8": [k for k in TUNE_VARIANTS if k.startswith("mxfp8_ws/")],
-                   "ours_mxfp8_fp8mma": ["mxfp8_fp8_mma"]}
+                   "ours_mxfp8_fp8mma": [k for k in TUNE_VARIANTS if k.startswith("mxfp8_fp8_ws/")]}
         tune(log, [key for i in impls for key in kernels.get(i, [])])
     results = []
     shapes = ["kimi"] if args.quick else list(SHAPES)
