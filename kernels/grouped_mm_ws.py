@@ -105,7 +105,9 @@ def _loader(a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_buf
             s = c % STAGES
             second = l >= loads_per_pair  # DUAL: the (A2, B2) pair follows (A1, B1) in the same accumulator
             kb0 = (l - gl.where(second, loads_per_pair, 0)) * KB
-            if FP8_MMA:  # A's scales by plain loads, issued before the slot wait so that it hides their latency
+            # FP8_MMA: A's scales by plain loads, issued before the slot wait so that it hides their latency (not
+            # by TMA: its innermost coordinate, the tile's first token, need not be 16-byte aligned)
+            if FP8_MMA:
                 if MODE == 3:
                     sa_ptr = gl.where(second, sa2_ptr, sa1_ptr)
                 else:
