@@ -632,9 +632,10 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         if b_kn and fp8_mma:
             raise ValueError("E4M3 MMAs read the weights K-major: pass them as a contiguous [E, N, K]")
         # FP8_MMA: A's scales as fp32 [K/32, R + BM] (else unused)
-        sa_t = [_token_scales_t(sa, bm) for sa in (sa1, sa2)] if fp8_mma else [b1_s, b1_s]
-        grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, *sa_t, sa_t[0].stride(0), *args, B_KN=b_kn,
-                             KB=grouped_mm_ws.KB, FP8_MMA=fp8_mma, **common)
+        sa_t1 = _token_scales_t(sa1, bm) if fp8_mma else b1_s
+        sa_t2 = _token_scales_t(sa2, bm) if fp8_mma and sa2 is not sa1 else sa_t1  # a2 given only for DUAL
+        grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, sa_t1, sa_t2, sa_t1.stride(0), *args,
+                             B_KN=b_kn, KB=grouped_mm_ws.KB, FP8_MMA=fp8_mma, **common)
     else:
         a_half = ([_tma_descriptor(a, [bm // 2, block_k], name) for name, a in (("a1", a1), ("a2", a2))] if half
                   else a_descs)

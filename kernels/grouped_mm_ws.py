@@ -138,6 +138,13 @@ def _loader(a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_buf
 
 
 @gluon.jit
+def _first_step(l, loads_per_pair, k_steps, KB: gl.constexpr):
+    """The scale step of load l's first K block (DUAL: the second pair's steps follow the first's)."""
+    second = l >= loads_per_pair
+    return (l - gl.where(second, loads_per_pair, 0)) * KB + gl.where(second, k_steps, 0)
+
+
+@gluon.jit
 def _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i, k_steps, n_steps, stride_sk, MODE: gl.constexpr, NB: gl.constexpr):
     """Raw E8M0 bits of K block i's weight rows (127, i.e. 2^0, past the last block)."""
     second = i >= k_steps  # DUAL: B2's scales for the second (A, B) pair
@@ -269,8 +276,7 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
     for l in range(n_loads):
         s = c % STAGES
         mbarrier.wait(full.index(s), (c // STAGES) & 1)
-        second = l >= loads_per_pair
-        i0 = (l - gl.where(second, loads_per_pair, 0)) * KB + gl.where(second, k_steps, 0)  # first block's step
+        i0 = _first_step(l, loads_per_pair, k_steps, KB)
         w1a, w2a, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
             w_bufs, s, 0, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
             n_steps, stride_sk, MODE, B_KN, NB, W_OP)
@@ -306,8 +312,7 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
 def _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, l, loads_per_pair, k_steps, n_steps, stride_sk, MODE: gl.constexpr,
                NB: gl.constexpr, KB: gl.constexpr):
     """Raw E8M0 bits of load l's KB K blocks of weight rows, ((b1, b2) per block)."""
-    second = l >= loads_per_pair
-    i0 = (l - gl.where(second, loads_per_pair, 0)) * KB + gl.where(second, k_steps, 0)  # first block's step
+    i0 = _first_step(l, loads_per_pair, k_steps, KB)
     return (_step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0, k_steps, n_steps, stride_sk, MODE, NB),
             _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + 1, k_steps, n_steps, stride_sk, MODE, NB),
             _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + 2, k_steps, n_steps, stride_sk, MODE, NB),
