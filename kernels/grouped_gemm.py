@@ -742,8 +742,9 @@ def grouped_wgrad(a_RN, b_RK, group_end_E, precision: str) -> torch.Tensor:
     num_experts, n, k = group_end_E.shape[0], a_RN.shape[1], b_RK.shape[1]
     c_ENK = torch.empty(num_experts, n, k, dtype=torch.bfloat16, device=a_RN.device)
     if num_experts:
-        flat = a_RN.shape[0] < _WGRAD_FLAT_MAX_ROWS * num_experts
-        cfg = _WGRAD_CONFIGS["flat" if flat else "rows"]
+        loop = wgrad_loop(a_RN.shape[0], num_experts)
+        flat = loop == "flat"
+        cfg = _WGRAD_CONFIGS[loop]
         n_tiles, k_tiles = triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"])
         prog_end_E, k_tiles_per_prog_E, max_programs = _wgrad_programs(group_end_E, a_RN.shape[0], cfg["BR"], n_tiles,
                                                                        k_tiles, flat)
@@ -753,6 +754,12 @@ def grouped_wgrad(a_RN, b_RK, group_end_E, precision: str) -> torch.Tensor:
             LOG_E=num_experts.bit_length(), FLAT=flat, DOT_F32=_DOT_F32, **cfg,
         )
     return c_ENK
+
+
+def wgrad_loop(num_rows: int, num_experts: int) -> str:
+    """The ``_WGRAD_CONFIGS`` entry grouped_wgrad runs: "flat" while experts average fewer than
+    _WGRAD_FLAT_MAX_ROWS rows (padding included: a static property of the shapes), else "rows"."""
+    return "flat" if num_rows < _WGRAD_FLAT_MAX_ROWS * num_experts else "rows"
 
 
 def _wgrad_programs(group_end_E, num_rows: int, block_rows: int, n_tiles: int, k_tiles: int, flat: bool):

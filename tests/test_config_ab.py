@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from titan_mok.bench.config_ab import case_counts, compare, variant_configs
+from titan_mok.bench.config_ab import case_counts, committed_configs, compare, variant_configs
 from titan_mok.bench.grouped_ffn import SHAPES, TOKENS_PER_GPU
 from titan_mok.kernels import grouped_gemm as gg
 
@@ -18,17 +18,27 @@ def test_variant_merges_sets_and_unsets():
     assert committed == gg._MM_CONFIGS, "the committed configs are left as they were"
 
 
+def test_variant_reaches_the_weight_gradient():
+    committed = committed_configs()
+    v = variant_configs(committed, ['wgrad/flat={"BN": 64, "num_warps": 4}'], [])
+    assert v["wgrad/flat"] == {**gg._WGRAD_CONFIGS["flat"], "BN": 64, "num_warps": 4}
+    assert v["wgrad/rows"] == gg._WGRAD_CONFIGS["rows"] and v["bf16/plain"] == gg._MM_CONFIGS["bf16/plain"]
+
+
 @pytest.mark.parametrize("sets, unsets, match", [
     (["bf16/plain"], [], r"--set 'bf16/plain': expected KEY=JSON"),
-    (["bf16/plian={}"], [], r"--set bf16/plian: not an _MM_CONFIGS key"),
-    (["bf16/plain@slow={}"], [], r"--set bf16/plain@slow: not an _MM_CONFIGS key"),
+    (["bf16/plian={}"], [], r"--set bf16/plian: not a config key"),
+    (["bf16/plain@slow={}"], [], r"--set bf16/plain@slow: not a config key"),
+    (["wgrad/flat@few_rows={}"], [], r"--set wgrad/flat@few_rows: not a config key"),
+    (["wgrad/flat=null"], [], r"--set wgrad/flat: the value must be a JSON object, got 'null'"),
+    ([], ["wgrad/rows"], r"--unset wgrad/rows: the weight gradient's loops always need a config"),
     (["bf16/plain={BM: 64}"], [], r"--set bf16/plain: '\{BM: 64\}' is not JSON"),
     (["bf16/plain=64"], [], r"--set bf16/plain: the value must be a JSON object or null"),
     ([], ["bf16/plain@few_rows"], r"--unset bf16/plain@few_rows: no such entry"),
 ])
 def test_bad_variants_are_refused_by_name(sets, unsets, match):
     with pytest.raises(ValueError, match=match):
-        variant_configs(dict(gg._MM_CONFIGS), sets, unsets)
+        variant_configs(committed_configs(), sets, unsets)
 
 
 def test_cases_are_the_benchmarks():
@@ -41,17 +51,16 @@ def test_cases_are_the_benchmarks():
 
 def test_compare_reports_changed_bits():
     """compare() runs fn under each config: outputs that follow the config are told apart."""
-    committed = dict(gg._MM_CONFIGS)
+    committed = committed_configs()
     for variant, equal in (({"HALF_TILES": False}, True), ({"BK": 32}, False)):
         configs = {"committed": committed, "variant": {**committed, "bf16/plain": {**committed["bf16/plain"], **variant}}}
         fn = lambda: torch.tensor([gg._MM_CONFIGS["bf16/plain"]["BK"]])  # noqa: E731
         assert compare(fn, configs, rounds=1, rep_ms=1, bench=lambda f, rep_ms: (f(), 1.0)[1])["bits_equal"] is equal
-    assert gg._MM_CONFIGS == committed, "the committed configs are restored"
+    assert committed_configs() == committed, "the committed configs are restored"
 
 
-def test_config_ab_runs_every_kind(monkeypatch, tmp_path):
-    """The whole tool at a tiny shape on the interpreter (timing stubbed): every kind reported, the
-    bits kept by variants that only move tile shapes (the kernels' contract)."""
+def _run_tiny(monkeypatch, tmp_path, *flags):
+    """The whole tool at a tiny shape on the interpreter, timing stubbed; its JSON lines."""
     import json
     import sys
 
@@ -63,14 +72,43 @@ def test_config_ab_runs_every_kind(monkeypatch, tmp_path):
     monkeypatch.setattr(config_ab, "Case", lambda h, i, counts: Case(h, i, counts, dev="cpu"))
     monkeypatch.setattr(config_ab, "bench", lambda fn, rep_ms: (fn(), 1.0)[1])
     monkeypatch.setattr(config_ab.torch.cuda, "empty_cache", lambda: None)
-    argv = ["config_ab", "--precision", "bf16", "--shapes", "tiny", "--cases", "EP=2 skewed", "--rounds", "1",
-            "--out", str(tmp_path), "--set", 'bf16/plain={"HALF_TILES": false}', "--set", 'bf16/dual={"BN": 128}']
+    argv = ["config_ab", "--shapes", "tiny", "--cases", "EP=2 skewed", "--rounds", "1", "--out", str(tmp_path),
+            *flags]
     monkeypatch.setattr(sys, "argv", argv)
     config_ab.main()
-    rows = [json.loads(line) for line in (tmp_path / "config_ab.jsonl").read_text().splitlines()[1:]]
+    return [json.loads(line) for line in (tmp_path / "config_ab.jsonl").read_text().splitlines()[1:]]
+
+
+def test_config_ab_runs_every_kind(monkeypatch, tmp_path):
+    """Every kind of grouped_mm reported (and no weight gradient: the variant leaves its loops), the
+    bits kept by variants that only move tile shapes (the kernels' contract)."""
+    rows = _run_tiny(monkeypatch, tmp_path, "--precision", "bf16", "--set", 'bf16/plain={"HALF_TILES": false}',
+                     "--set", 'bf16/dual={"BN": 128}')
     assert [r["kind"] for r in rows] == [f"bf16/{k}" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
     assert all(r["bits_equal"] and r["committed_ms"] == r["variant_ms"] == 1.0 for r in rows)
     assert gg._MM_CONFIGS["bf16/dual"]["BN"] == 256, "the committed configs are restored"
+
+
+def test_config_ab_runs_the_weight_gradients(monkeypatch, tmp_path):
+    """A weight-gradient variant compares each weight's gradient under the loop the case runs (the
+    tiny case's experts hold few rows: the flat loop), and only those."""
+    committed = dict(gg._WGRAD_CONFIGS["flat"])
+    rows = _run_tiny(monkeypatch, tmp_path, "--precision", "mxfp8", "--set", 'wgrad/flat={"num_stages": 2}')
+    assert [r["kind"] for r in rows] == [f"wgrad/flat:{w}" for w in ("w_gate", "w_up", "w_down")]
+    assert all(r["bits_equal"] for r in rows)
+    assert gg._WGRAD_CONFIGS["flat"] == committed, "the committed configs are restored"
+
+
+def test_fp8_mma_has_no_weight_gradient(monkeypatch, capsys):
+    import sys
+
+    from titan_mok.bench import config_ab
+
+    argv = ["config_ab", "--precision", "mxfp8", "--fp8-mma", "--set", 'wgrad/flat={"BN": 64}']
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit):
+        config_ab.main()
+    assert "--fp8-mma: the weight gradient has no E4M3-MMA path" in capsys.readouterr().err
 
 
 def test_fp8_mma_needs_mxfp8(monkeypatch, capsys):

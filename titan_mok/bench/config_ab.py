@@ -5,9 +5,15 @@
     python3 -m titan_mok.bench.config_ab --precision mxfp8 --unset mxfp8_ws/dual@few_rows --shapes kimi
     python3 -m titan_mok.bench.config_ab --precision mxfp8 --fp8-mma --set 'mxfp8_fp8_ws/swiglu={"BM": 128}'
 
-``--set KEY=JSON`` merges a JSON object into the committed entry KEY (a new "@few_rows" key starts
-empty) or, with ``null``, makes it None; ``--unset KEY`` removes an entry. Per shape and case (the
-grouped_ffn benchmark's MoE-regime cases and 8 × 4096 rows), each kind's outputs under both configs
+    python3 -m titan_mok.bench.config_ab --precision bf16 --set 'wgrad/flat={"BN": 64, "num_warps": 4}'
+
+Entries: ``_MM_CONFIGS``' keys (grouped_mm's kinds) and the weight gradient's loops as "wgrad/flat"
+and "wgrad/rows" (``_WGRAD_CONFIGS``). ``--set KEY=JSON`` merges a JSON object into the committed
+entry KEY (a new "@few_rows" key starts empty) or, with ``null``, makes a grouped_mm entry None;
+``--unset KEY`` removes a grouped_mm entry. The GEMMs compared are those of the tables the variant
+changes (both for a run without ``--set``/``--unset``): grouped_mm's four kinds, and each weight's
+gradient (not with ``--fp8-mma``: the weight gradient has no E4M3-MMA path). Per shape and case (the
+grouped_ffn benchmark's MoE-regime cases and 8 × 4096 rows), each GEMM's outputs under both configs
 are compared with ``torch.equal`` and then both are timed in ``--rounds`` rounds of
 ``bench(fn, --rep-ms)``, their order alternating; the median round is reported. One JSON line per
 (shape, case, kind) goes to stdout and ``$OUT/config_ab.jsonl`` (or ``--out``).
@@ -20,10 +26,25 @@ import statistics
 
 import torch
 
-from titan_mok.bench.grouped_ffn import SHAPES, TOKENS_PER_GPU, Case, bench, gemms_by_kind, route_counts
+from titan_mok.bench.grouped_ffn import (SHAPES, TOKENS_PER_GPU, Case, bench, gemms_by_kind, route_counts,
+                                        wgrads_by_weight)
 from titan_mok.kernels import grouped_gemm as gg
 
 CASES = ("EP=1 balanced", "EP=1 skewed", "EP=2 balanced", "EP=2 skewed", "8x4096")
+WGRAD = "wgrad/"  # the weight gradient's entries: "wgrad/" + a _WGRAD_CONFIGS key
+
+
+def committed_configs() -> dict:
+    """Both config tables as one: _MM_CONFIGS' entries, and _WGRAD_CONFIGS' under "wgrad/<loop>"."""
+    return {**gg._MM_CONFIGS, **{WGRAD + loop: cfg for loop, cfg in gg._WGRAD_CONFIGS.items()}}
+
+
+def install(configs: dict):
+    """Make configs (committed_configs()'s form) the kernels' config tables."""
+    gg._MM_CONFIGS.clear()
+    gg._MM_CONFIGS.update({k: v for k, v in configs.items() if not k.startswith(WGRAD)})
+    gg._WGRAD_CONFIGS.clear()
+    gg._WGRAD_CONFIGS.update({k.removeprefix(WGRAD): v for k, v in configs.items() if k.startswith(WGRAD)})
 
 
 def variant_configs(committed: dict, sets: list[str], unsets: list[str]) -> dict:
@@ -38,13 +59,16 @@ def variant_configs(committed: dict, sets: list[str], unsets: list[str]) -> dict
             value = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"--set {key}: {text!r} is not JSON ({e})") from None
-        if value is None:
+        if value is None and not key.startswith(WGRAD):
             configs[key] = None
         elif isinstance(value, dict):
             configs[key] = {**(configs.get(key) or {}), **value}
         else:
-            raise ValueError(f"--set {key}: the value must be a JSON object or null, got {text!r}")
+            allowed = "a JSON object" if key.startswith(WGRAD) else "a JSON object or null"
+            raise ValueError(f"--set {key}: the value must be {allowed}, got {text!r}")
     for key in unsets:
+        if key.startswith(WGRAD):
+            raise ValueError(f"--unset {key}: the weight gradient's loops always need a config; --set it instead")
         if key not in configs:
             raise ValueError(f"--unset {key}: no such entry; entries: {', '.join(sorted(configs))}")
         del configs[key]
@@ -53,9 +77,9 @@ def variant_configs(committed: dict, sets: list[str], unsets: list[str]) -> dict
 
 def _check_key(key: str, committed: dict, flag: str):
     base, _, variant = key.partition("@")
-    if base not in committed or variant not in ("", "few_rows"):
-        raise ValueError(f"{flag} {key}: not an _MM_CONFIGS key (or one of them + '@few_rows'); "
-                         f"keys: {', '.join(sorted(committed))}")
+    if base not in committed or variant not in ("", "few_rows") or (variant and base.startswith(WGRAD)):
+        raise ValueError(f"{flag} {key}: not a config key (an _MM_CONFIGS key, one of them + '@few_rows', or "
+                         f"a weight-gradient loop); keys: {', '.join(sorted(committed))}")
 
 
 def case_counts(shape: str, case: str) -> torch.Tensor:
@@ -76,8 +100,7 @@ def compare(fn, configs: dict[str, dict], rounds: int, rep_ms: float, bench) -> 
     """Bits of fn under configs["variant"] against configs["committed"], then the median times
     (each round ``bench(fn, rep_ms)``)."""
     def use(name):
-        gg._MM_CONFIGS.clear()
-        gg._MM_CONFIGS.update(configs[name])
+        install(configs[name])
 
     use("committed")
     ref = _outputs(fn)
@@ -91,6 +114,19 @@ def compare(fn, configs: dict[str, dict], rounds: int, rep_ms: float, bench) -> 
             times[name].append(bench(fn, rep_ms))
     use("committed")
     return {"bits_equal": bits_equal, **{f"{name}_ms": round(statistics.median(t), 4) for name, t in times.items()}}
+
+
+def gemms_to_compare(c, args) -> dict:
+    """The GEMMs of case c whose config table the variant changes (both tables' for an A/A run)."""
+    changed = _changed_keys(args)
+    mm = not changed or any(not k.startswith(WGRAD) for k in changed)
+    wgrad = (not changed or any(k.startswith(WGRAD) for k in changed)) and not args.fp8_mma
+    return {**(gemms_by_kind(c, args.precision, args.fp8_mma) if mm else {}),
+            **(wgrads_by_weight(c, args.precision) if wgrad else {})}
+
+
+def _changed_keys(args) -> list[str]:
+    return [item.partition("=")[0] for item in args.sets] + args.unsets
 
 
 def main():
@@ -107,11 +143,13 @@ def main():
     args = p.parse_args()
     if args.fp8_mma and args.precision != "mxfp8":
         p.error("--fp8-mma runs the MXFP8 kinds: it needs --precision mxfp8")
+    if args.fp8_mma and _changed_keys(args) and all(k.startswith(WGRAD) for k in _changed_keys(args)):
+        p.error("--fp8-mma: the weight gradient has no E4M3-MMA path; A/B its loops without --fp8-mma")
     shapes, cases = args.shapes.split(","), args.cases.split(",")
     for flag, given, allowed in (("--shapes", shapes, SHAPES), ("--cases", cases, CASES)):
         if bad := [x for x in given if x not in allowed]:
             p.error(f"{flag}: {bad} not among {list(allowed)}")
-    committed = dict(gg._MM_CONFIGS)
+    committed = committed_configs()
     try:
         configs = {"committed": committed, "variant": variant_configs(committed, args.sets, args.unsets)}
     except ValueError as e:
@@ -124,7 +162,7 @@ def main():
             dim_h, dim_i, _, _ = SHAPES[shape]
             for case in cases:
                 c = Case(dim_h, dim_i, case_counts(shape, case))
-                for key, fn in gemms_by_kind(c, args.precision, args.fp8_mma).items():
+                for key, fn in gemms_to_compare(c, args).items():
                     rec = {"shape": shape, "case": case, "kind": key,
                            **compare(fn, configs, args.rounds, args.rep_ms, bench)}
                     print(json.dumps(rec), flush=True)

@@ -152,12 +152,17 @@ def phases_ours(c, precision, fp8_mma=False):
         return gg.grouped_mm_sum(dg_, du_, ge, wg_t, wu_t, fp8_mma=fp8_mma)
 
     def wgrad():  # one gradient alive at a time (memory), as an optimizer hook would allow
-        for a, b in ((dg, c.x), (du, c.x), (c.dy, h)):
+        for a, b in _wgrad_operands(c, h, dg, du).values():
             gg.grouped_wgrad(a, b, ge, precision)
 
     if fp8_mma:  # wgrad has no fp8-MMA variant (its operands are token-axis MXFP8 values in bf16)
         return {"fwd": fwd, "dgrad": dgrad}
     return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, **phases}
+
+
+def _wgrad_operands(c, h, dg, du):
+    """grouped_wgrad's (a, b) per weight: the gradient of w = a[rows of e].T @ b[rows of e]."""
+    return {"w_gate": (dg, c.x), "w_up": (du, c.x), "w_down": (c.dy, h)}
 
 
 def _swiglu_bwd_torch(dh, g, u):
@@ -363,6 +368,15 @@ def gemms_by_kind(c, precision, fp8_mma=False):
         f"{key}/swiglu_bwd": lambda: gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None, **f8),
         f"{key}/dual": lambda: gg.grouped_mm_sum(dg, du, ge, wg_t, wu_t, **f8),
     }
+
+
+def wgrads_by_weight(c, precision):
+    """Each weight's gradient as one callable, keyed "wgrad/<loop>:<weight>" by the ``_WGRAD_CONFIGS``
+    entry that runs it (grouped_gemm.wgrad_loop)."""
+    _, (_, _, h, dg, du) = ffn_operands(c, precision)
+    loop = gg.wgrad_loop(c.R, c.E)
+    return {f"wgrad/{loop}:{name}": (lambda a=a, b=b: gg.grouped_wgrad(a, b, c.group_end, precision))
+            for name, (a, b) in _wgrad_operands(c, h, dg, du).items()}
 
 
 def tune(log, kernels):
