@@ -32,7 +32,7 @@ from titan_mok.kernels.grouped_gemm import (
     grouped_gate_up_swiglu,
     grouped_mm,
     grouped_mm_sum,
-    grouped_wgrad,
+    grouped_wgrads,
     ref_grouped_mm,
     ref_grouped_wgrad,
 )
@@ -139,9 +139,9 @@ class _TritonOps:
             weight_operand(w_gate_EIH, precision, 1, "w_gate_EIH"),
             weight_operand(w_up_EIH, precision, 1, "w_up_EIH"),
         )
-        dw_gate_EIH = grouped_wgrad(dgate_RI, x_RH, group_end_E, precision)
-        dw_up_EIH = grouped_wgrad(dup_RI, x_RH, group_end_E, precision)
-        dw_down_EHI = grouped_wgrad(dy_RH, h_RI, group_end_E, precision)
+        dw_gate_EIH, dw_up_EIH, dw_down_EHI = grouped_wgrads(
+            [(dgate_RI, x_RH), (dup_RI, x_RH), (dy_RH, h_RI)], group_end_E, precision
+        )
         return dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI
 
 

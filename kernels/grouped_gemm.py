@@ -15,7 +15,8 @@ Two GEMM shapes cover the expert FFN's forward and backward:
   variants: gate/up with the SwiGLU epilogue, down-dgrad with the SwiGLU-backward epilogue,
   and a two-term sum (dx).
 - ``grouped_wgrad``: ``c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e]``, each expert's rows read
-  by TMA through descriptors the kernel makes over them (rows past the expert's end read as zeros).
+  by TMA through descriptors the kernel makes over them (rows past the expert's end read as zeros);
+  ``grouped_wgrads``: several such pairs, an operand shared by two quantized once for MXFP8.
 
 Precision: bf16 operands, or MXFP8 (DESIGN §6). Weights arrive as ``MXTensor`` blocked along
 K (quantized once per pass by ``mxfp8_quantize``, in the layout each GEMM reads). Activations
@@ -729,11 +730,30 @@ def grouped_wgrad(a_RN, b_RK, group_end_E, precision: str) -> torch.Tensor:
     """bf16 c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e], each tile written once (fp32 accumulation).
 
     MXFP8: both operands quantized along the token axis per group first (one pass each)."""
-    for name, t in (("a_RN", a_RN), ("b_RK", b_RK)):
-        if t.dtype != torch.bfloat16 or t.dim() != 2:
-            raise ValueError(f"grouped_wgrad: {name} must be bfloat16 [R, *], got {t.dtype} {tuple(t.shape)}")
+    (c_ENK,) = grouped_wgrads([(a_RN, b_RK)], group_end_E, precision)
+    return c_ENK
+
+
+def grouped_wgrads(pairs, group_end_E, precision: str):
+    """grouped_wgrad of each (a_RN, b_RK) pair, yielded in turn (a caller that drops each gradient
+    holds one at a time). MXFP8: each distinct operand tensor is quantized once, up front, however
+    many pairs it serves (the expert FFN's x serves w_gate's and w_up's gradients)."""
+    for a_RN, b_RK in pairs:
+        for name, t in (("a_RN", a_RN), ("b_RK", b_RK)):
+            if t.dtype != torch.bfloat16 or t.dim() != 2:
+                raise ValueError(f"grouped_wgrad: {name} must be bfloat16 [R, *], got {t.dtype} {tuple(t.shape)}")
     if precision == "mxfp8":
-        a_RN, b_RK = mxfp8_fake_quantize_groups(a_RN, group_end_E), mxfp8_fake_quantize_groups(b_RK, group_end_E)
+        values = {}  # id(operand) -> its MXFP8 values (the operands stay alive in pairs meanwhile)
+        for t in (t for pair in pairs for t in pair):
+            if id(t) not in values:
+                values[id(t)] = mxfp8_fake_quantize_groups(t, group_end_E)
+        pairs = [(values[id(a_RN)], values[id(b_RK)]) for a_RN, b_RK in pairs]
+    for a_RN, b_RK in pairs:
+        yield _grouped_wgrad_values(a_RN, b_RK, group_end_E)
+
+
+def _grouped_wgrad_values(a_RN, b_RK, group_end_E) -> torch.Tensor:
+    """grouped_wgrad on the operands' values as they are (bf16, already MXFP8 values for MXFP8)."""
     a_RN, b_RK = a_RN.contiguous(), b_RK.contiguous()
     for name, t in (("a_RN", a_RN), ("b_RK", b_RK)):
         if t.shape[1] % 8 or t.data_ptr() % 16:  # each expert's rows are a TMA descriptor's rows

@@ -95,6 +95,22 @@ def test_token_axis_quantization_per_group_bits():
         assert torch.equal(tri[start:end], ref.to(torch.bfloat16)), f"group rows {start}:{end}"
 
 
+def test_wgrads_quantize_each_operand_once(monkeypatch):
+    """MXFP8 weight gradients of pairs sharing an operand (the FFN's x serves two): one quantization
+    per distinct operand, and each gradient the bits of grouped_wgrad on its pair alone."""
+    (x, _, _, _, dy), group_end = make_case(counts=[5, 0, 37], dim_h=64, dim_i=32)
+    g = torch.Generator().manual_seed(3)
+    dgate, dup = (torch.randn(x.shape[0], 32, generator=g).to(x) for _ in range(2))
+    pairs = [(dgate, x), (dup, x), (dy, x)]
+    alone = [gg.grouped_wgrad(a, b, group_end, "mxfp8") for a, b in pairs]
+    quantized = []
+    quantize = gg.mxfp8_fake_quantize_groups
+    monkeypatch.setattr(gg, "mxfp8_fake_quantize_groups", lambda t, ends: quantized.append(t) or quantize(t, ends))
+    together = list(gg.grouped_wgrads(pairs, group_end, "mxfp8"))
+    assert [id(t) for t in quantized] == [id(dgate), id(x), id(dup), id(dy)]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+
+
 def test_fp8_mma_path_matches_reference():
     """The E4M3-MMA-with-promotion variant of the forward GEMM (benchmarked against the default)."""
     (x, w_gate, *_), group_end = make_case(counts=[5, 0, 37], dim_h=64, dim_i=96)

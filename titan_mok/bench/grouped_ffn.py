@@ -151,9 +151,9 @@ def phases_ours(c, precision, fp8_mma=False):
         dg_, du_ = gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None, fp8_mma=fp8_mma)
         return gg.grouped_mm_sum(dg_, du_, ge, wg_t, wu_t, fp8_mma=fp8_mma)
 
-    def wgrad():  # one gradient alive at a time (memory), as an optimizer hook would allow
-        for a, b in _wgrad_operands(c, h, dg, du).values():
-            gg.grouped_wgrad(a, b, ge, precision)
+    def wgrad():  # as the FFN's backward, but one gradient alive at a time (memory)
+        for _ in gg.grouped_wgrads(list(_wgrad_operands(c, h, dg, du).values()), ge, precision):
+            pass
 
     if fp8_mma:  # wgrad has no fp8-MMA variant (its operands are token-axis MXFP8 values in bf16)
         return {"fwd": fwd, "dgrad": dgrad}
