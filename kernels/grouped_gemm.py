@@ -738,6 +738,7 @@ def grouped_wgrads(pairs, group_end_E, precision: str):
     """grouped_wgrad of each (a_RN, b_RK) pair, yielded in turn (a caller that drops each gradient
     holds one at a time). MXFP8: each distinct operand tensor is quantized once, up front, however
     many pairs it serves (the expert FFN's x serves w_gate's and w_up's gradients)."""
+    pairs = list(pairs)
     for a_RN, b_RK in pairs:
         for name, t in (("a_RN", a_RN), ("b_RK", b_RK)):
             if t.dtype != torch.bfloat16 or t.dim() != 2:
