@@ -266,10 +266,11 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
     offs_w = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, W_OP))
     n_ok = offs_w < N
     s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
-    sa1, sa2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 0, k_steps, n_steps, stride_sk, MODE, NB)
-    sb1, sb2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 1, k_steps, n_steps, stride_sk, MODE, NB)
-    sc1, sc2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 2, k_steps, n_steps, stride_sk, MODE, NB)
-    sd1, sd2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, 3, k_steps, n_steps, stride_sk, MODE, NB)
+    first = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, 0, k_steps, n_steps, stride_sk, MODE, NB)
+    sa1, sa2 = first[0]
+    sb1, sb2 = first[1]
+    sc1, sc2 = first[2]
+    sd1, sd2 = first[3]
     acc1 = gl.zeros([64, BMT], gl.float32, ACC)
     if NB == 2:
         acc2 = gl.zeros([64, BMT], gl.float32, ACC)
@@ -309,10 +310,8 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
 
 
 @gluon.jit
-def _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, l, loads_per_pair, k_steps, n_steps, stride_sk, MODE: gl.constexpr,
-               NB: gl.constexpr, KB: gl.constexpr):
-    """Raw E8M0 bits of load l's KB K blocks of weight rows, ((b1, b2) per block)."""
-    i0 = _first_step(l, loads_per_pair, k_steps, KB)
+def _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, i0, k_steps, n_steps, stride_sk, MODE: gl.constexpr, NB: gl.constexpr):
+    """Raw E8M0 bits of the weight rows' four K blocks from step i0, ((b1, b2) per block)."""
     return (_step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0, k_steps, n_steps, stride_sk, MODE, NB),
             _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + 1, k_steps, n_steps, stride_sk, MODE, NB),
             _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + 2, k_steps, n_steps, stride_sk, MODE, NB),
@@ -363,12 +362,13 @@ def _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_w,
         pb2 = gl.zeros([64, BMT], gl.float32, ACC)
     else:  # no second set carried through the loop
         acc2, pa2, pb2 = acc1, pa1, pb1
-    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, 0, loads_per_pair, k_steps, n_steps, stride_sk, MODE, NB, KB)
+    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, _first_step(0, loads_per_pair, k_steps, KB), k_steps, n_steps,
+                      stride_sk, MODE, NB)
     for l in range(n_loads):
         s = c % STAGES
         # the next load's scale bits: their global-load latency overlaps this load's MMAs
-        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, l + 1, loads_per_pair, k_steps, n_steps, stride_sk, MODE, NB,
-                         KB)
+        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, _first_step(l + 1, loads_per_pair, k_steps, KB), k_steps,
+                         n_steps, stride_sk, MODE, NB)
         mbarrier.wait(full.index(s), (c // STAGES) & 1)
         pa1, pa2 = _fp8_partials(a_bufs, w_bufs, s, 0, half, pa1, pa2, NB, BMT)
         pb1, pb2 = _fp8_partials(a_bufs, w_bufs, s, 1, half, pb1, pb2, NB, BMT)
