@@ -140,9 +140,14 @@ class _TritonOps:
             weight_operand(w_up_EIH, precision, 1, "w_up_EIH"),
         )
         dw_gate_EIH, dw_up_EIH, dw_down_EHI = grouped_wgrads(
-            [(dgate_RI, x_RH), (dup_RI, x_RH), (dy_RH, h_RI)], group_end_E, precision
+            wgrad_operands(x_RH, h_RI, dy_RH, dgate_RI, dup_RI).values(), group_end_E, precision
         )
         return dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI
+
+
+def wgrad_operands(x_RH, h_RI, dy_RH, dgate_RI, dup_RI) -> dict:
+    """grouped_wgrad's (a, b) per expert weight, in the order of the weights: dw[e] = a[rows of e].T @ b[rows of e]."""
+    return {"w_gate": (dgate_RI, x_RH), "w_up": (dup_RI, x_RH), "w_down": (dy_RH, h_RI)}
 
 
 class _GroupedSwiGLUFFN(torch.autograd.Function):

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 
 from titan_mok.kernels import grouped_gemm as gg
-from titan_mok.kernels.grouped_ffn import weight_operand
+from titan_mok.kernels.grouped_ffn import weight_operand, wgrad_operands
 
 # name: (H, I, E, top-k)
 SHAPES = {
@@ -152,17 +152,12 @@ def phases_ours(c, precision, fp8_mma=False):
         return gg.grouped_mm_sum(dg_, du_, ge, wg_t, wu_t, fp8_mma=fp8_mma)
 
     def wgrad():  # as the FFN's backward, but one gradient alive at a time (memory)
-        for _ in gg.grouped_wgrads(list(_wgrad_operands(c, h, dg, du).values()), ge, precision):
+        for _ in gg.grouped_wgrads(wgrad_operands(c.x, h, c.dy, dg, du).values(), ge, precision):
             pass
 
     if fp8_mma:  # wgrad has no fp8-MMA variant (its operands are token-axis MXFP8 values in bf16)
         return {"fwd": fwd, "dgrad": dgrad}
     return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, **phases}
-
-
-def _wgrad_operands(c, h, dg, du):
-    """grouped_wgrad's (a, b) per weight: the gradient of w = a[rows of e].T @ b[rows of e]."""
-    return {"w_gate": (dg, c.x), "w_up": (du, c.x), "w_down": (c.dy, h)}
 
 
 def _swiglu_bwd_torch(dh, g, u):
@@ -376,7 +371,7 @@ def wgrads_by_weight(c, precision):
     _, (_, _, h, dg, du) = ffn_operands(c, precision)
     loop = gg.wgrad_loop(c.R, c.E)
     return {f"wgrad/{loop}:{name}": (lambda a=a, b=b: gg.grouped_wgrad(a, b, c.group_end, precision))
-            for name, (a, b) in _wgrad_operands(c, h, dg, du).items()}
+            for name, (a, b) in wgrad_operands(c.x, h, c.dy, dg, du).items()}
 
 
 def tune(log, kernels):
