@@ -48,10 +48,6 @@ class MXTensor:
     scale: torch.Tensor
     dim: int
 
-    def scale_exponent(self) -> torch.Tensor:
-        """Unbiased scale exponents as int32 (NaN scales read as 128)."""
-        return self.scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """data * 2^e, computed in fp32 (the exact product, rounded once to fp32), cast to ``dtype``."""
         scale = e8m0_values(self.scale).repeat_interleave(BLOCK, dim=self.dim)  # shape of data
