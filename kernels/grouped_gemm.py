@@ -67,6 +67,7 @@ from titan_mok.kernels.mxfp8_quant import (
     mx_dequantize_bits,
     mx_quantize_block,
     mx_scale_of_bits,
+    WIDE_SCALE_BITS,
     mxfp8_fake_quantize,
     mxfp8_quantize,
 )
@@ -625,8 +626,8 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     a_descs = [_tma_descriptor(a, [bm, block_ka], name, warp_specialized) for name, a in (("a1", a1), ("a2", a2))]
     b_kn, b_descs = _weight_descriptors(b1_data, b2_data, bn, block_kw, warp_specialized)
     scales = (b1_s, b2_s) if mx else (a1, a1)  # bf16: never read
-    args = (*scales, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
-            *(b1_s.stride() if mx else (0, 0, 0)), limit)
+    outs_on = (c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts, *(b1_s.stride() if mx else (0, 0, 0)),
+               limit)
     half = common["HALF_TILES"] = common.get("HALF_TILES", False) and bm >= 128
     if warp_specialized:
         persistent = common.pop("PERSISTENT")
@@ -635,12 +636,21 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         # FP8_MMA: A's scales as fp32 [K/32, R + BM] (else unused)
         sa_t1 = _token_scales_t(sa1, bm) if fp8_mma else b1_s
         sa_t2 = _token_scales_t(sa2, bm) if fp8_mma and sa2 is not sa1 else sa_t1  # a2 given only for DUAL
-        grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, sa_t1, sa_t2, sa_t1.stride(0), *args,
-                             B_KN=b_kn, KB=grouped_mm_ws.KB, FP8_MMA=fp8_mma, **common)
+        wide_E = b1_s if fp8_mma else _wide_scale_experts(b1_s, *([] if b2_s is b1_s else [b2_s]))  # FP8_MMA: unused
+        grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, sa_t1, sa_t2, sa_t1.stride(0), *scales, wide_E,
+                             *outs_on, B_KN=b_kn, KB=grouped_mm_ws.KB, FP8_MMA=fp8_mma, **common)
     else:
         a_half = ([_tma_descriptor(a, [bm // 2, block_k], name) for name, a in (("a1", a1), ("a2", a2))] if half
                   else a_descs)
-        _grouped_mm_tma_kernel[grid](*a_descs, *a_half, *b_descs, *args, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32, **common)
+        _grouped_mm_tma_kernel[grid](*a_descs, *a_half, *b_descs, *scales, *outs_on, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32,
+                                     **common)
+
+
+def _wide_scale_experts(*bits_ENB: torch.Tensor) -> torch.Tensor:
+    """int32 [E]: 1 where an expert's E8M0 bits in any of these B operands exceed WIDE_SCALE_BITS (scales
+    above 2^7, or NaN): the warp-specialized kernel dequantizes those experts with a second multiply
+    (mx_dequantize_bits_sm90). One read of the scales, 1/32 of the E4M3 weight bytes."""
+    return (torch.stack([b.amax(dim=(1, 2)) for b in bits_ENB]).amax(0) > WIDE_SCALE_BITS.value).to(torch.int32)
 
 
 def _on_cuda(t: torch.Tensor) -> bool:

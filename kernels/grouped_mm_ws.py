@@ -10,8 +10,10 @@ the dequantized weights are the MMA's register operand and never go back to shar
 - loader (1 warp): per load, TMA copies of KB activation tiles [BM, 32] (bf16) and of the E4M3 weight
   tile(s) [BN, 32 * KB] (128-byte rows: the HBM streams those far better than 32-byte ones);
 - two consumer warpgroups, each owning 64 of the tile's weight rows: dequantize the load's KB blocks
-  (E4M3 * 2^e -> bf16, exact) in registers, issue their wgmmas, wait, hand the slot back, and at the
-  end store their half of the tile (``grouped_tiles._epilogue``, shared with the Triton kernel).
+  (E4M3 * 2^e -> bf16, exact; ``mxfp8_quant.mx_dequantize_bits_sm90``: bit placement and one bf16x2
+  multiply, a second one for experts whose scales pass 2^7, chosen per tile) in registers, issue their
+  wgmmas, wait, hand the slot back, and at the end store their half of the tile
+  (``grouped_tiles._epilogue``, shared with the Triton kernel).
 
 A consumer defines all of a load's register operands before its first wgmma: a register operand
 redefined while a wgmma is in flight makes ptxas serialize every wgmma of the kernel. So a warpgroup
@@ -42,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from titan_mok.kernels.grouped_tiles import _epilogue, _tile_of_program
-from titan_mok.kernels.mxfp8_quant import mx_dequantize_bits, mx_scale_of_bits
+from titan_mok.kernels.mxfp8_quant import mx_dequantize_bits_sm90, mx_scale_of_bits
 
 KB = 4  # 32-wide K blocks per load: [BN, 128] E4M3 weight tiles
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
@@ -163,26 +165,27 @@ def _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i, k_steps, n_steps, stride_sk, 
 
 
 @gluon.jit
-def _w_operand(w_buf, q: gl.constexpr, half: gl.constexpr, bits, B_KN: gl.constexpr, W_OP: gl.constexpr):
+def _w_operand(w_buf, q: gl.constexpr, half: gl.constexpr, bits, WIDE: gl.constexpr, B_KN: gl.constexpr,
+               W_OP: gl.constexpr):
     """This warpgroup's 64 weight rows of K block q of a loaded E4M3 tile, as the MMA's register
     operand [64, 32] bf16: E4M3 * 2^(bits - 127), exact."""
     if B_KN:  # the tile is [32 * KB, BN]
         blk = w_buf.slice(q * 32, 32, dim=0).slice(half * 64, 64, dim=1).permute((1, 0))
     else:  # the tile is [BN, 32 * KB]
         blk = w_buf.slice(half * 64, 64, dim=0).slice(q * 32, 32, dim=1)
-    return mx_dequantize_bits(blk.load(W_OP), bits, 1)
+    return mx_dequantize_bits_sm90(blk.load(W_OP), bits, 1, WIDE)
 
 
 @gluon.jit
-def _next_operands(w_bufs, s, q: gl.constexpr, half: gl.constexpr, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2,
-                   sb1_ptr, sb2_ptr, s_off, n_ok, k_steps, n_steps, stride_sk, MODE: gl.constexpr, B_KN: gl.constexpr,
-                   NB: gl.constexpr, W_OP: gl.constexpr):
+def _next_operands(w_bufs, s, q: gl.constexpr, half: gl.constexpr, i0, WIDE: gl.constexpr, sa1, sa2, sb1, sb2, sc1,
+                   sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps, n_steps, stride_sk, MODE: gl.constexpr,
+                   B_KN: gl.constexpr, NB: gl.constexpr, W_OP: gl.constexpr):
     """K block q's register operand(s) from slot s, and the scale pipeline moved on by one block: the
     E8M0 bits are loaded a whole load (KB = 4 blocks) ahead, so their global-load latency overlaps the
     previous load's MMAs (two blocks ahead, half of each load's blocks waited for their scales)."""
-    w1 = _w_operand(w_bufs.index(s * NB), q, half, sa1, B_KN, W_OP)
+    w1 = _w_operand(w_bufs.index(s * NB), q, half, sa1, WIDE, B_KN, W_OP)
     if NB == 2:
-        w2 = _w_operand(w_bufs.index(s * NB + 1), q, half, sa2, B_KN, W_OP)
+        w2 = _w_operand(w_bufs.index(s * NB + 1), q, half, sa2, WIDE, B_KN, W_OP)
     else:
         w2 = w1
     n1, n2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + q + 4, k_steps, n_steps, stride_sk, MODE, NB)
@@ -200,8 +203,8 @@ def _mma_block(a_bufs, slot, w1, w2, acc1, acc2, NB: gl.constexpr, BMT: gl.const
 
 
 @gluon.jit
-def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
-              group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
+def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
+              u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
               stride_se, stride_sn, stride_sk, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
               B_KN: gl.constexpr, NB: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, HALF_TILES: gl.constexpr,
@@ -213,20 +216,20 @@ def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2
     for t in range(gl.program_id(0), gl.load(tile_end_ptr + E - 1), gl.num_programs(0)):
         e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
         if HALF_TILES and row_end - m0 <= BM // 2:
-            c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
-                              u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
+            c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
+                              g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, BM // 2, KB, STAGES,
                               FP8_MMA, half)
         else:
-            c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
-                              u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
+            c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
+                              g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, BM, KB, STAGES,
                               FP8_MMA, half)
 
 
 @gluon.jit
-def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
-                  e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
+def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
+                  u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                   stride_se, stride_sn, stride_sk, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   B_KN: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
                   FP8_MMA: gl.constexpr, half: gl.constexpr):
@@ -238,9 +241,16 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr
                                   n_steps, loads_per_pair, n_loads, stride_se, stride_sn, stride_sk, MODE, NB, BMT, KB,
                                   STAGES, half)
     else:
-        acc1, acc2, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps,
-                                      n_steps, loads_per_pair, n_loads, stride_se, stride_sn, stride_sk, MODE, B_KN, NB,
-                                      BMT, KB, STAGES, half)
+        # one branch per tile around two copies of the loop: a branch per block keeps ptxas from interleaving
+        # the HGMMA issue with the dequantization (NOTES.md, session 15)
+        if gl.load(wide_ptr + e) != 0:
+            acc1, acc2, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps, n_steps,
+                                          loads_per_pair, n_loads, stride_se, stride_sn, stride_sk, MODE, B_KN, NB,
+                                          BMT, KB, STAGES, True, half)
+        else:
+            acc1, acc2, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps, n_steps,
+                                          loads_per_pair, n_loads, stride_se, stride_sn, stride_sk, MODE, B_KN, NB,
+                                          BMT, KB, STAGES, False, half)
     rows = m0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, _acc_layout(BMT, FP8_MMA)))
     c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
     c_ok = gl.expand_dims(rows < row_end, 0) & gl.expand_dims(offs_n < N, 1)
@@ -258,8 +268,9 @@ def _acc_layout(BMT, FP8_MMA):
 @gluon.jit
 def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps, n_steps, loads_per_pair,
                   n_loads, stride_se, stride_sn, stride_sk, MODE: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr,
-                  BMT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, half: gl.constexpr):
-    """The tile's accumulators (acc1, acc2) by bf16 MMAs on dequantized weights, and the ring position."""
+                  BMT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr, half: gl.constexpr):
+    """The tile's accumulators (acc1, acc2) by bf16 MMAs on dequantized weights, and the ring position. WIDE:
+    the expert has scales above 2^7 (mx_dequantize_bits_sm90's second multiply)."""
     gl.static_assert(KB == 4, "_dequant_tile unrolls four K blocks per load")
     ACC: gl.constexpr = _acc_layout(BMT, False)
     W_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -279,17 +290,17 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
         mbarrier.wait(full.index(s), (c // STAGES) & 1)
         i0 = _first_step(l, loads_per_pair, k_steps, KB)
         w1a, w2a, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-            w_bufs, s, 0, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
-            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+            w_bufs, s, 0, half, i0, WIDE, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok,
+            k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
         w1b, w2b, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-            w_bufs, s, 1, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
-            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+            w_bufs, s, 1, half, i0, WIDE, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok,
+            k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
         w1c, w2c, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-            w_bufs, s, 2, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
-            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+            w_bufs, s, 2, half, i0, WIDE, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok,
+            k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
         w1d, w2d, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-            w_bufs, s, 3, half, i0, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps,
-            n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+            w_bufs, s, 3, half, i0, WIDE, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok,
+            k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
         if NB == 2:
             acc1, acc2 = _mma_block(a_bufs, s * KB + 0, w1a, w2a, acc1, acc2, NB, BMT)
             acc1, acc2 = _mma_block(a_bufs, s * KB + 1, w1b, w2b, acc1, acc2, NB, BMT)
@@ -395,6 +406,7 @@ def _grouped_mm_mx_ws_kernel(
     a1_desc, a2_desc, b1_desc, b2_desc,
     sa1_ptr, sa2_ptr, stride_sak,  # FP8_MMA: A's scales as fp32 [K/32, R + BM] (row stride stride_sak); else unused
     sb1_ptr, sb2_ptr,  # E8M0 bits of the B operands [E, N, K/32]
+    wide_ptr,  # int32 [E]: 1 where an expert's B scales pass 2^7 (grouped_gemm._wide_scale_experts); FP8_MMA: unused
     c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
     group_end_ptr, tile_end_ptr,
     N, K, E,
@@ -427,12 +439,12 @@ def _grouped_mm_mx_ws_kernel(
         mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups
 
     gl.warp_specialize([
-        (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
-                     group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
+        (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
+                     u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, LOG_E, BM, BN, GROUP_M, KB,
                      STAGES, HALF_TILES, FP8_MMA, 0)),
-        (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
-                     group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
+        (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
+                     u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, LOG_E, BM, BN, GROUP_M, KB,
                      STAGES, HALF_TILES, FP8_MMA, 1)),
         (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_bufs, w_bufs, full, empty,

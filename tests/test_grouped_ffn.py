@@ -312,10 +312,15 @@ def test_half_tiles_keep_bits_on_gpu(monkeypatch):
         assert torch.equal(a, b), f"{n}: HALF_TILES changes the bits"
 
 
-def _mx_kinds(counts, dim_h, dim_i, w_kn):
+def _mx_kinds(counts, dim_h, dim_i, w_kn, wide=False):
     """Inputs of the four kinds of MXFP8 grouped_mm at these sizes: {kind: (mode, a1, a2, b1, b2, outs, gu)}.
-    w_kn: the dgrad weights as transposed views of contiguous [E, K, N] (else contiguous [E, N, K])."""
+    w_kn: the dgrad weights as transposed views of contiguous [E, K, N] (else contiguous [E, N, K]). wide:
+    expert 0's weights times 2^20 (scales above 2^7) and a NaN in each of expert 1's (a NaN-scale block)."""
     (x, w_gate, w_up, w_down, dy), group_end = make_case(counts=counts, dim_h=dim_h, dim_i=dim_i, padding=5)
+    if wide:
+        for w in (w_gate, w_up, w_down):
+            w[0] *= 2.0**20
+            w[1, 3, 5] = float("nan")
     g = torch.Generator().manual_seed(1)
     rows = x.shape[0]
     g_, u_, h, dg, du = (torch.randn(rows, dim_i, generator=g).mul(3).to(torch.bfloat16).to(DEVICE) for _ in range(5))
@@ -379,6 +384,23 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, w_kn, rings,
             n = sum(counts)
             for r, w in zip(ref, ws):
                 assert torch.equal(r[:n], w[:n]), f"{kind} (H={dim_h}, I={dim_i}): warp-specialized bits differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("w_kn", [False, True])
+def test_warp_specialized_wide_scales_keep_bits(w_kn):
+    """Experts whose scales pass 2^7 (a second multiply in the warp-specialized kernel's dequantization) and
+    NaN-scale blocks give the Triton kernel's bits, NaNs included (compared as int16), beside a plain expert."""
+    group_end, kinds = _mx_kinds([70, 40, 200], 512, 256, w_kn, wide=True)
+    for kind, (mode, a1, a2, b1, b2, outs, gu) in kinds.items():
+        ref, ws = outs(), outs()
+        for out, ws_kernel in ((ref, False), (ws, True)):
+            gg._launch_mm(mode, a1, a2, b1, b2, group_end, out, gu=gu, swiglu_limit=7.0, warp_specialized=ws_kernel)
+        assert ref[0][:70].abs().max() > 2.0**15, kind  # expert 0's outputs carry its 2^20
+        assert ref[0][70:110].isnan().any(), kind
+        for r, w in zip(ref, ws):
+            assert torch.equal(r.view(torch.int16), w.view(torch.int16)), f"{kind}: warp-specialized bits differ"
 
 
 def test_warp_specialized_without_config_is_refused(monkeypatch):
