@@ -626,8 +626,8 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     a_descs = [_tma_descriptor(a, [bm, block_ka], name, warp_specialized) for name, a in (("a1", a1), ("a2", a2))]
     b_kn, b_descs = _weight_descriptors(b1_data, b2_data, bn, block_kw, warp_specialized)
     scales = (b1_s, b2_s) if mx else (a1, a1)  # bf16: never read
-    outs_on = (c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts, *(b1_s.stride() if mx else (0, 0, 0)),
-               limit)
+    after_scales = (c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
+                    *(b1_s.stride() if mx else (0, 0, 0)), limit)
     half = common["HALF_TILES"] = common.get("HALF_TILES", False) and bm >= 128
     if warp_specialized:
         persistent = common.pop("PERSISTENT")
@@ -638,12 +638,12 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         sa_t2 = _token_scales_t(sa2, bm) if fp8_mma and sa2 is not sa1 else sa_t1  # a2 given only for DUAL
         wide_E = b1_s if fp8_mma else _wide_scale_experts(b1_s, *([] if b2_s is b1_s else [b2_s]))  # FP8_MMA: unused
         grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, sa_t1, sa_t2, sa_t1.stride(0), *scales, wide_E,
-                             *outs_on, B_KN=b_kn, KB=grouped_mm_ws.KB, FP8_MMA=fp8_mma, **common)
+                             *after_scales, B_KN=b_kn, KB=grouped_mm_ws.KB, FP8_MMA=fp8_mma, **common)
     else:
         a_half = ([_tma_descriptor(a, [bm // 2, block_k], name) for name, a in (("a1", a1), ("a2", a2))] if half
                   else a_descs)
-        _grouped_mm_tma_kernel[grid](*a_descs, *a_half, *b_descs, *scales, *outs_on, MX=mx, B_KN=b_kn, DOT_F32=_DOT_F32,
-                                     **common)
+        _grouped_mm_tma_kernel[grid](*a_descs, *a_half, *b_descs, *scales, *after_scales, MX=mx, B_KN=b_kn,
+                                     DOT_F32=_DOT_F32, **common)
 
 
 def _wide_scale_experts(*bits_ENB: torch.Tensor) -> torch.Tensor:

@@ -403,6 +403,17 @@ def test_warp_specialized_wide_scales_keep_bits(w_kn):
             assert torch.equal(r.view(torch.int16), w.view(torch.int16)), f"{kind}: warp-specialized bits differ"
 
 
+def test_wide_scale_experts_flags_scales_past_2_pow_7():
+    """The per-expert flag of the warp-specialized kernel's second multiply: set where any B operand's E8M0
+    bits pass 134 (2^7), the NaN scale 0xFF included, from either of two operands."""
+    bits = torch.full((4, 3, 2), 127, dtype=torch.uint8)
+    bits[1, 2, 1], bits[2, 0, 0], bits[3, 1, 1] = 134, 135, 255
+    assert gg._wide_scale_experts(bits).tolist() == [0, 0, 1, 1]
+    other = torch.full((4, 3, 2), 100, dtype=torch.uint8)
+    other[0, 0, 0] = 200
+    assert gg._wide_scale_experts(bits, other).tolist() == [1, 0, 1, 1]
+
+
 def test_warp_specialized_without_config_is_refused(monkeypatch):
     """A kind whose warp-specialized config is None runs the Triton kernel; forcing the other is refused by name."""
     monkeypatch.setitem(gg._MM_CONFIGS, "mxfp8_ws/plain", None)
