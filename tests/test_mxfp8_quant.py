@@ -5,8 +5,13 @@ On CPU the kernels run in Triton's interpreter (small sizes); on a GPU at real s
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from titan_mok.kernels.mxfp8_quant import (
+    WIDE_SCALE_BITS,
+    mx_dequantize_bits,
+    mx_dequantize_bits_sm90,
     mxfp8_fake_quantize,
     mxfp8_quantize,
     mxfp8_quantize_transposed,
@@ -115,25 +120,22 @@ def test_more_than_2_pow_31_elements_gpu():
     assert torch.equal(mxfp8_fake_quantize(x)[tail], ref_mxfp8_fake_quantize(x[tail]))
 
 
+@triton.jit
+def _dequantize_both(q_ptr, bits_ptr, ref_ptr, out_ptr, wide):
+    """Rows of 32 E4M3 codes with a scale each, through mx_dequantize_bits and mx_dequantize_bits_sm90."""
+    rows = tl.program_id(0) * 64 + tl.arange(0, 64)
+    off = rows[:, None] * 32 + tl.arange(0, 32)[None, :]
+    q, bits = tl.load(q_ptr + off), tl.load(bits_ptr + rows)
+    tl.store(ref_ptr + off, mx_dequantize_bits(q, bits, 1))
+    tl.store(out_ptr + off, mx_dequantize_bits_sm90(q, bits, 1, wide != 0))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sm90_dequantize_matches_reference_bits_gpu():
     """mx_dequantize_bits_sm90 (inline PTX) against mx_dequantize_bits over every (E4M3 code, E8M0 scale) pair:
     with ``wide`` the same bits everywhere but at the E4M3 NaN codes under a finite scale (which to_mxfp8 never
     writes: its NaN elements sit in NaN-scale blocks); without it the same for every scale up to 2^7."""
-    import triton
-    import triton.language as tl
-
-    from titan_mok.kernels.mxfp8_quant import WIDE_SCALE_BITS, mx_dequantize_bits, mx_dequantize_bits_sm90
-
-    @triton.jit
-    def dequantize_both(q_ptr, bits_ptr, ref_ptr, out_ptr, wide):
-        rows = tl.program_id(0) * 64 + tl.arange(0, 64)
-        off = rows[:, None] * 32 + tl.arange(0, 32)[None, :]
-        q, bits = tl.load(q_ptr + off), tl.load(bits_ptr + rows)
-        tl.store(ref_ptr + off, mx_dequantize_bits(q, bits, 1))
-        tl.store(out_ptr + off, mx_dequantize_bits_sm90(q, bits, 1, wide != 0))
-
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(8, 32)
     q = codes.repeat(256, 1).cuda().view(torch.float8_e4m3fn)  # scale b on rows 8b .. 8b + 7
     bits = torch.arange(256, dtype=torch.int32).repeat_interleave(8).to(torch.uint8).cuda()
@@ -141,7 +143,7 @@ def test_sm90_dequantize_matches_reference_bits_gpu():
     finite_scale = (bits != 255)[:, None]
     for wide in (1, 0):
         ref, out = (torch.empty(2048, 32, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-        dequantize_both[(32,)](q, bits, ref, out, wide)
+        _dequantize_both[(32,)](q, bits, ref, out, wide)
         checked = ~(nan_code & finite_scale)
         if not wide:
             checked &= (bits <= WIDE_SCALE_BITS.value)[:, None]
