@@ -63,11 +63,11 @@ from titan_mok.kernels.grouped_tiles import _bf16_rne, _epilogue, _group_of, _ti
 from titan_mok.kernels.mxfp8_quant import (
     _COLS_BQ,
     _COLS_WARPS,
+    WIDE_SCALE_BITS,
     mx_dequantize_bf16,
     mx_dequantize_bits,
     mx_quantize_block,
     mx_scale_of_bits,
-    WIDE_SCALE_BITS,
     mxfp8_fake_quantize,
     mxfp8_quantize,
 )
