@@ -245,8 +245,8 @@ def _grouped_mm_tma_kernel(
     limit,
     # meta-parameters
     MODE: tl.constexpr, MX: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr, B_KN: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
-    HALF_TILES: tl.constexpr,
+    MMA_ORDER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_F32: tl.constexpr, HALF_TILES: tl.constexpr,
 ):
     """C [BM, BN] = A [BM, K] @ B[e]^T, bf16 or MXFP8 B (dequantized per 32-wide K block, MX).
 
@@ -264,18 +264,18 @@ def _grouped_mm_tma_kernel(
     if HALF_TILES and row_end - m0 <= BM // 2:
         _mm_tile(a1h_desc, a2h_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
                  e, m0, row_end, n0, valid, N, K, stride_se, stride_sn, stride_sk, limit,
-                 MODE, MX, HAS_LIMIT, B_KN, BM // 2, BN, BK, DOT_F32)
+                 MODE, MX, HAS_LIMIT, B_KN, MMA_ORDER, BM // 2, BN, BK, DOT_F32)
     else:
         _mm_tile(a1_desc, a2_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
                  e, m0, row_end, n0, valid, N, K, stride_se, stride_sn, stride_sk, limit,
-                 MODE, MX, HAS_LIMIT, B_KN, BM, BN, BK, DOT_F32)
+                 MODE, MX, HAS_LIMIT, B_KN, MMA_ORDER, BM, BN, BK, DOT_F32)
 
 
 @triton.jit
 def _mm_tile(a1_desc, a2_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
              e, m0, row_end, n0, valid, N, K, stride_se, stride_sn, stride_sk, limit,
              MODE: tl.constexpr, MX: tl.constexpr, HAS_LIMIT: tl.constexpr, B_KN: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+             MMA_ORDER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
     """One output tile [BM, BN] at (m0, n0) of expert e: the K loop (MX: the scales of block k+1
     are loaded, raw E8M0 bits carried across iterations, while block k runs, so their
     global-memory latency is off the MMA chain) and the epilogue."""
@@ -299,11 +299,11 @@ def _mm_tile(a1_desc, a2_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_pt
             s1 = s1_next
             s1_next = _scale_bits(s_ptrs1, k + KB, n_ok, K, stride_sk, MX)
             a = a1_desc.load([m0, k])
-            acc1 = _dot(a, _b_tile(b1_desc, e, n0, k, N, K, s1, B_KN, MX), acc1, DOT_F32)
+            acc1 = _dot(a, _b_tile(b1_desc, e, n0, k, N, K, s1, B_KN, MMA_ORDER, MX), acc1, DOT_F32)
             if MODE == 1:  # SWIGLU: the second B (w_up) shares the A tile
                 s2 = s2_next
                 s2_next = _scale_bits(s_ptrs2, k + KB, n_ok, K, stride_sk, MX)
-                acc2 = _dot(a, _b_tile(b2_desc, e, n0, k, N, K, s2, B_KN, MX), acc2, DOT_F32)
+                acc2 = _dot(a, _b_tile(b2_desc, e, n0, k, N, K, s2, B_KN, MMA_ORDER, MX), acc2, DOT_F32)
     if MODE == 3:  # DUAL: acc1 += A2 @ B2, continuing the same fixed K order
         s2_next = _scale_bits(s_ptrs2, 0, n_ok, k_end, stride_sk, MX)
         for k0 in range(0, k_end, BK):
@@ -311,7 +311,7 @@ def _mm_tile(a1_desc, a2_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_pt
                 k = k0 + j * KB
                 s2 = s2_next
                 s2_next = _scale_bits(s_ptrs2, k + KB, n_ok, K, stride_sk, MX)
-                acc1 = _dot(a2_desc.load([m0, k]), _b_tile(b2_desc, e, n0, k, N, K, s2, B_KN, MX), acc1, DOT_F32)
+                acc1 = _dot(a2_desc.load([m0, k]), _b_tile(b2_desc, e, n0, k, N, K, s2, B_KN, MMA_ORDER, MX), acc1, DOT_F32)
 
     c_off = rows[:, None].to(tl.int64) * N + offs_n[None, :]
     _epilogue(acc1, acc2, c_off, row_ok[:, None] & n_ok[None, :], c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
@@ -329,8 +329,9 @@ def _scale_bits(s_ptrs, k, n_ok, k_limit, stride_sk, MX: tl.constexpr):
 
 
 @triton.jit
-def _b_tile(b_desc, e, n0, k, N, K, s_bits, B_KN: tl.constexpr, MX: tl.constexpr):
-    """B[e]'s tile [KB, BN] at (k, n0) as the MMA's bf16 operand; MXFP8 dequantized, exactly."""
+def _b_tile(b_desc, e, n0, k, N, K, s_bits, B_KN: tl.constexpr, MMA_ORDER: tl.constexpr, MX: tl.constexpr):
+    """B[e]'s tile [KB, BN] at (k, n0) as the MMA's bf16 operand; MXFP8 dequantized, exactly (MMA_ORDER: its
+    32 K elements back in index order)."""
     if B_KN:  # stored [E, K, N]: the block is [KB, BN]
         b = b_desc.load([e * K + k, n0])
         if MX:
@@ -339,6 +340,8 @@ def _b_tile(b_desc, e, n0, k, N, K, s_bits, B_KN: tl.constexpr, MX: tl.constexpr
         b = b_desc.load([e * N + n0, k])
         if MX:
             b = mx_dequantize_bits(b, s_bits, 1)
+        if MMA_ORDER:  # stored (t, c, h, l), index order (c, h, t, l): titan_mok.mxfp8.to_mma_order
+            b = tl.reshape(tl.permute(tl.reshape(b, (b.shape[0], 4, 2, 2, 2)), (0, 2, 3, 1, 4)), (b.shape[0], 32))
         b = tl.trans(b)
     return b
 
@@ -495,14 +498,15 @@ def _wgrad_block(acc, a_desc, b_desc, r, n0, k0, DOT_F32: tl.constexpr):
 
 
 def _b_operand(b, name: str):
-    """(data tensor [E, N, K] view, E8M0 bits [E, N, K/32] view or None) of a bf16 or MXFP8 B."""
+    """(data tensor [E, N, K] view, E8M0 bits [E, N, K/32] view or None, whether the data is in MMA order) of a
+    bf16 or MXFP8 B."""
     if isinstance(b, MXTensor):
         if b.dim != 2:
             raise ValueError(f"{name}: an MXFP8 B operand must be blocked along K (dim 2 of [E, N, K]), got dim {b.dim}")
-        return b.data, b.scale.view(torch.uint8)
+        return b.data, b.scale.view(torch.uint8), b.mma_order
     if b.dtype != torch.bfloat16:
         raise TypeError(f"{name} must be bfloat16 or an MXTensor on the Triton path, got {b.dtype}")
-    return b, None
+    return b, None, False
 
 
 def _a_operand(a, mx: bool, fp8_mma: bool, name: str):
@@ -579,10 +583,14 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
                warp_specialized=None):
     """warp_specialized (MXFP8 only): the Gluon kernel of grouped_mm_ws; None picks it on CUDA outside
     Triton's interpreter (False: the Triton kernel it must match, for tests and benchmarks)."""
-    b1_data, b1_s = _b_operand(b1, "b1")
-    b2_data, b2_s = _b_operand(b2, "b2") if b2 is not None else (b1_data, b1_s)
+    b1_data, b1_s, mma_order = _b_operand(b1, "b1")
+    b2_data, b2_s, mma_order2 = _b_operand(b2, "b2") if b2 is not None else (b1_data, b1_s, mma_order)
     mx = b1_s is not None
     fp8_mma = fp8_mma and mx
+    if mma_order != mma_order2:
+        raise ValueError("b1 and b2 must both be in MMA order (MXTensor.mma_order) or both not")
+    if mma_order and fp8_mma:
+        raise ValueError("fp8_mma: E4M3 MMAs read the weights in index order; quantize them with mma_order=False")
     num_experts, n, k = b1_data.shape
     few_rows = has_few_rows(a1.shape[0], num_experts)
     ws_key = mm_config_key(mode, True, fp8_mma, True)
@@ -625,6 +633,9 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     block_ka = block_kw if fp8_mma else block_k  # (and its E4M3 activations too)
     a_descs = [_tma_descriptor(a, [bm, block_ka], name, warp_specialized) for name, a in (("a1", a1), ("a2", a2))]
     b_kn, b_descs = _weight_descriptors(b1_data, b2_data, bn, block_kw, warp_specialized)
+    if b_kn and mma_order:
+        raise ValueError("a weight in MMA order (MXTensor.mma_order) must be a contiguous [E, N, K], not a transposed "
+                         "view")
     scales = (b1_s, b2_s) if mx else (a1, a1)  # bf16: never read
     after_scales = (c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
                     *(b1_s.stride() if mx else (0, 0, 0)), limit)
@@ -637,13 +648,22 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         sa_t1 = _token_scales_t(sa1, bm) if fp8_mma else b1_s
         sa_t2 = _token_scales_t(sa2, bm) if fp8_mma and sa2 is not sa1 else sa_t1  # a2 given only for DUAL
         wide_E = b1_s if fp8_mma else _wide_scale_experts(b1_s, *([] if b2_s is b1_s else [b2_s]))  # FP8_MMA: unused
-        grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, sa_t1, sa_t2, sa_t1.stride(0), *scales, wide_E,
-                             *after_scales, B_KN=b_kn, KB=grouped_mm_ws.KB, FP8_MMA=fp8_mma, **common)
+        s1 = _scales_by_row(b1_s)
+        s2 = s1 if b2_s is b1_s else _scales_by_row(b2_s)
+        grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, sa_t1, sa_t2, sa_t1.stride(0), s1, s2, wide_E,
+                             c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts, *s1.stride()[:2], limit,
+                             B_KN=b_kn, MMA_ORDER=mma_order, KB=grouped_mm_ws.KB, FP8_MMA=fp8_mma, **common)
     else:
         a_half = ([_tma_descriptor(a, [bm // 2, block_k], name) for name, a in (("a1", a1), ("a2", a2))] if half
                   else a_descs)
         _grouped_mm_tma_kernel[grid](*a_descs, *a_half, *b_descs, *scales, *after_scales, MX=mx, B_KN=b_kn,
-                                     DOT_F32=_DOT_F32, **common)
+                                     MMA_ORDER=mma_order, DOT_F32=_DOT_F32, **common)
+
+
+def _scales_by_row(bits_ENB: torch.Tensor) -> torch.Tensor:
+    """E8M0 bits [E, N, K/32] contiguous (a copy, 1/32 of the weight bytes, only where they are not): the
+    warp-specialized kernel loads a row's four K blocks as one aligned 4-byte word."""
+    return bits_ENB if bits_ENB.is_contiguous() and bits_ENB.data_ptr() % 4 == 0 else bits_ENB.contiguous()
 
 
 def _wide_scale_experts(*bits_ENB: torch.Tensor) -> torch.Tensor:

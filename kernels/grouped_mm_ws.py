@@ -146,50 +146,50 @@ def _first_step(l, loads_per_pair, k_steps, KB: gl.constexpr):
     return (l - gl.where(second, loads_per_pair, 0)) * KB + gl.where(second, k_steps, 0)
 
 
+@gluon.constexpr_function
+def _mma_order_layout():
+    """A [64, 32] block of a warpgroup's weight rows stored in MMA order (titan_mok.mxfp8.to_mma_order) as each
+    thread reads it: 8 adjacent bytes (t, c, h, l) of rows g and g + 8 of its warp's 16, lane 4g + t. Read back in
+    index order (_index_order) it is the wgmma's register operand layout (DotOperandLayout, k_width 2)."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+                                      lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 32])
+
+
 @gluon.jit
-def _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i, k_steps, n_steps, stride_sk, MODE: gl.constexpr, NB: gl.constexpr):
-    """Raw E8M0 bits of K block i's weight rows (127, i.e. 2^0, past the last block)."""
-    second = i >= k_steps  # DUAL: B2's scales for the second (A, B) pair
-    kb = i - gl.where(second, k_steps, 0)
-    ok = n_ok & (i < n_steps)
-    if MODE == 3:
-        sb_ptr = gl.where(second, sb2_ptr, sb1_ptr)
-    else:
-        sb_ptr = sb1_ptr
-    bits1 = gl.load(sb_ptr + s_off + kb * stride_sk, mask=ok, other=127)
-    if NB == 2:
-        bits2 = gl.load(sb2_ptr + s_off + kb * stride_sk, mask=ok, other=127)
-    else:
-        bits2 = bits1
-    return bits1, bits2
+def _index_order(w, W_OP: gl.constexpr):
+    """Block w [64, 32] read in _mma_order_layout, its elements relabelled from (t, c, h, l) to index order
+    (c, h, t, l): the same registers, now the MMA's operand (assert_trivial: no data moves)."""
+    w = w.reshape(64, 4, 2, 2, 2).permute(0, 2, 3, 1, 4).reshape(64, 32)
+    return gl.convert_layout(w, W_OP, assert_trivial=True)
 
 
 @gluon.jit
 def _w_operand(w_buf, q: gl.constexpr, half: gl.constexpr, bits, WIDE: gl.constexpr, B_KN: gl.constexpr,
-               W_OP: gl.constexpr):
+               MMA_ORDER: gl.constexpr, W_OP: gl.constexpr):
     """This warpgroup's 64 weight rows of K block q of a loaded E4M3 tile, as the MMA's register
-    operand [64, 32] bf16: E4M3 * 2^(bits - 127), exact."""
+    operand [64, 32] bf16: E4M3 * 2^(bits - 127), exact. MMA_ORDER: a thread's bytes of a row are
+    adjacent, one 8-byte shared-memory load per row and block (else one 2-byte load per pair)."""
     if B_KN:  # the tile is [32 * KB, BN]
         blk = w_buf.slice(q * 32, 32, dim=0).slice(half * 64, 64, dim=1).permute((1, 0))
     else:  # the tile is [BN, 32 * KB]
         blk = w_buf.slice(half * 64, 64, dim=0).slice(q * 32, 32, dim=1)
-    return mx_dequantize_bits_sm90(blk.load(W_OP), bits, 1, WIDE)
+    if MMA_ORDER:
+        w = mx_dequantize_bits_sm90(blk.load(_mma_order_layout()), bits, 1, WIDE)
+        return _index_order(w, W_OP)
+    return mx_dequantize_bits_sm90(blk.load(W_OP), gl.convert_layout(bits, gl.SliceLayout(1, W_OP)), 1, WIDE)
 
 
 @gluon.jit
-def _next_operands(w_bufs, s, q: gl.constexpr, half: gl.constexpr, i0, WIDE: gl.constexpr, sa1, sa2, sb1, sb2, sc1,
-                   sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok, k_steps, n_steps, stride_sk, MODE: gl.constexpr,
-                   B_KN: gl.constexpr, NB: gl.constexpr, W_OP: gl.constexpr):
-    """K block q's register operand(s) from slot s, and the scale pipeline moved on by one block: the
-    E8M0 bits are loaded a whole load (KB = 4 blocks) ahead, so their global-load latency overlaps the
-    previous load's MMAs (two blocks ahead, half of each load's blocks waited for their scales)."""
-    w1 = _w_operand(w_bufs.index(s * NB), q, half, sa1, WIDE, B_KN, W_OP)
+def _w_operands(w_bufs, s, q: gl.constexpr, half: gl.constexpr, bits, WIDE: gl.constexpr, B_KN: gl.constexpr,
+                MMA_ORDER: gl.constexpr, NB: gl.constexpr, W_OP: gl.constexpr):
+    """K block q's register operand(s) from slot s, with that block's scale bits (b1, b2)."""
+    w1 = _w_operand(w_bufs.index(s * NB), q, half, bits[0], WIDE, B_KN, MMA_ORDER, W_OP)
     if NB == 2:
-        w2 = _w_operand(w_bufs.index(s * NB + 1), q, half, sa2, WIDE, B_KN, W_OP)
+        w2 = _w_operand(w_bufs.index(s * NB + 1), q, half, bits[1], WIDE, B_KN, MMA_ORDER, W_OP)
     else:
         w2 = w1
-    n1, n2 = _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + q + 4, k_steps, n_steps, stride_sk, MODE, NB)
-    return w1, w2, sb1, sb2, sc1, sc2, sd1, sd2, n1, n2
+    return w1, w2
 
 
 @gluon.jit
@@ -205,10 +205,10 @@ def _mma_block(a_bufs, slot, w1, w2, acc1, acc2, NB: gl.constexpr, BMT: gl.const
 @gluon.jit
 def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
               u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
-              stride_se, stride_sn, stride_sk, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
-              B_KN: gl.constexpr, NB: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, HALF_TILES: gl.constexpr,
-              FP8_MMA: gl.constexpr, half: gl.constexpr):
+              stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
+              B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
+              HALF_TILES: gl.constexpr, FP8_MMA: gl.constexpr, half: gl.constexpr):
     """One warpgroup: for each of the program's tiles, weight rows [n0 + 64 * half, +64) against its
     BM tokens (HALF_TILES: against the first BM / 2 where the tile holds no more of its expert's
     rows: half the MMA work, the same instructions per token), then their epilogue."""
@@ -218,38 +218,38 @@ def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, 
         if HALF_TILES and row_end - m0 <= BM // 2:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
-                              stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, BM // 2, KB, STAGES,
+                              stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, KB, STAGES,
                               FP8_MMA, half)
         else:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
-                              stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, BM, KB, STAGES,
+                              stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM, KB, STAGES,
                               FP8_MMA, half)
 
 
 @gluon.jit
 def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                   u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
-                  stride_se, stride_sn, stride_sk, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                  B_KN: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-                  FP8_MMA: gl.constexpr, half: gl.constexpr):
+                  stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                  B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr, KB: gl.constexpr,
+                  STAGES: gl.constexpr, FP8_MMA: gl.constexpr, half: gl.constexpr):
     """One tile's loads (ring positions c, c + 1, ...) against its first BMT tokens, and its
     epilogue; returns the ring position after them."""
     offs_n = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _acc_layout(BMT, FP8_MMA)))
     if FP8_MMA:
         acc1, acc2, c = _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_n, c, N, k_steps,
-                                  n_steps, loads_per_pair, n_loads, stride_se, stride_sn, stride_sk, MODE, NB, BMT, KB,
+                                  n_steps, loads_per_pair, n_loads, stride_se, stride_sn, MODE, NB, BMT, KB,
                                   STAGES, half)
     else:
         # one branch per tile around two copies of the loop: a branch per block keeps ptxas from interleaving
         # the HGMMA issue with the dequantization (NOTES.md, session 15)
         if gl.load(wide_ptr + e) != 0:
             acc1, acc2, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps, n_steps,
-                                          loads_per_pair, n_loads, stride_se, stride_sn, stride_sk, MODE, B_KN, NB,
+                                          loads_per_pair, n_loads, stride_se, stride_sn, MODE, B_KN, MMA_ORDER, NB,
                                           BMT, KB, STAGES, True, half)
         else:
             acc1, acc2, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps, n_steps,
-                                          loads_per_pair, n_loads, stride_se, stride_sn, stride_sk, MODE, B_KN, NB,
+                                          loads_per_pair, n_loads, stride_se, stride_sn, MODE, B_KN, MMA_ORDER, NB,
                                           BMT, KB, STAGES, False, half)
     rows = m0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, _acc_layout(BMT, FP8_MMA)))
     c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
@@ -267,40 +267,32 @@ def _acc_layout(BMT, FP8_MMA):
 
 @gluon.jit
 def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps, n_steps, loads_per_pair,
-                  n_loads, stride_se, stride_sn, stride_sk, MODE: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr,
-                  BMT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr, half: gl.constexpr):
+                  n_loads, stride_se, stride_sn, MODE: gl.constexpr, B_KN: gl.constexpr, MMA_ORDER: gl.constexpr,
+                  NB: gl.constexpr, BMT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr,
+                  half: gl.constexpr):
     """The tile's accumulators (acc1, acc2) by bf16 MMAs on dequantized weights, and the ring position. WIDE:
     the expert has scales above 2^7 (mx_dequantize_bits_sm90's second multiply)."""
     gl.static_assert(KB == 4, "_dequant_tile unrolls four K blocks per load")
     ACC: gl.constexpr = _acc_layout(BMT, False)
     W_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-    offs_w = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, W_OP))
+    offs_w = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _mma_order_layout()))
     n_ok = offs_w < N
     s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
-    first = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, 0, k_steps, n_steps, stride_sk, MODE, NB)
-    sa1, sa2 = first[0]
-    sb1, sb2 = first[1]
-    sc1, sc2 = first[2]
-    sd1, sd2 = first[3]
+    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, _first_step(0, loads_per_pair, k_steps, KB), k_steps, n_steps,
+                      MODE, NB)
     acc1 = gl.zeros([64, BMT], gl.float32, ACC)
     if NB == 2:
         acc2 = gl.zeros([64, BMT], gl.float32, ACC)
     for l in range(n_loads):
         s = c % STAGES
+        # the next load's scale bits: their global-load latency overlaps this load's conversions and MMAs
+        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, _first_step(l + 1, loads_per_pair, k_steps, KB), k_steps,
+                         n_steps, MODE, NB)
         mbarrier.wait(full.index(s), (c // STAGES) & 1)
-        i0 = _first_step(l, loads_per_pair, k_steps, KB)
-        w1a, w2a, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-            w_bufs, s, 0, half, i0, WIDE, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok,
-            k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
-        w1b, w2b, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-            w_bufs, s, 1, half, i0, WIDE, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok,
-            k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
-        w1c, w2c, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-            w_bufs, s, 2, half, i0, WIDE, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok,
-            k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
-        w1d, w2d, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2 = _next_operands(
-            w_bufs, s, 3, half, i0, WIDE, sa1, sa2, sb1, sb2, sc1, sc2, sd1, sd2, sb1_ptr, sb2_ptr, s_off, n_ok,
-            k_steps, n_steps, stride_sk, MODE, B_KN, NB, W_OP)
+        w1a, w2a = _w_operands(w_bufs, s, 0, half, bits[0], WIDE, B_KN, MMA_ORDER, NB, W_OP)
+        w1b, w2b = _w_operands(w_bufs, s, 1, half, bits[1], WIDE, B_KN, MMA_ORDER, NB, W_OP)
+        w1c, w2c = _w_operands(w_bufs, s, 2, half, bits[2], WIDE, B_KN, MMA_ORDER, NB, W_OP)
+        w1d, w2d = _w_operands(w_bufs, s, 3, half, bits[3], WIDE, B_KN, MMA_ORDER, NB, W_OP)
         if NB == 2:
             acc1, acc2 = _mma_block(a_bufs, s * KB + 0, w1a, w2a, acc1, acc2, NB, BMT)
             acc1, acc2 = _mma_block(a_bufs, s * KB + 1, w1b, w2b, acc1, acc2, NB, BMT)
@@ -315,18 +307,31 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
             acc1 = warpgroup_mma_wait(0, deps=(acc1,))
         mbarrier.arrive(empty.index(s), count=1)
         c += 1
+        bits = nxt
     if NB == 1:
         acc2 = acc1  # unused outside SWIGLU
     return acc1, acc2, c
 
 
 @gluon.jit
-def _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, i0, k_steps, n_steps, stride_sk, MODE: gl.constexpr, NB: gl.constexpr):
-    """Raw E8M0 bits of the weight rows' four K blocks from step i0, ((b1, b2) per block)."""
-    return (_step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0, k_steps, n_steps, stride_sk, MODE, NB),
-            _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + 1, k_steps, n_steps, stride_sk, MODE, NB),
-            _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + 2, k_steps, n_steps, stride_sk, MODE, NB),
-            _step_scales(sb1_ptr, sb2_ptr, s_off, n_ok, i0 + 3, k_steps, n_steps, stride_sk, MODE, NB))
+def _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, i0, k_steps, n_steps, MODE: gl.constexpr, NB: gl.constexpr):
+    """Raw E8M0 bits of the weight rows' four K blocks from step i0, ((b1, b2) per block; 127, i.e. 2^0, past the
+    last block). The scales are contiguous along K and i0 is a multiple of 4: one 4-byte load per row and weight
+    (DUAL: the second pair's steps follow the first's, B2's scales)."""
+    second = i0 >= k_steps
+    kb = i0 - gl.where(second, k_steps, 0)
+    ok = n_ok & (i0 < n_steps)
+    if MODE == 3:
+        sb_ptr = gl.where(second, sb2_ptr, sb1_ptr)
+    else:
+        sb_ptr = sb1_ptr
+    word1 = gl.load((sb_ptr + s_off + kb).to(gl.pointer_type(gl.int32)), mask=ok, other=0x7F7F7F7F)
+    if NB == 2:
+        word2 = gl.load((sb2_ptr + s_off + kb).to(gl.pointer_type(gl.int32)), mask=ok, other=0x7F7F7F7F)
+    else:
+        word2 = word1
+    return ((word1 & 0xFF, word2 & 0xFF), ((word1 >> 8) & 0xFF, (word2 >> 8) & 0xFF),
+            ((word1 >> 16) & 0xFF, (word2 >> 16) & 0xFF), ((word1 >> 24) & 0xFF, (word2 >> 24) & 0xFF))
 
 
 @gluon.jit
@@ -355,7 +360,7 @@ def _promote(acc1, acc2, p1, p2, bits, sa_bufs, s, q: gl.constexpr, NB: gl.const
 
 @gluon.jit
 def _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_w, c, N, k_steps, n_steps,
-              loads_per_pair, n_loads, stride_se, stride_sn, stride_sk, MODE: gl.constexpr, NB: gl.constexpr,
+              loads_per_pair, n_loads, stride_se, stride_sn, MODE: gl.constexpr, NB: gl.constexpr,
               BMT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, half: gl.constexpr):
     """The tile's accumulators by E4M3 x E4M3 wgmmas, one per 32-wide K block, and the ring position. Each
     block's partial sums land in one of two register sets taken in turn, and are promoted into the fp32
@@ -374,12 +379,12 @@ def _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_w,
     else:  # no second set carried through the loop
         acc2, pa2, pb2 = acc1, pa1, pb1
     bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, _first_step(0, loads_per_pair, k_steps, KB), k_steps, n_steps,
-                      stride_sk, MODE, NB)
+                      MODE, NB)
     for l in range(n_loads):
         s = c % STAGES
         # the next load's scale bits: their global-load latency overlaps this load's MMAs
         nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, _first_step(l + 1, loads_per_pair, k_steps, KB), k_steps,
-                         n_steps, stride_sk, MODE, NB)
+                         n_steps, MODE, NB)
         mbarrier.wait(full.index(s), (c // STAGES) & 1)
         pa1, pa2 = _fp8_partials(a_bufs, w_bufs, s, 0, half, pa1, pa2, NB, BMT)
         pb1, pb2 = _fp8_partials(a_bufs, w_bufs, s, 1, half, pb1, pb2, NB, BMT)
@@ -405,14 +410,14 @@ def _grouped_mm_mx_ws_kernel(
     # (or [32 * KB, BN], B_KN)
     a1_desc, a2_desc, b1_desc, b2_desc,
     sa1_ptr, sa2_ptr, stride_sak,  # FP8_MMA: A's scales as fp32 [K/32, R + BM] (row stride stride_sak); else unused
-    sb1_ptr, sb2_ptr,  # E8M0 bits of the B operands [E, N, K/32]
+    sb1_ptr, sb2_ptr,  # E8M0 bits of the B operands, contiguous [E, N, K/32] (grouped_gemm._scales_by_row)
     wide_ptr,  # int32 [E]: 1 where an expert's B scales pass 2^7 (grouped_gemm._wide_scale_experts); FP8_MMA: unused
     c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
     group_end_ptr, tile_end_ptr,
     N, K, E,
-    stride_se, stride_sn, stride_sk,
+    stride_se, stride_sn,
     limit,
-    MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, LOG_E: gl.constexpr, B_KN: gl.constexpr,
+    MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, LOG_E: gl.constexpr, B_KN: gl.constexpr, MMA_ORDER: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, HALF_TILES: gl.constexpr, FP8_MMA: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -441,11 +446,11 @@ def _grouped_mm_mx_ws_kernel(
     gl.warp_specialize([
         (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                      u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
-                     stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, LOG_E, BM, BN, GROUP_M, KB,
+                     stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
                      STAGES, HALF_TILES, FP8_MMA, 0)),
         (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                      u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
-                     stride_se, stride_sn, stride_sk, limit, MODE, HAS_LIMIT, B_KN, NB, LOG_E, BM, BN, GROUP_M, KB,
+                     stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
                      STAGES, HALF_TILES, FP8_MMA, 1)),
         (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_bufs, w_bufs, full, empty,
                    group_end_ptr, tile_end_ptr, N, K, E, stride_sak, loads_per_pair, n_loads, MODE, B_KN, NB, KB,

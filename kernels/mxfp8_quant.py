@@ -87,15 +87,18 @@ def mx_dequantize_bits_sm90(q, bits, AXIS: tl.constexpr, wide):
     m1 = ((tl.minimum(b, WIDE_SCALE_BITS) + 120) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
     y = tl.inline_asm_elementwise(
         """{
-        .reg .b32 t;
-        cvt.u32.u16 t, $1;
-        prmt.b32 t, t, 0, 0x9180;
-        shl.b32 t, t, 4;
-        and.b32 t, t, 0x87F087F0;
-        mul.rn.bf16x2 $0, t, $2;
-        }""",  # [q0, sign(q0), q1, sign(q1)] bytes, shifted and masked: two bf16 of q * 2^-120
-        "=r,h,r", [q.to(tl.int8, bitcast=True), tl.broadcast_to(m1, q.shape)], dtype=tl.bfloat16, is_pure=True,
-        pack=2)
+        .reg .b32 lo, hi;
+        prmt.b32 lo, $2, 0, 0x9180;
+        prmt.b32 hi, $2, 0, 0xB3A2;
+        shl.b32 lo, lo, 4;
+        shl.b32 hi, hi, 4;
+        and.b32 lo, lo, 0x87F087F0;
+        and.b32 hi, hi, 0x87F087F0;
+        mul.rn.bf16x2 $0, lo, $3;
+        mul.rn.bf16x2 $1, hi, $4;
+        }""",  # [q0, sign(q0), q1, sign(q1)] bytes, shifted and masked: two bf16 of q * 2^-120 (and q2, q3)
+        "=r,=r,r,r,r", [q.to(tl.int8, bitcast=True), tl.broadcast_to(m1, q.shape)], dtype=tl.bfloat16,
+        is_pure=True, pack=4)
     if wide:
         m2 = tl.where(b == 255, 0x7FC0, (tl.maximum(b, WIDE_SCALE_BITS) - 7) << 7)
         y = y * m2.to(tl.int16).to(tl.bfloat16, bitcast=True)
@@ -153,10 +156,21 @@ def mx_dequantize_bf16(q, e, bad):
 
 
 @triton.jit
+def mx_to_mma_order(q, AXIS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Tile q [ROWS, COLS] with each 32-block along AXIS in MMA order (titan_mok.mxfp8.to_mma_order:
+    element 16c + 8h + 2t + l of a block to 8t + 4c + 2h + l)."""
+    if AXIS == 1:
+        q = tl.reshape(tl.permute(tl.reshape(q, (ROWS, COLS // 32, 2, 2, 4, 2)), (0, 1, 4, 2, 3, 5)), (ROWS, COLS))
+    else:
+        q = tl.reshape(tl.permute(tl.reshape(q, (ROWS // 32, 2, 2, 4, 2, COLS)), (0, 3, 1, 2, 4, 5)), (ROWS, COLS))
+    return q
+
+
+@triton.jit
 def _mx_quant_rows_kernel(
     x_ptr, q_ptr, s_ptr,  # x [P, D] row-major; q [P, D] uint8 (bf16 if FAKE); s [P, D/32] uint8
     P, D,
-    FAKE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    FAKE: tl.constexpr, MMA_ORDER: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     o_p = tl.program_id(0) * BM + tl.arange(0, BM)
     o_d = tl.program_id(1) * BK + tl.arange(0, BK)
@@ -169,7 +183,10 @@ def _mx_quant_rows_kernel(
         tl.store(q_ptr + off, tl.reshape(mx_dequantize_bf16(q, e, bad), (BM, BK)), mask=m)
     else:
         q_bits, s_bits = mx_store_bits(q, e, bad)
-        tl.store(q_ptr + off, tl.reshape(q_bits, (BM, BK)), mask=m)
+        q_bits = tl.reshape(q_bits, (BM, BK))
+        if MMA_ORDER:
+            q_bits = mx_to_mma_order(q_bits, 1, BM, BK)
+        tl.store(q_ptr + off, q_bits, mask=m)
         m_s = (o_p[:, None] < P) & (o_s[None, :] < D // 32)
         s_off = o_p[:, None].to(tl.int64) * (D // 32) + o_s[None, :]
         tl.store(s_ptr + s_off, tl.reshape(s_bits, (BM, BK // 32)), mask=m_s)
@@ -177,9 +194,9 @@ def _mx_quant_rows_kernel(
 
 @triton.jit
 def _mx_quant_cols_kernel(
-    x_ptr, q_ptr, s_ptr,  # x [P, D, Q] contiguous, q [P, D, Q] uint8 ([P, Q, D] if TRANSPOSED), s [P, D/32, Q] uint8
+    x_ptr, q_ptr, s_ptr,  # x [P, D, Q] contiguous; q [P, D, Q] and s [P, D/32, Q] uint8 ([P, Q, D], [P, Q, D/32] if TRANSPOSED)
     D, Q,
-    BD: tl.constexpr, BQ: tl.constexpr, TRANSPOSED: tl.constexpr,
+    BD: tl.constexpr, BQ: tl.constexpr, TRANSPOSED: tl.constexpr, MMA_ORDER: tl.constexpr,
 ):
     i_p = tl.program_id(2).to(tl.int64)
     o_d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -190,18 +207,25 @@ def _mx_quant_cols_kernel(
     x = tl.load(x_ptr + base + o_d[:, None] * Q + o_q[None, :], mask=m, other=0.0).to(tl.float32)
     q, e, bad = mx_quantize_block(tl.reshape(x, (BD // 32, 32, BQ)), 1)
     q_bits, s_bits = mx_store_bits(q, e, bad)
+    q_bits = tl.reshape(q_bits, (BD, BQ))
+    if MMA_ORDER:
+        q_bits = mx_to_mma_order(q_bits, 0, BD, BQ)
     if TRANSPOSED:
         q_off = o_q[None, :] * D + o_d[:, None]
     else:
         q_off = o_d[:, None] * Q + o_q[None, :]
-    tl.store(q_ptr + base + q_off, tl.reshape(q_bits, (BD, BQ)), mask=m)
+    tl.store(q_ptr + base + q_off, q_bits, mask=m)
     m_s = (o_s[:, None] < D // 32) & (o_q[None, :] < Q)
-    s_base = i_p * (D // 32) * Q
-    tl.store(s_ptr + s_base + o_s[:, None] * Q + o_q[None, :], tl.reshape(s_bits, (BD // 32, BQ)), mask=m_s)
+    if TRANSPOSED:
+        s_off = o_q[None, :] * (D // 32) + o_s[:, None]
+    else:
+        s_off = o_s[:, None] * Q + o_q[None, :]
+    tl.store(s_ptr + i_p * (D // 32) * Q + s_off, tl.reshape(s_bits, (BD // 32, BQ)), mask=m_s)
 
 
-def mxfp8_quantize(x: torch.Tensor, dim: int = -1, name: str = "x") -> MXTensor:
-    """Triton twin of ``to_mxfp8``: blocks of 32 along ``dim``; bit-identical to it.
+def mxfp8_quantize(x: torch.Tensor, dim: int = -1, name: str = "x", mma_order: bool = False) -> MXTensor:
+    """Triton twin of ``to_mxfp8``: blocks of 32 along ``dim`` (their elements in MMA order if
+    ``mma_order``); bit-identical to it.
 
     (1) checks the shape; (2) views x as [P, D] or [P, D, Q] (contiguous copy if needed);
     (3) launches the rows kernel (dim innermost) or the columns kernel.
@@ -217,30 +241,30 @@ def mxfp8_quantize(x: torch.Tensor, dim: int = -1, name: str = "x") -> MXTensor:
     if x.numel() > 0:
         if Q == 1:
             grid = (triton.cdiv(P, _ROWS_BM), triton.cdiv(D, _ROWS_BK))
-            _mx_quant_rows_kernel[grid](x, q, s, P, D, FAKE=False, BM=_ROWS_BM, BK=_ROWS_BK)
+            _mx_quant_rows_kernel[grid](x, q, s, P, D, FAKE=False, MMA_ORDER=mma_order, BM=_ROWS_BM, BK=_ROWS_BK)
         else:
             grid = (triton.cdiv(Q, _COLS_BQ), triton.cdiv(D, _COLS_BD), P)
             _mx_quant_cols_kernel[grid](x, q, s, D, Q, BD=_COLS_BD, BQ=_COLS_BQ, TRANSPOSED=False,
-                                        num_warps=_COLS_WARPS)
-    return MXTensor(data=q.view(torch.float8_e4m3fn), scale=s.view(SCALE_DTYPE), dim=dim)
+                                        MMA_ORDER=mma_order, num_warps=_COLS_WARPS)
+    return MXTensor(data=q.view(torch.float8_e4m3fn), scale=s.view(SCALE_DTYPE), dim=dim, mma_order=mma_order)
 
 
-def mxfp8_quantize_transposed(w_EXY: torch.Tensor, name: str = "w") -> MXTensor:
+def mxfp8_quantize_transposed(w_EXY: torch.Tensor, name: str = "w", mma_order: bool = False) -> MXTensor:
     """``to_mxfp8(w_EXY.transpose(1, 2), 2)`` in one pass over w: blocks of 32 along X, the E4M3
     data written contiguous [E, Y, X] (the layout a GEMM reading w^T streams fastest), the scales
-    [E, Y, X/32] a view of the [E, X/32, Y] the columns kernel writes."""
+    contiguous [E, Y, X/32] (a row's K blocks adjacent: the warp-specialized GEMM loads four at once)."""
     if w_EXY.dim() != 3:
         raise ValueError(f"{name}: mxfp8_quantize_transposed takes a 3-D weight [E, X, Y], got shape {tuple(w_EXY.shape)}")
     _check_blockable(w_EXY, 1, name)
     w_EXY = w_EXY.contiguous()
     num_experts, dim_x, dim_y = w_EXY.shape
     q = torch.empty(num_experts, dim_y, dim_x, dtype=torch.uint8, device=w_EXY.device)
-    s = torch.empty(num_experts, dim_x // BLOCK, dim_y, dtype=torch.uint8, device=w_EXY.device)
+    s = torch.empty(num_experts, dim_y, dim_x // BLOCK, dtype=torch.uint8, device=w_EXY.device)
     if w_EXY.numel() > 0:
         grid = (triton.cdiv(dim_y, _COLS_BQ), triton.cdiv(dim_x, _COLS_BD), num_experts)
         _mx_quant_cols_kernel[grid](w_EXY, q, s, dim_x, dim_y, BD=_COLS_BD, BQ=_COLS_BQ, TRANSPOSED=True,
-                                    num_warps=_COLS_WARPS)
-    return MXTensor(data=q.view(torch.float8_e4m3fn), scale=s.view(SCALE_DTYPE).transpose(1, 2), dim=2)
+                                    MMA_ORDER=mma_order, num_warps=_COLS_WARPS)
+    return MXTensor(data=q.view(torch.float8_e4m3fn), scale=s.view(SCALE_DTYPE), dim=2, mma_order=mma_order)
 
 
 def ref_mxfp8_fake_quantize(x: torch.Tensor, name: str = "x") -> torch.Tensor:
@@ -257,5 +281,5 @@ def mxfp8_fake_quantize(x: torch.Tensor, name: str = "x") -> torch.Tensor:
     y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     if x.numel() > 0:
         grid = (triton.cdiv(P, _ROWS_BM), triton.cdiv(D, _ROWS_BK))
-        _mx_quant_rows_kernel[grid](x, y, y, P, D, FAKE=True, BM=_ROWS_BM, BK=_ROWS_BK)
+        _mx_quant_rows_kernel[grid](x, y, y, P, D, FAKE=True, MMA_ORDER=False, BM=_ROWS_BM, BK=_ROWS_BK)
     return y

@@ -312,10 +312,15 @@ def test_half_tiles_keep_bits_on_gpu(monkeypatch):
         assert torch.equal(a, b), f"{n}: HALF_TILES changes the bits"
 
 
-def _mx_kinds(counts, dim_h, dim_i, w_kn, wide=False):
+WEIGHT_LAYOUTS = ("mma", "index", "kn")
+
+
+def _mx_kinds(counts, dim_h, dim_i, layout, wide=False):
     """Inputs of the four kinds of MXFP8 grouped_mm at these sizes: {kind: (mode, a1, a2, b1, b2, outs, gu)}.
-    w_kn: the dgrad weights as transposed views of contiguous [E, K, N] (else contiguous [E, N, K]). wide:
-    expert 0's weights times 2^20 (scales above 2^7) and a NaN in each of expert 1's (a NaN-scale block)."""
+    layout: the weights as weight_operand gives them ("mma": contiguous [E, N, K], MMA order), contiguous
+    [E, N, K] in index order ("index"), or the dgrad weights as transposed views of contiguous [E, K, N] in
+    index order ("kn"; the forward ones as "index"). wide: expert 0's weights times 2^20 (scales above 2^7)
+    and a NaN in each of expert 1's (a NaN-scale block)."""
     (x, w_gate, w_up, w_down, dy), group_end = make_case(counts=counts, dim_h=dim_h, dim_i=dim_i, padding=5)
     if wide:
         for w in (w_gate, w_up, w_down):
@@ -326,13 +331,15 @@ def _mx_kinds(counts, dim_h, dim_i, w_kn, wide=False):
     g_, u_, h, dg, du = (torch.randn(rows, dim_i, generator=g).mul(3).to(torch.bfloat16).to(DEVICE) for _ in range(5))
 
     def fwd(w):  # [E, N, K] blocked along K
-        return weight_operand(w, "mxfp8", 2, "w")
+        return weight_operand(w, "mxfp8", 2, "w") if layout == "mma" else mxfp8_quantize(w, 2, "w")
 
     def dgrad(w):  # [E, X, Y] -> [E, Y, X] blocked along X
-        if w_kn:
-            m = mxfp8_quantize(w, 1, "w")
+        if layout == "mma":
+            return weight_operand(w, "mxfp8", 1, "w")
+        m = mxfp8_quantize(w, 1, "w")
+        if layout == "kn":
             return MXTensor(m.data.transpose(1, 2), m.scale.transpose(1, 2), dim=2)
-        return weight_operand(w, "mxfp8", 1, "w")
+        return MXTensor(m.data.transpose(1, 2).contiguous(), m.scale.transpose(1, 2), dim=2)
 
     def out(n, k=1):
         return [torch.zeros(rows, n, dtype=torch.bfloat16, device=DEVICE) for _ in range(k)]
@@ -349,11 +356,12 @@ def _mx_kinds(counts, dim_h, dim_i, w_kn, wide=False):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("programs", ["per_sm", 3])
 @pytest.mark.parametrize("rings", ["committed", "small", "half"])
-# E4M3 MMAs read K-major weights only (the refusal: test_fp8_mma_needs_k_major_weights)
-@pytest.mark.parametrize("fp8_mma, w_kn", [(False, False), (False, True), (True, False)])
-def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, w_kn, rings, programs):
-    """The Gluon warp-specialized MXFP8 kernel gives the Triton kernel's bits for every kind, both
-    weight layouts, an empty expert, partial N tiles and padding rows; with the committed configs and
+# E4M3 MMAs read K-major weights in index order only (the refusals: test_fp8_mma_needs_k_major_weights,
+# test_mma_order_is_refused_where_it_cannot_be_read)
+@pytest.mark.parametrize("fp8_mma, layout", [(False, "mma"), (False, "index"), (False, "kn"), (True, "index")])
+def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, rings, programs):
+    """The Gluon warp-specialized MXFP8 kernel gives the Triton kernel's bits for every kind, every
+    weight layout, an empty expert, partial N tiles and padding rows; with the committed configs and
     with 64-token tiles and a two-load ring (every kind persistent); with a program per SM (here one
     tile each) and with 3 programs looping over all tiles (the ring's phases carried across tiles).
     Kinds whose K is not a multiple of 128 are refused. "half": the committed configs with HALF_TILES
@@ -371,7 +379,7 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, w_kn, rings,
              (1024, 192, [1, 129, 0, 64], {"swiglu", "swiglu_bwd"}),  # N = I = 192: a partial N tile
              (704, 256, [33, 0, 150], {"plain", "dual"}))  # N = H = 704: a partial N tile
     for dim_h, dim_i, counts, runs in cases:
-        group_end, kinds = _mx_kinds(counts, dim_h, dim_i, w_kn)
+        group_end, kinds = _mx_kinds(counts, dim_h, dim_i, layout)
         for kind, (mode, a1, a2, b1, b2, outs, gu) in kinds.items():
             ref, ws = outs(), outs()
             kw = dict(gu=gu, swiglu_limit=7.0, fp8_mma=fp8_mma)
@@ -388,11 +396,11 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, w_kn, rings,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("w_kn", [False, True])
-def test_warp_specialized_wide_scales_keep_bits(w_kn):
+@pytest.mark.parametrize("layout", WEIGHT_LAYOUTS)
+def test_warp_specialized_wide_scales_keep_bits(layout):
     """Experts whose scales pass 2^7 (a second multiply in the warp-specialized kernel's dequantization) and
     NaN-scale blocks give the Triton kernel's bits, NaNs included (compared as int16), beside a plain expert."""
-    group_end, kinds = _mx_kinds([70, 40, 200], 512, 256, w_kn, wide=True)
+    group_end, kinds = _mx_kinds([70, 40, 200], 512, 256, layout, wide=True)
     for kind, (mode, a1, a2, b1, b2, outs, gu) in kinds.items():
         ref, ws = outs(), outs()
         for out, ws_kernel in ((ref, False), (ws, True)):
@@ -401,6 +409,37 @@ def test_warp_specialized_wide_scales_keep_bits(w_kn):
         assert ref[0][70:110].isnan().any(), kind
         for r, w in zip(ref, ws):
             assert torch.equal(r.view(torch.int16), w.view(torch.int16)), f"{kind}: warp-specialized bits differ"
+
+
+def test_mma_order_keeps_bits():
+    """Weights in MMA order (weight_operand's) give the bits of the same weights in index order, every kind (the
+    Triton kernel here; on the GPU the warp-specialized one is held to it by the tests above)."""
+    group_end, mma = _mx_kinds([5, 0, 37], 128, 64, "mma", wide=True)
+    _, index = _mx_kinds([5, 0, 37], 128, 64, "index", wide=True)
+    for kind, (mode, a1, a2, b1, b2, outs, gu) in mma.items():
+        assert b1.mma_order and not index[kind][3].mma_order
+        got, want = outs(), outs()
+        gg._launch_mm(mode, a1, a2, b1, b2, group_end, got, gu=gu, swiglu_limit=7.0, warp_specialized=False)
+        _, _, _, i1, i2, _, _ = index[kind]
+        gg._launch_mm(mode, a1, a2, i1, i2, group_end, want, gu=gu, swiglu_limit=7.0, warp_specialized=False)
+        for g, w in zip(got, want):
+            assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"{kind}: MMA order changes the bits"
+
+
+def test_mma_order_is_refused_where_it_cannot_be_read():
+    """E4M3 MMAs read weights in index order, and MMA order is defined on contiguous [E, N, K]: both refused by
+    name, as is a pair of weights in different orders."""
+    (x, w_gate, w_up, w_down, _), group_end = make_case(counts=[3, 5], dim_h=128, dim_i=128, device="cpu")
+    c = torch.zeros(8, 128, dtype=torch.bfloat16)
+    mma = weight_operand(w_down, "mxfp8", 2, "w")
+    with pytest.raises(ValueError, match="fp8_mma: E4M3 MMAs read the weights in index order"):
+        gg._launch_mm(gg.PLAIN, x, None, mma, None, group_end, [c], fp8_mma=True, warp_specialized=False)
+    mma_kn = MXTensor(mma.data.transpose(1, 2).contiguous().transpose(1, 2), mma.scale, dim=2, mma_order=True)
+    with pytest.raises(ValueError, match="MMA order .* must be a contiguous"):
+        gg._launch_mm(gg.PLAIN, x, None, mma_kn, None, group_end, [c], warp_specialized=False)
+    with pytest.raises(ValueError, match="both be in MMA order"):
+        gg._launch_mm(gg.SWIGLU, x, None, weight_operand(w_gate, "mxfp8", 2, "w"), mxfp8_quantize(w_up, 2, "w"),
+                      group_end, [c, c.clone(), c.clone()], warp_specialized=False)
 
 
 def test_wide_scale_experts_flags_scales_past_2_pow_7():

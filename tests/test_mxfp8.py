@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from titan_mok.mxfp8 import E4M3_MAX, MXTensor, fake_quantize_mxfp8, to_mxfp8
+from titan_mok.mxfp8 import E4M3_MAX, MXTensor, fake_quantize_mxfp8, from_mma_order, to_mma_order, to_mxfp8
 
 # Every finite non-negative E4M3 value, indexed by its bit pattern 0x00..0x7E.
 E4M3_POS = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
@@ -108,6 +108,22 @@ def test_dim_is_a_transpose_and_bf16_input(dim):
     assert torch.equal(_bits(mx.scale).movedim(dim, -1), _bits(ref.scale))
     assert torch.equal(fake_quantize_mxfp8(x, dim), mx.dequantize())
     assert isinstance(mx, MXTensor) and mx.dim == dim % 2
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_mma_order_places_each_thread_pairs_together(dim):
+    """MMA order stores block element k = 16c + 8h + 2t + l at 8t + 4c + 2h + l (the pairs thread t of a quad
+    holds in two k16 wgmma steps, adjacent), the scales untouched; dequantize() reads it back."""
+    x = (torch.randn(64, 96, generator=torch.Generator().manual_seed(5)) * 10).to(torch.bfloat16)
+    mx, index = to_mxfp8(x, dim, mma_order=True), to_mxfp8(x, dim)
+    stored, want = _bits(mx.data).movedim(dim, -1), _bits(index.data).movedim(dim, -1)
+    for k in range(32):
+        c, h, t, l = k // 16, k // 8 % 2, k // 2 % 4, k % 2
+        assert torch.equal(stored[..., 32 + 8 * t + 4 * c + 2 * h + l], want[..., 32 + k]), k
+    assert torch.equal(_bits(mx.scale), _bits(index.scale))
+    assert mx.mma_order and torch.equal(mx.dequantize(), index.dequantize())
+    assert torch.equal(_bits(from_mma_order(mx.data, dim)), _bits(index.data))
+    assert torch.equal(_bits(to_mma_order(index.data, dim)), _bits(mx.data))
 
 
 def test_bad_input_errors_name_the_tensor():

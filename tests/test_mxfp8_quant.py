@@ -25,7 +25,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def assert_same_mx(name, tri, ref):
-    assert tri.dim == ref.dim, name
+    assert tri.dim == ref.dim and tri.mma_order == ref.mma_order, name
     for part in ("data", "scale"):
         a, b = getattr(tri, part).view(torch.uint8), getattr(ref, part).view(torch.uint8)
         assert a.shape == b.shape, f"{name}.{part}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
@@ -62,13 +62,30 @@ def test_bf16_weights_3d(dim):
 
 @pytest.mark.parametrize("shape", [(2, 64, 96), (3, 96, 48)])
 def test_quantize_transposed_bits(shape):
-    """One pass over w [E, X, Y] gives to_mxfp8(w^T, 2) with contiguous [E, Y, X] data."""
+    """One pass over w [E, X, Y] gives to_mxfp8(w^T, 2) with contiguous [E, Y, X] data and [E, Y, X/32] scales."""
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(shape, generator=g) * torch.logspace(-4, 4, shape[-1])).to(torch.bfloat16).to(DEVICE)
     w[0, :32, 0] = float("nan")  # one bad block: NaN scale, 0x7F elements
     mx = mxfp8_quantize_transposed(w, "w")
     assert mx.data.is_contiguous() and mx.data.shape == (shape[0], shape[2], shape[1])
+    assert mx.scale.is_contiguous()
     assert_same_mx(f"w^T {shape}", mx, ref_mxfp8_quantize(w.transpose(1, 2).contiguous(), 2))
+
+
+@pytest.mark.parametrize("dim", [2, 1])
+def test_quantize_in_mma_order_bits(dim):
+    """mma_order: the rows kernel (dim 2) and the columns kernel (dim 1, and the transposed pass) store each block's
+    elements in MMA order, bit-identical to to_mxfp8(..., mma_order=True); the values are the index-order ones."""
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(2, 96, 64, generator=g) * torch.logspace(-4, 4, 64)).to(torch.bfloat16).to(DEVICE)
+    w[1, :32, 5] = float("nan")
+    mx = mxfp8_quantize(w, dim, mma_order=True)
+    assert_same_mx(f"w dim={dim}", mx, ref_mxfp8_quantize(w, dim, mma_order=True))
+    index = ref_mxfp8_quantize(w, dim)
+    assert torch.equal(mx.dequantize().nan_to_num(7.0), index.dequantize().nan_to_num(7.0))
+    if dim == 1:
+        assert_same_mx("w^T", mxfp8_quantize_transposed(w, "w", mma_order=True),
+                       ref_mxfp8_quantize(w.transpose(1, 2).contiguous(), 2, mma_order=True))
 
 
 def test_fake_quantize_bits():

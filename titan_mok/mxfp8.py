@@ -41,17 +41,40 @@ class MXTensor:
     """An MXFP8 tensor: E4M3 ``data`` (shape of the source) and E8M0 ``scale``.
 
     ``scale`` has the source's shape with ``dim`` divided by 32; ``dim`` is stored
-    non-negative.
+    non-negative. ``mma_order``: within each block the elements are stored in the order
+    Hopper's bf16 wgmma holds its register operand (``to_mma_order``), not in index order.
     """
 
     data: torch.Tensor
     scale: torch.Tensor
     dim: int
+    mma_order: bool = False
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """data * 2^e, computed in fp32 (the exact product, rounded once to fp32), cast to ``dtype``."""
+        data = from_mma_order(self.data, self.dim) if self.mma_order else self.data
         scale = e8m0_values(self.scale).repeat_interleave(BLOCK, dim=self.dim)  # shape of data
-        return (self.data.float() * scale).to(dtype)
+        return (data.float() * scale).to(dtype)
+
+
+# A block's index k = 16c + 8h + 2t + l (c: which k16 MMA step, t: which thread of a quad holds it, h: low or
+# high 8 of the step, l: which of a pair). Hopper's bf16 wgmma gives thread t of a quad the pairs at
+# 2t and 2t + 8 of each step (PTX ISA, "wgmma register fragment A"); stored at 8t + 4c + 2h + l, a
+# thread's four pairs of a block are 8 adjacent bytes, one shared-memory load instead of four.
+_INDEX_ORDER_DIMS = (2, 2, 4, 2)  # (c, h, t, l)
+_MMA_ORDER_DIMS = (4, 2, 2, 2)  # (t, c, h, l)
+
+
+def to_mma_order(data: torch.Tensor, dim: int) -> torch.Tensor:
+    """``data`` (blocks of 32 along ``dim``, index order) with each block's elements in MMA order."""
+    blocks = data.movedim(dim, -1).unflatten(-1, (-1, *_INDEX_ORDER_DIMS))
+    return blocks.permute(*range(blocks.dim() - 4), -2, -4, -3, -1).flatten(-5).movedim(-1, dim).contiguous()
+
+
+def from_mma_order(data: torch.Tensor, dim: int) -> torch.Tensor:
+    """The inverse of ``to_mma_order``."""
+    blocks = data.movedim(dim, -1).unflatten(-1, (-1, *_MMA_ORDER_DIMS))
+    return blocks.permute(*range(blocks.dim() - 4), -3, -2, -4, -1).flatten(-5).movedim(-1, dim).contiguous()
 
 
 def e8m0_values(scale: torch.Tensor) -> torch.Tensor:
@@ -93,8 +116,9 @@ def scale_exponent_of_amax(amax: torch.Tensor) -> torch.Tensor:
     return exp.clamp(E8M0_MIN_EXP, E8M0_BIAS)
 
 
-def to_mxfp8(x: torch.Tensor, dim: int = -1, name: str = "x") -> MXTensor:
-    """Quantize ``x`` to MXFP8 with blocks of 32 along ``dim`` (the rules in the module docstring).
+def to_mxfp8(x: torch.Tensor, dim: int = -1, name: str = "x", mma_order: bool = False) -> MXTensor:
+    """Quantize ``x`` to MXFP8 with blocks of 32 along ``dim`` (the rules in the module docstring),
+    the elements stored in MMA order if ``mma_order``.
 
     ``name`` names the tensor in error messages. Raises when ``x.shape[dim]`` is not a
     multiple of 32.
@@ -111,9 +135,11 @@ def to_mxfp8(x: torch.Tensor, dim: int = -1, name: str = "x") -> MXTensor:
     q = (x_blk * inv_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     q_bits = torch.where(finite.unsqueeze(-1), q.view(torch.uint8), E4M3_NAN)
     s_bits = torch.where(finite, exp + E8M0_BIAS, E8M0_NAN).to(torch.uint8)
-    data = q_bits.flatten(-2).movedim(-1, dim).contiguous().view(torch.float8_e4m3fn)
+    data = q_bits.flatten(-2).movedim(-1, dim).contiguous()
+    if mma_order:
+        data = to_mma_order(data, dim)
     scale = s_bits.movedim(-1, dim).contiguous().view(SCALE_DTYPE)
-    return MXTensor(data=data, scale=scale, dim=dim)
+    return MXTensor(data=data.view(torch.float8_e4m3fn), scale=scale, dim=dim, mma_order=mma_order)
 
 
 def fake_quantize_mxfp8(x: torch.Tensor, dim: int = -1, name: str = "x") -> torch.Tensor:

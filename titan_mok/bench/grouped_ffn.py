@@ -124,8 +124,8 @@ def ffn_operands(c, precision, fp8_mma=False):
     dgrad the transposed views; MXFP8 pre-quantized in that layout) and the saved activations
     g, u, h and dgate, dup."""
     weights = {"w_gate": c.w_gate, "w_up": c.w_up, "w_down": c.w_down}
-    wg, wu, wd = (weight_operand(w, precision, 2, name) for name, w in weights.items())
-    wg_t, wu_t, wd_t = (weight_operand(w, precision, 1, name) for name, w in weights.items())
+    wg, wu, wd = (weight_operand(w, precision, 2, name, mma_order=not fp8_mma) for name, w in weights.items())
+    wg_t, wu_t, wd_t = (weight_operand(w, precision, 1, name, mma_order=not fp8_mma) for name, w in weights.items())
     g, u, h = gg.grouped_gate_up_swiglu(c.x, c.group_end, wg, wu, None, fp8_mma=fp8_mma)
     dg, du = gg.grouped_down_dgrad_swiglu(c.dy, c.group_end, wd_t, g, u, None)
     return (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du)
@@ -353,7 +353,7 @@ TUNE_VARIANTS = {
 def gemms_by_kind(c, precision, fp8_mma=False):
     """One grouped GEMM of each kind in this precision, keyed by the ``_MM_CONFIGS`` entry that picks
     its kernel on CUDA: "bf16/<kind>", for MXFP8 "mxfp8_ws/<kind>", with fp8_mma "mxfp8_fp8_ws/<kind>"."""
-    (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision)
+    (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision, fp8_mma)
     ge = c.group_end
     key = ("mxfp8_fp8_ws" if fp8_mma else "mxfp8_ws") if precision == "mxfp8" else precision
     f8 = dict(fp8_mma=fp8_mma)

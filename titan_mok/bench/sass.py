@@ -140,8 +140,11 @@ def ffn_pass_kernels(shape: str, rows_per_expert: int, precision: str, num_exper
                     reports.append({"step": label, **kernel_report(name, kernel)})
             return result
 
-        fwd = step("weights: forward layout", lambda: {n: weight_operand(w, precision, 2, n) for n, w in weights.items()})
-        bwd = step("weights: dgrad layout", lambda: {n: weight_operand(w, precision, 1, n) for n, w in weights.items()})
+        order = dict(mma_order=not fp8_mma)  # E4M3 MMAs read the weights in index order
+        fwd = step("weights: forward layout",
+                   lambda: {n: weight_operand(w, precision, 2, n, **order) for n, w in weights.items()})
+        bwd = step("weights: dgrad layout",
+                   lambda: {n: weight_operand(w, precision, 1, n, **order) for n, w in weights.items()})
         f8 = dict(fp8_mma=fp8_mma)
         step("fwd: gate/up + SwiGLU",
              lambda: gg.grouped_gate_up_swiglu(x, group_end, fwd["w_gate"], fwd["w_up"], None, **f8))
