@@ -175,9 +175,9 @@ def _w_operand(w_buf, q: gl.constexpr, half: gl.constexpr, bits, WIDE: gl.conste
     else:  # the tile is [BN, 32 * KB]
         blk = w_buf.slice(half * 64, 64, dim=0).slice(q * 32, 32, dim=1)
     if MMA_ORDER:
-        w = mx_dequantize_bits_sm90(blk.load(_mma_order_layout()), bits, 1, WIDE)
+        w = mx_dequantize_bits_sm90(blk.load(_mma_order_layout()), bits, 1, WIDE, True)
         return _index_order(w, W_OP)
-    return mx_dequantize_bits_sm90(blk.load(W_OP), gl.convert_layout(bits, gl.SliceLayout(1, W_OP)), 1, WIDE)
+    return mx_dequantize_bits_sm90(blk.load(W_OP), gl.convert_layout(bits, gl.SliceLayout(1, W_OP)), 1, WIDE, False)
 
 
 @gluon.jit

@@ -72,10 +72,25 @@ def mx_dequantize_bits(q, bits, AXIS: tl.constexpr):
 WIDE_SCALE_BITS = tl.constexpr(134)
 
 
+def _e4m3_pair_ptx(src: str, selector: str, dst: str, scale: str) -> str:
+    """PTX: the two E4M3 bytes of ``src`` that PRMT ``selector`` picks, each with a sign-replicated byte above it,
+    shifted and masked into two bf16 of q * 2^-120, then times the bf16x2 ``scale`` into ``dst``."""
+    return (f"prmt.b32 t, {src}, 0, {selector}; shl.b32 t, t, 4; and.b32 t, t, 0x87F087F0; "
+            f"mul.rn.bf16x2 {dst}, t, {scale}; ")
+
+
+# one instance per pair of bytes (a 16-bit operand), or per 4-byte word (two pairs: bytes 0, 1 and 2, 3)
+_DEQUANT_PAIR_PTX = tl.constexpr("{ .reg .b32 t; cvt.u32.u16 t, $1; " + _e4m3_pair_ptx("t", "0x9180", "$0", "$2") + "}")
+_DEQUANT_WORD_PTX = tl.constexpr("{ .reg .b32 t; " + _e4m3_pair_ptx("$2", "0x9180", "$0", "$3")
+                                 + _e4m3_pair_ptx("$2", "0xB3A2", "$1", "$4") + "}")
+
+
 @triton.jit
-def mx_dequantize_bits_sm90(q, bits, AXIS: tl.constexpr, wide):
+def mx_dequantize_bits_sm90(q, bits, AXIS: tl.constexpr, wide, WORDS: tl.constexpr):
     """mx_dequantize_bits, the same bits, by inline PTX for CUDA (not Triton's interpreter): 4 instructions
-    per pair of elements where the conversion through fp32 takes 6 (NOTES.md, session 15).
+    per pair of elements where the conversion through fp32 takes 6 (NOTES.md, session 15). WORDS: a thread
+    holds q's elements in 4-byte words (MMA order: 4 adjacent elements of a row), else in 2-byte pairs; each
+    form reads its registers without repacking.
 
     Each E4M3 byte placed in a bf16 (its sign; its 4 exponent bits as the exponent's low bits; its 3
     mantissa bits on top) is q * 2^-120 exactly, subnormals included; a bf16x2 multiply by 2^(b - 7)
@@ -84,21 +99,14 @@ def mx_dequantize_bits_sm90(q, bits, AXIS: tl.constexpr, wide):
     included) adds a second multiply by 2^(b - 134), NaN for 0xFF. The E4M3 NaN codes (0x7F, 0xFF)
     decode as finite values here; to_mxfp8 writes them only into blocks of the NaN scale."""
     b = tl.expand_dims(bits.to(tl.int32), AXIS)
-    m1 = ((tl.minimum(b, WIDE_SCALE_BITS) + 120) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    y = tl.inline_asm_elementwise(
-        """{
-        .reg .b32 lo, hi;
-        prmt.b32 lo, $2, 0, 0x9180;
-        prmt.b32 hi, $2, 0, 0xB3A2;
-        shl.b32 lo, lo, 4;
-        shl.b32 hi, hi, 4;
-        and.b32 lo, lo, 0x87F087F0;
-        and.b32 hi, hi, 0x87F087F0;
-        mul.rn.bf16x2 $0, lo, $3;
-        mul.rn.bf16x2 $1, hi, $4;
-        }""",  # [q0, sign(q0), q1, sign(q1)] bytes, shifted and masked: two bf16 of q * 2^-120 (and q2, q3)
-        "=r,=r,r,r,r", [q.to(tl.int8, bitcast=True), tl.broadcast_to(m1, q.shape)], dtype=tl.bfloat16,
-        is_pure=True, pack=4)
+    m1 = tl.broadcast_to(((tl.minimum(b, WIDE_SCALE_BITS) + 120) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True),
+                         q.shape)
+    if WORDS:
+        y = tl.inline_asm_elementwise(_DEQUANT_WORD_PTX, "=r,=r,r,r,r", [q.to(tl.int8, bitcast=True), m1],
+                                      dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        y = tl.inline_asm_elementwise(_DEQUANT_PAIR_PTX, "=r,h,r", [q.to(tl.int8, bitcast=True), m1],
+                                      dtype=tl.bfloat16, is_pure=True, pack=2)
     if wide:
         m2 = tl.where(b == 255, 0x7FC0, (tl.maximum(b, WIDE_SCALE_BITS) - 7) << 7)
         y = y * m2.to(tl.int16).to(tl.bfloat16, bitcast=True)

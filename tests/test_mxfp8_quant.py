@@ -116,14 +116,19 @@ def test_real_sizes_gpu(shape, dim):
     x = x.to(torch.bfloat16)
     x.view(-1)[:: 997] = 0.0
     assert_same_mx(f"{shape} dim={dim}", mxfp8_quantize(x, dim), ref_mxfp8_quantize(x, dim))
+    if x.dim() == 3:  # an expert weight: also as weight_operand quantizes it
+        assert_same_mx(f"{shape} dim={dim} MMA order", mxfp8_quantize(x, dim, mma_order=True),
+                       ref_mxfp8_quantize(x, dim, mma_order=True))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_quantize_transposed_real_size_gpu():
+@pytest.mark.parametrize("mma_order", [False, True])
+def test_quantize_transposed_real_size_gpu(mma_order):
     g = torch.Generator(device="cuda").manual_seed(5)
     w = (torch.randn(4, 2048, 7168, device="cuda", generator=g) * 0.02).to(torch.bfloat16)  # [E, I, H] gate weight
-    assert_same_mx("w^T", mxfp8_quantize_transposed(w, "w"), ref_mxfp8_quantize(w.transpose(1, 2).contiguous(), 2))
+    assert_same_mx("w^T", mxfp8_quantize_transposed(w, "w", mma_order=mma_order),
+                   ref_mxfp8_quantize(w.transpose(1, 2).contiguous(), 2, mma_order=mma_order))
 
 
 @pytest.mark.gpu
@@ -138,18 +143,19 @@ def test_more_than_2_pow_31_elements_gpu():
 
 
 @triton.jit
-def _dequantize_both(q_ptr, bits_ptr, ref_ptr, out_ptr, wide):
+def _dequantize_both(q_ptr, bits_ptr, ref_ptr, out_ptr, wide, WORDS: tl.constexpr):
     """Rows of 32 E4M3 codes with a scale each, through mx_dequantize_bits and mx_dequantize_bits_sm90."""
     rows = tl.program_id(0) * 64 + tl.arange(0, 64)
     off = rows[:, None] * 32 + tl.arange(0, 32)[None, :]
     q, bits = tl.load(q_ptr + off), tl.load(bits_ptr + rows)
     tl.store(ref_ptr + off, mx_dequantize_bits(q, bits, 1))
-    tl.store(out_ptr + off, mx_dequantize_bits_sm90(q, bits, 1, wide != 0))
+    tl.store(out_ptr + off, mx_dequantize_bits_sm90(q, bits, 1, wide != 0, WORDS))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_sm90_dequantize_matches_reference_bits_gpu():
+@pytest.mark.parametrize("words", [True, False])
+def test_sm90_dequantize_matches_reference_bits_gpu(words):
     """mx_dequantize_bits_sm90 (inline PTX) against mx_dequantize_bits over every (E4M3 code, E8M0 scale) pair:
     with ``wide`` the same bits everywhere but at the E4M3 NaN codes under a finite scale (which to_mxfp8 never
     writes: its NaN elements sit in NaN-scale blocks); without it the same for every scale up to 2^7."""
@@ -160,7 +166,7 @@ def test_sm90_dequantize_matches_reference_bits_gpu():
     finite_scale = (bits != 255)[:, None]
     for wide in (1, 0):
         ref, out = (torch.empty(2048, 32, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-        _dequantize_both[(32,)](q, bits, ref, out, wide)
+        _dequantize_both[(32,)](q, bits, ref, out, wide, words)
         checked = ~(nan_code & finite_scale)
         if not wide:
             checked &= (bits <= WIDE_SCALE_BITS.value)[:, None]
