@@ -311,7 +311,8 @@ def _mm_tile(a1_desc, a2_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_pt
                 k = k0 + j * KB
                 s2 = s2_next
                 s2_next = _scale_bits(s_ptrs2, k + KB, n_ok, K, stride_sk, MX)
-                acc1 = _dot(a2_desc.load([m0, k]), _b_tile(b2_desc, e, n0, k, N, K, s2, B_KN, MMA_ORDER, MX), acc1, DOT_F32)
+                b = _b_tile(b2_desc, e, n0, k, N, K, s2, B_KN, MMA_ORDER, MX)
+                acc1 = _dot(a2_desc.load([m0, k]), b, acc1, DOT_F32)
 
     c_off = rows[:, None].to(tl.int64) * N + offs_n[None, :]
     _epilogue(acc1, acc2, c_off, row_ok[:, None] & n_ok[None, :], c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,

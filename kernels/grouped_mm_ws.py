@@ -13,7 +13,9 @@ the dequantized weights are the MMA's register operand and never go back to shar
   (E4M3 * 2^e -> bf16, exact; ``mxfp8_quant.mx_dequantize_bits_sm90``: bit placement and one bf16x2
   multiply, a second one for experts whose scales pass 2^7, chosen per tile) in registers, issue their
   wgmmas, wait, hand the slot back, and at the end store their half of the tile
-  (``grouped_tiles._epilogue``, shared with the Triton kernel).
+  (``grouped_tiles._epilogue``, shared with the Triton kernel). Weights in MMA order
+  (``MXTensor.mma_order``, as the MoE layer quantizes them) reach the registers by one 8-byte shared
+  load per row and block, in index order by four 2-byte ones; a row's four scales by one 4-byte load.
 
 A consumer defines all of a load's register operands before its first wgmma: a register operand
 redefined while a wgmma is in flight makes ptxas serialize every wgmma of the kernel. So a warpgroup

@@ -202,7 +202,8 @@ def _mx_quant_rows_kernel(
 
 @triton.jit
 def _mx_quant_cols_kernel(
-    x_ptr, q_ptr, s_ptr,  # x [P, D, Q] contiguous; q [P, D, Q] and s [P, D/32, Q] uint8 ([P, Q, D], [P, Q, D/32] if TRANSPOSED)
+    # x [P, D, Q] contiguous; q [P, D, Q] and s [P, D/32, Q] uint8 ([P, Q, D] and [P, Q, D/32] if TRANSPOSED)
+    x_ptr, q_ptr, s_ptr,
     D, Q,
     BD: tl.constexpr, BQ: tl.constexpr, TRANSPOSED: tl.constexpr, MMA_ORDER: tl.constexpr,
 ):
