@@ -19,7 +19,8 @@ Two GEMM shapes cover the expert FFN's forward and backward:
   ``grouped_wgrads``: several such pairs, an operand shared by two quantized once for MXFP8.
 
 Precision: bf16 operands, or MXFP8 (DESIGN §6). Weights arrive as ``MXTensor`` blocked along
-K (quantized once per pass by ``mxfp8_quantize``, in the layout each GEMM reads). Activations
+K (quantized once per pass by ``mxfp8_quantize``, in the layout each GEMM reads; the MoE layer's
+in MMA order, ``MXTensor.mma_order``, which every kernel but the E4M3-MMA ones reads). Activations
 are quantized once per GEMM by a one-pass kernel with the reference rule (``mx_quantize_block``),
 along K for grouped_mm and along the token axis for grouped_wgrad (blocks of 32 rows starting at
 each group's first row; a group's last block is zero-padded), so no tile re-quantizes its A.
