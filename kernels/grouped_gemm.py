@@ -67,6 +67,7 @@ from titan_mok.kernels.mxfp8_quant import (
     WIDE_SCALE_BITS,
     mx_dequantize_bf16,
     mx_dequantize_bits,
+    mx_from_mma_order,
     mx_quantize_block,
     mx_scale_of_bits,
     mxfp8_fake_quantize,
@@ -342,8 +343,8 @@ def _b_tile(b_desc, e, n0, k, N, K, s_bits, B_KN: tl.constexpr, MMA_ORDER: tl.co
         b = b_desc.load([e * N + n0, k])
         if MX:
             b = mx_dequantize_bits(b, s_bits, 1)
-        if MMA_ORDER:  # stored (t, c, h, l), index order (c, h, t, l): titan_mok.mxfp8.to_mma_order
-            b = tl.reshape(tl.permute(tl.reshape(b, (b.shape[0], 4, 2, 2, 2)), (0, 2, 3, 1, 4)), (b.shape[0], 32))
+        if MMA_ORDER:
+            b = mx_from_mma_order(b, b.shape[0])
         b = tl.trans(b)
     return b
 
@@ -638,9 +639,7 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     if b_kn and mma_order:
         raise ValueError("a weight in MMA order (MXTensor.mma_order) must be a contiguous [E, N, K], not a transposed "
                          "view")
-    scales = (b1_s, b2_s) if mx else (a1, a1)  # bf16: never read
-    after_scales = (c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
-                    *(b1_s.stride() if mx else (0, 0, 0)), limit)
+    outs_and_groups = (c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts)
     half = common["HALF_TILES"] = common.get("HALF_TILES", False) and bm >= 128
     if warp_specialized:
         persistent = common.pop("PERSISTENT")
@@ -653,13 +652,14 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         s1 = _scales_by_row(b1_s)
         s2 = s1 if b2_s is b1_s else _scales_by_row(b2_s)
         grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, sa_t1, sa_t2, sa_t1.stride(0), s1, s2, wide_E,
-                             c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts, *s1.stride()[:2], limit,
+                             *outs_and_groups, *s1.stride()[:2], limit,
                              B_KN=b_kn, MMA_ORDER=mma_order, KB=grouped_mm_ws.KB, FP8_MMA=fp8_mma, **common)
     else:
         a_half = ([_tma_descriptor(a, [bm // 2, block_k], name) for name, a in (("a1", a1), ("a2", a2))] if half
                   else a_descs)
-        _grouped_mm_tma_kernel[grid](*a_descs, *a_half, *b_descs, *scales, *after_scales, MX=mx, B_KN=b_kn,
-                                     MMA_ORDER=mma_order, DOT_F32=_DOT_F32, **common)
+        sb1, sb2, s_strides = (b1_s, b2_s, b1_s.stride()) if mx else (a1, a1, (0, 0, 0))  # bf16: never read
+        _grouped_mm_tma_kernel[grid](*a_descs, *a_half, *b_descs, sb1, sb2, *outs_and_groups, *s_strides, limit,
+                                     MX=mx, B_KN=b_kn, MMA_ORDER=mma_order, DOT_F32=_DOT_F32, **common)
 
 
 def _scales_by_row(bits_ENB: torch.Tensor) -> torch.Tensor:

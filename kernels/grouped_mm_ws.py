@@ -280,16 +280,14 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
     offs_w = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _mma_order_layout()))
     n_ok = offs_w < N
     s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
-    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, _first_step(0, loads_per_pair, k_steps, KB), k_steps, n_steps,
-                      MODE, NB)
+    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, 0, loads_per_pair, k_steps, n_steps, MODE, NB, KB)
     acc1 = gl.zeros([64, BMT], gl.float32, ACC)
     if NB == 2:
         acc2 = gl.zeros([64, BMT], gl.float32, ACC)
     for l in range(n_loads):
         s = c % STAGES
         # the next load's scale bits: their global-load latency overlaps this load's conversions and MMAs
-        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, _first_step(l + 1, loads_per_pair, k_steps, KB), k_steps,
-                         n_steps, MODE, NB)
+        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, l + 1, loads_per_pair, k_steps, n_steps, MODE, NB, KB)
         mbarrier.wait(full.index(s), (c // STAGES) & 1)
         w1a, w2a = _w_operands(w_bufs, s, 0, half, bits[0], WIDE, B_KN, MMA_ORDER, NB, W_OP)
         w1b, w2b = _w_operands(w_bufs, s, 1, half, bits[1], WIDE, B_KN, MMA_ORDER, NB, W_OP)
@@ -316,10 +314,12 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
 
 
 @gluon.jit
-def _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, i0, k_steps, n_steps, MODE: gl.constexpr, NB: gl.constexpr):
-    """Raw E8M0 bits of the weight rows' four K blocks from step i0, ((b1, b2) per block; 127, i.e. 2^0, past the
-    last block). The scales are contiguous along K and i0 is a multiple of 4: one 4-byte load per row and weight
-    (DUAL: the second pair's steps follow the first's, B2's scales)."""
+def _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, l, loads_per_pair, k_steps, n_steps, MODE: gl.constexpr,
+               NB: gl.constexpr, KB: gl.constexpr):
+    """Raw E8M0 bits of the weight rows' four K blocks of load l, ((b1, b2) per block; 127, i.e. 2^0, past the
+    last load). The scales are contiguous along K and a load's first step is a multiple of 4: one 4-byte load per
+    row and weight (DUAL: the second pair's steps follow the first's, B2's scales)."""
+    i0 = _first_step(l, loads_per_pair, k_steps, KB)
     second = i0 >= k_steps
     kb = i0 - gl.where(second, k_steps, 0)
     ok = n_ok & (i0 < n_steps)
@@ -380,13 +380,11 @@ def _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_w,
         pb2 = gl.zeros([64, BMT], gl.float32, ACC)
     else:  # no second set carried through the loop
         acc2, pa2, pb2 = acc1, pa1, pb1
-    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, _first_step(0, loads_per_pair, k_steps, KB), k_steps, n_steps,
-                      MODE, NB)
+    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, 0, loads_per_pair, k_steps, n_steps, MODE, NB, KB)
     for l in range(n_loads):
         s = c % STAGES
         # the next load's scale bits: their global-load latency overlaps this load's MMAs
-        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, _first_step(l + 1, loads_per_pair, k_steps, KB), k_steps,
-                         n_steps, MODE, NB)
+        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, l + 1, loads_per_pair, k_steps, n_steps, MODE, NB, KB)
         mbarrier.wait(full.index(s), (c // STAGES) & 1)
         pa1, pa2 = _fp8_partials(a_bufs, w_bufs, s, 0, half, pa1, pa2, NB, BMT)
         pb1, pb2 = _fp8_partials(a_bufs, w_bufs, s, 1, half, pb1, pb2, NB, BMT)

@@ -175,6 +175,12 @@ def mx_to_mma_order(q, AXIS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexp
 
 
 @triton.jit
+def mx_from_mma_order(w, ROWS: tl.constexpr):
+    """Block w [ROWS, 32] stored in MMA order, back in index order (titan_mok.mxfp8.from_mma_order)."""
+    return tl.reshape(tl.permute(tl.reshape(w, (ROWS, 4, 2, 2, 2)), (0, 2, 3, 1, 4)), (ROWS, 32))
+
+
+@triton.jit
 def _mx_quant_rows_kernel(
     x_ptr, q_ptr, s_ptr,  # x [P, D] row-major; q [P, D] uint8 (bf16 if FAKE); s [P, D/32] uint8
     P, D,
