@@ -43,7 +43,7 @@ Row-batch invariance: every row goes through the same instruction sequence whate
 size or its position in a tile. Tile shapes (``_MM_CONFIGS``) depend on the kind of GEMM and the
 precision, and the token tile also on the rows held per expert (``_mm_config``): a row's bits do
 not follow the token tile (each MMA sums a row's K in the same order whatever its M or N; a GPU
-test compares 64- and 128-token tiles bit for bit), so that choice keeps them.
+test compares 64-, 128- and 256-token tiles bit for bit), so that choice keeps them.
 
 Grid: tiles are enumerated expert by expert (tile prefix sums computed on the device), and
 within an expert in GROUP_M-row super-tiles, so the programs of one expert's N-tiles run side
@@ -137,13 +137,23 @@ _MM_CONFIGS = {
     # The bf16 SwiGLU backward at 128 tokens spills (255 registers); its 64-token tiles were 4.6-8%
     # faster than HALF_TILES' 64-row path in the 128-token kernel at EP=1, skewed routing (session 12).
     "bf16/swiglu_bwd@few_rows": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    # At many rows per expert (the compute regime): 256-token tiles double the MMA time per dequantized
+    # weight load, which is what lets the two consumer warpgroups hide each other's dequantization; two
+    # stages to fit shared memory. 8 x 4096 rows, all four shapes: plain 8-11% and dual 8-10% faster
+    # (NOTES.md, session 17). SwiGLU gate/up (two accumulators) cannot fit, its backward spills.
+    "mxfp8_ws/plain@many_rows": dict(BM=256, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=240,
+                                     num_warps=4),
+    "mxfp8_ws/dual@many_rows": dict(BM=256, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=240,
+                                    num_warps=4, HALF_TILES=True),
 }
-# Few rows: when the experts hold at most _FEW_ROWS rows each on average (the MoE regime at EP=1),
-# the kind's "<key>@few_rows" config where there is one, else its config with _FEW_ROWS-token tiles
-# instead of a BM whose MMAs would run mostly on padding rows: balanced routing at 32-64 rows per
-# expert, 8-30% faster for every kind in both precisions (NOTES.md, session 9). From the row count of
-# the operand (padding included), so the host never syncs.
+# Rows tiers, from the experts' average rows (the operand's row count, padding included, so the host
+# never syncs); a kind's "<key>@<tier>" config runs where there is one.
+# - "few_rows", at most _FEW_ROWS on average (the MoE regime at EP=1): else the kind's config with
+#   _FEW_ROWS-token tiles instead of a BM whose MMAs would run mostly on padding rows: balanced routing
+#   at 32-64 rows per expert, 8-30% faster for every kind in both precisions (NOTES.md, session 9).
+# - "many_rows", at least _MANY_ROWS on average (few experts per GPU, or the compute regime).
 _FEW_ROWS = 64
+_MANY_ROWS = 1024
 # Weight gradient: the flat loop while experts average fewer than _WGRAD_FLAT_MAX_ROWS rows (a
 # static property of the shapes, so the choice never depends on the routing), else the row loop;
 # each with its tiles (BR rows summed per MMA step; same bits for any BR on the GPU: NOTES.md,
@@ -595,9 +605,9 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     if mma_order and fp8_mma:
         raise ValueError("fp8_mma: E4M3 MMAs read the weights in index order; quantize them with mma_order=False")
     num_experts, n, k = b1_data.shape
-    few_rows = has_few_rows(a1.shape[0], num_experts)
+    tier = rows_tier(a1.shape[0], num_experts)
     ws_key = mm_config_key(mode, True, fp8_mma, True)
-    ws_cfg = _mm_config(ws_key, few_rows) if mx else None
+    ws_cfg = _mm_config(ws_key, tier) if mx else None
     ws_k = 32 * grouped_mm_ws.KB  # its loads take K in blocks of ws_k
     if warp_specialized is None:
         warp_specialized = _on_cuda(b1_data) and not _DOT_F32 and ws_cfg is not None and k % ws_k == 0
@@ -608,7 +618,7 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     if warp_specialized and k % ws_k:
         raise ValueError(f"the warp-specialized kernel needs K (here {k}) to be a multiple of {ws_k}; "
                          "the Triton kernel runs any K")
-    cfg = ws_cfg if warp_specialized else _mm_config(mm_config_key(mode, mx, fp8_mma), few_rows)
+    cfg = ws_cfg if warp_specialized else _mm_config(mm_config_key(mode, mx, fp8_mma), tier)
     if a1.shape[1] != k:
         raise ValueError(f"A operand has K = {a1.shape[1]}, B has K = {k}")
     if group_end_E.shape != (num_experts,):
@@ -681,21 +691,23 @@ def _on_cuda(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def has_few_rows(rows: int, num_experts: int) -> bool:
-    """Whether the experts average at most _FEW_ROWS rows (padding included): the few-rows configs."""
-    return rows <= _FEW_ROWS * num_experts
+def rows_tier(rows: int, num_experts: int) -> str:
+    """The rows tier ("few_rows", "many_rows" or "") of experts averaging rows / num_experts rows."""
+    if rows <= _FEW_ROWS * num_experts:
+        return "few_rows"
+    return "many_rows" if rows >= _MANY_ROWS * num_experts else ""
 
 
-def _mm_config(key: str, few_rows: bool) -> dict | None:
-    """The kind's tile config (None: no warp-specialized config); with few rows per expert, its
-    "@few_rows" config where there is one, else (but for HALF_TILES configs, whose half tiles are
+def _mm_config(key: str, tier: str) -> dict | None:
+    """The kind's tile config (None: no warp-specialized config) in this rows tier: its "@<tier>"
+    config where there is one; else with few rows (but for HALF_TILES configs, whose half tiles are
     those experts' tiles already) the same with at most _FEW_ROWS-token tiles."""
     cfg = _MM_CONFIGS[key]
-    if not few_rows or cfg is None:
+    if not tier or cfg is None:
         return cfg
-    if f"{key}@few_rows" in _MM_CONFIGS:
-        return _MM_CONFIGS[f"{key}@few_rows"]
-    if cfg.get("HALF_TILES"):
+    if f"{key}@{tier}" in _MM_CONFIGS:
+        return _MM_CONFIGS[f"{key}@{tier}"]
+    if tier == "many_rows" or cfg.get("HALF_TILES"):
         return cfg
     return {**cfg, "BM": min(cfg["BM"], _FEW_ROWS)}
 

@@ -247,35 +247,62 @@ def test_gpu_real_sizes(name, dim_h, dim_i, counts, precision):
     assert torch.equal(alone[0], tri[0][: counts[0]]) and torch.equal(alone[1], tri[1][: counts[0]])
 
 
-def _tile_runs(monkeypatch, tensors, group_end, **kw):
-    """Forward and backward with the configs' 128-token tiles and with the few-rows configs' 64-token
-    tiles (grouped_gemm._mm_config; on the GPU two programs per SM for the MXFP8 dgrad kinds)."""
+_TIERS = {"": (0, 2**31), "few_rows": (2**31, 2**31), "many_rows": (0, 0)}  # (_FEW_ROWS, _MANY_ROWS) forcing it
+
+
+def _tile_runs(monkeypatch, tensors, group_end, tiers, **kw):
+    """Forward and backward with each rows tier's configs, whatever the rows (grouped_gemm._mm_config):
+    "" the 128-token tiles, "few_rows" 64-token tiles (on the GPU two programs per SM for the MXFP8
+    dgrad kinds), "many_rows" (on the GPU 256-token tiles for the MXFP8 plain and dual kinds)."""
     runs = []
-    for few_rows in (0, 64):  # 0: never "few rows", so BM stays 128; 64: the committed rule (these cases qualify)
-        monkeypatch.setattr(gg, "_FEW_ROWS", few_rows)
+    for tier in tiers:
+        few, many = _TIERS[tier]
+        monkeypatch.setattr(gg, "_FEW_ROWS", few)
+        monkeypatch.setattr(gg, "_MANY_ROWS", many)
+        assert gg.rows_tier(int(group_end[-1]), group_end.numel()) == tier
         runs.append(run(tensors, group_end, use_triton=True, **kw))
     return runs
 
 
+def test_rows_tiers_pick_their_configs(monkeypatch):
+    """The experts' average rows pick the tier; a tier's "@<tier>" config where there is one, else the
+    kind's (with few rows capped at _FEW_ROWS-token tiles unless its half tiles cover them)."""
+    assert [gg.rows_tier(r, 4) for r in (0, 4 * 64, 4 * 64 + 1, 4 * 1024 - 1, 4 * 1024)] == \
+        ["few_rows", "few_rows", "", "", "many_rows"]
+    monkeypatch.setattr(gg, "_MM_CONFIGS", {"k": dict(BM=128), "k@many_rows": dict(BM=256),
+                                            "h": dict(BM=128, HALF_TILES=True), "none": None,
+                                            "none@few_rows": dict(BM=64)})
+    assert gg._mm_config("k", "") == dict(BM=128) and gg._mm_config("k", "many_rows") == dict(BM=256)
+    assert gg._mm_config("k", "few_rows") == dict(BM=64)
+    assert gg._mm_config("h", "few_rows") == dict(BM=128, HALF_TILES=True) == gg._mm_config("h", "many_rows")
+    assert gg._mm_config("none", "few_rows") is None
+
+
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 def test_token_tile_keeps_bits(monkeypatch, precision):
-    """The token tile follows the rows per expert; a row's bits must not (every kind of grouped_mm)."""
+    """The token tile follows the rows per expert; a row's bits must not (every kind of grouped_mm).
+    (No Triton config has a "@many_rows" tier: the GPU test below holds those.)"""
     tensors, group_end = make_case(**CPU_CASE)
-    wide, narrow = _tile_runs(monkeypatch, tensors, group_end, precision=precision, swiglu_limit=0.5)
+    wide, narrow = _tile_runs(monkeypatch, tensors, group_end, ("", "few_rows"), precision=precision,
+                              swiglu_limit=0.5)
     for name, a, b in zip(NAMES, wide, narrow):
         assert torch.equal(a, b), f"{name}: 64- and 128-token tiles give different bits"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=[s[0] for s in GPU_SHAPES])
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
-def test_token_tile_keeps_bits_on_gpu(monkeypatch, precision):
-    """As above at Kimi's sizes, 45 rows per expert: the MXFP8 kinds on the warp-specialized kernel."""
-    name, dim_h, dim_i, counts = GPU_SHAPES[0]
+def test_token_tile_keeps_bits_on_gpu(monkeypatch, precision, shape):
+    """As above at real sizes in all three tiers: the MXFP8 kinds on the warp-specialized kernel
+    (Qwen3.5's 300-row expert fills a 256-token tile and starts another)."""
+    name, dim_h, dim_i, counts = shape
     tensors, group_end = make_case(counts=counts, dim_h=dim_h, dim_i=dim_i, padding=5)
-    wide, narrow = _tile_runs(monkeypatch, tensors, group_end, precision=precision, swiglu_limit=10.0)
-    for n, a, b in zip(NAMES, wide, narrow):
-        assert torch.equal(a, b), f"{name} {n}: 64- and 128-token tiles give different bits"
+    base, *others = _tile_runs(monkeypatch, tensors, group_end, tuple(_TIERS), precision=precision,
+                               swiglu_limit=10.0)
+    for tier, other in zip(list(_TIERS)[1:], others):
+        for n, a, b in zip(NAMES, base, other):
+            assert torch.equal(a, b), f"{name} {n}: the {tier} tiles give other bits than the 128-token ones"
 
 
 def _half_tile_runs(monkeypatch, tensors, group_end, **kw):

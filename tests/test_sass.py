@@ -1,5 +1,6 @@
 """The offline sm_90 report (titan_mok.bench.sass): the kernels of an MXFP8 pass compiled on a
-CPU-only machine, and the two-programs-per-SM promise of the few-rows dgrad configs kept."""
+CPU-only machine, the two-programs-per-SM promise of the few-rows dgrad configs kept, and the
+many-rows configs free of spills."""
 
 import json
 import os
@@ -36,6 +37,17 @@ def test_few_rows_dgrad_kernels_fit_two_programs_per_sm():
         assert r["opcodes"].get("HGMMA", 0) > 0, f"{step}: no wgmma in the SASS"
         want = 2 if step.startswith("dgrad") else 1
         assert r["programs_per_sm"] == want, f"{step}: {r['programs_per_sm']} programs per SM, want {want}: {r}"
+
+
+def test_many_rows_kernels_do_not_spill():
+    """At 1024 rows per expert (the many-rows tier) the MXFP8 plain and dual kinds compile their
+    "@many_rows" configs (256-token tiles, their consumers' register count) with no spill stack."""
+    ws = {r["step"]: r for r in _report("--shape", "qwen", "--rows-per-expert", "1024")
+          if r["kernel"] == "_grouped_mm_mx_ws_kernel"}
+    for step, kind in (("fwd: down", "plain"), ("dgrad: gate/up (dual)", "dual")):
+        cfg = sass.gg._MM_CONFIGS[f"mxfp8_ws/{kind}@many_rows"]
+        assert cfg["CONSUMER_REGS"] in ws[step]["setmaxnreg"], f"{step}: not its many-rows config: {ws[step]}"
+        assert ws[step]["stack_bytes"] == 0, f"{step}: {ws[step]['stack_bytes']} bytes of spill stack"
 
 
 def test_compiling_context_restores_what_it_replaced():

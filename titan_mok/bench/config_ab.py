@@ -9,7 +9,7 @@
 
 Entries: ``_MM_CONFIGS``' keys (grouped_mm's kinds) and the weight gradient's loops as "wgrad/flat"
 and "wgrad/rows" (``_WGRAD_CONFIGS``). ``--set KEY=JSON`` merges a JSON object into the committed
-entry KEY (a new "@few_rows" key starts empty) or, with ``null``, makes a grouped_mm entry None;
+entry KEY (a new "@few_rows" or "@many_rows" key starts empty) or, with ``null``, makes a grouped_mm entry None;
 ``--unset KEY`` removes a grouped_mm entry. The GEMMs compared are those of the tables the variant
 changes (both for a run without ``--set``/``--unset``): grouped_mm's four kinds, and each weight's
 gradient (not with ``--fp8-mma``: the weight gradient has no E4M3-MMA path). Per shape and case (the
@@ -77,9 +77,9 @@ def variant_configs(committed: dict, sets: list[str], unsets: list[str]) -> dict
 
 def _check_key(key: str, committed: dict, flag: str):
     base, _, variant = key.partition("@")
-    if base not in committed or variant not in ("", "few_rows") or (variant and base.startswith(WGRAD)):
-        raise ValueError(f"{flag} {key}: not a config key (an _MM_CONFIGS key, one of them + '@few_rows', or "
-                         f"a weight-gradient loop); keys: {', '.join(sorted(committed))}")
+    if base not in committed or variant not in ("", "few_rows", "many_rows") or (variant and base.startswith(WGRAD)):
+        raise ValueError(f"{flag} {key}: not a config key (an _MM_CONFIGS key, one of them + '@few_rows' or "
+                         f"'@many_rows', or a weight-gradient loop); keys: {', '.join(sorted(committed))}")
 
 
 def case_counts(shape: str, case: str) -> torch.Tensor:

@@ -328,9 +328,10 @@ def _ws_two_per_sm(stages=2, regs=104):  # 64-token tiles, registers capped so t
 
 # MXFP8 on CUDA: None runs the Triton kernel ("mxfp8/<kind>"), a dict the warp-specialized one; each
 # list holds its kind's committed config (SwiGLU gate/up: one program per tile). Only the "@few_rows"
-# lists vary BM: with few rows per expert the launcher takes 64-token tiles (grouped_gemm._mm_config;
-# bf16's HALF_TILES configs their half tiles), so the EP=1 case runs the other lists' variants on
-# 64-token tiles; a "@few_rows" list is timed on that case alone.
+# and "@many_rows" lists vary BM: with few rows per expert the launcher takes 64-token tiles
+# (grouped_gemm._mm_config; bf16's HALF_TILES configs their half tiles), so the EP=1 case runs the
+# other lists' variants on 64-token tiles; a "@<tier>" list is timed on its tier's case alone (the
+# compute case for "@many_rows"), the kind's list then on the other cases.
 TUNE_VARIANTS = {
     **{f"bf16/{kind}": _BF16_VARIANTS for kind in _KINDS},
     "bf16/swiglu_bwd@few_rows": [*_BF16_FEW_ROWS_VARIANTS, _BF16_VARIANTS[1]],
@@ -342,6 +343,9 @@ TUNE_VARIANTS = {
     "mxfp8_ws/swiglu_bwd@few_rows": [_ws(stages=3, regs=248, bm=64), _ws_two_per_sm(), _ws_two_per_sm(regs=112),
                                      _ws_two_per_sm(stages=3)],
     "mxfp8_ws/dual@few_rows": [_ws(bm=64), _ws_two_per_sm(), _ws_two_per_sm(regs=112), _ws_two_per_sm(stages=3)],
+    "mxfp8_ws/plain@many_rows": [_ws(stages=2, regs=240, bm=256), _ws(stages=2, regs=232, bm=256), _ws()],
+    "mxfp8_ws/dual@many_rows": [_ws(stages=2, regs=240, bm=256, HALF_TILES=True),
+                                _ws(stages=2, regs=232, bm=256, HALF_TILES=True), _ws(HALF_TILES=True)],
     # fp8_mma=True on CUDA (E4M3 MMAs, the same kernel); not swept at few rows per expert (no "@few_rows")
     "mxfp8_fp8_ws/plain": [_ws(HALF_TILES=True), _ws(), _ws(stages=3, HALF_TILES=True), _ws(bm=64)],
     "mxfp8_fp8_ws/swiglu": [_ws(bm=64, persistent=False), _ws(bm=64), _ws(bm=64, stages=3, persistent=False)],
@@ -384,7 +388,7 @@ def tune(log, kernels):
              "kimi_compute": torch.full((8,), 4096, dtype=torch.int64)}
     total = {key: [0.0] * len(TUNE_VARIANTS[key]) for key in kernels}
     for cname, counts in cases.items():
-        few_rows = gg.has_few_rows(int(counts.sum()), counts.numel())
+        tier = gg.rows_tier(int(counts.sum()), counts.numel())
         c = Case(H, I, counts)
         timed = {}
         for precision, prefix, fp8_mma in (("bf16", "bf16/", False), ("mxfp8", "mxfp8_ws/", False),
@@ -393,7 +397,7 @@ def tune(log, kernels):
                 timed.update(gemms_by_kind(c, precision, fp8_mma))
         for key in kernels:
             kind_key, _, variant = key.partition("@")
-            if (variant == "few_rows") != (few_rows and f"{kind_key}@few_rows" in gg._MM_CONFIGS):
+            if variant != (tier if f"{kind_key}@{tier}" in gg._MM_CONFIGS else ""):
                 continue  # another key's config runs at this many rows
             default = gg._MM_CONFIGS[key]
             for i, v in enumerate(TUNE_VARIANTS[key]):
