@@ -139,8 +139,9 @@ _MM_CONFIGS = {
     "bf16/swiglu_bwd@few_rows": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
     # At many rows per expert (the compute regime): 256-token tiles double the MMA time per dequantized
     # weight load, which is what lets the two consumer warpgroups hide each other's dequantization; two
-    # stages to fit shared memory. 8 x 4096 rows, all four shapes: plain 8-11% and dual 8-10% faster
-    # (NOTES.md, session 17). SwiGLU gate/up (two accumulators) cannot fit, its backward spills.
+    # stages to fit shared memory. 8 experts x 2048 and x 4096 rows, all four shapes: plain 4-11% and dual
+    # 7-13% faster; at 1024 rows mixed (NOTES.md, session 17). SwiGLU gate/up (two accumulators) cannot
+    # fit, its backward spills.
     "mxfp8_ws/plain@many_rows": dict(BM=256, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=240,
                                      num_warps=4),
     "mxfp8_ws/dual@many_rows": dict(BM=256, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=240,
@@ -153,7 +154,7 @@ _MM_CONFIGS = {
 #   at 32-64 rows per expert, 8-30% faster for every kind in both precisions (NOTES.md, session 9).
 # - "many_rows", at least _MANY_ROWS on average (few experts per GPU, or the compute regime).
 _FEW_ROWS = 64
-_MANY_ROWS = 1024
+_MANY_ROWS = 2048
 # Weight gradient: the flat loop while experts average fewer than _WGRAD_FLAT_MAX_ROWS rows (a
 # static property of the shapes, so the choice never depends on the routing), else the row loop;
 # each with its tiles (BR rows summed per MMA step; same bits for any BR on the GPU: NOTES.md,

@@ -267,7 +267,7 @@ def _tile_runs(monkeypatch, tensors, group_end, tiers, **kw):
 def test_rows_tiers_pick_their_configs(monkeypatch):
     """The experts' average rows pick the tier; a tier's "@<tier>" config where there is one, else the
     kind's (with few rows capped at _FEW_ROWS-token tiles unless its half tiles cover them)."""
-    assert [gg.rows_tier(r, 4) for r in (0, 4 * 64, 4 * 64 + 1, 4 * 1024 - 1, 4 * 1024)] == \
+    assert [gg.rows_tier(r, 4) for r in (0, 4 * 64, 4 * 64 + 1, 4 * 2048 - 1, 4 * 2048)] == \
         ["few_rows", "few_rows", "", "", "many_rows"]
     monkeypatch.setattr(gg, "_MM_CONFIGS", {"k": dict(BM=128), "k@many_rows": dict(BM=256),
                                             "h": dict(BM=128, HALF_TILES=True), "none": None,
