@@ -19,7 +19,9 @@ Two paths compute the same function:
   NOTE: it loops over experts on the host (one device→host sync per call).
 - ``use_triton=True``: Triton grouped GEMMs (CUDA), no host sync, row-batch-invariant and
   run-to-run deterministic. They equal the reference up to fp32 summation order (and the
-  rounding of results to bf16): tests/test_grouped_ffn.py states the tolerances.
+  rounding of results to bf16): tests/test_grouped_ffn.py states the tolerances. Given a
+  ``weights_owner``, inside ``weight_cache.kept_for_step()`` each MXFP8 weight layout is quantized
+  once per optimizer step instead of once per call (``[mok] mxfp8_weight_cache``).
 """
 
 import os
@@ -36,6 +38,7 @@ from titan_mok.kernels.grouped_gemm import (
     ref_grouped_mm,
     ref_grouped_wgrad,
 )
+from titan_mok.kernels import weight_cache
 from titan_mok.kernels.mxfp8_quant import mxfp8_quantize, mxfp8_quantize_transposed
 
 PRECISIONS = ("bf16", "mxfp8")
@@ -117,31 +120,39 @@ def weight_operand(w_EXY: torch.Tensor, precision: str, along: int, name: str, m
 
 
 class _TritonOps:
-    """Triton grouped GEMMs (kernels/grouped_gemm.py); weights quantized in the layout each GEMM reads."""
+    """Triton grouped GEMMs (kernels/grouped_gemm.py); weights quantized in the layout each GEMM reads,
+    kept for the optimizer step under ``weight_cache.kept_for_step()`` (MXFP8 only: a bf16 operand is a
+    view), under ``weights_owner``."""
 
-    @staticmethod
-    def forward(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit):
+    def __init__(self, weights_owner):
+        self.weights_owner = weights_owner
+
+    def _operand(self, w_EXY, precision, along, name):
+        owner = self.weights_owner if precision == "mxfp8" else None
+        return weight_cache.operand(owner, name, along, lambda: weight_operand(w_EXY, precision, along, name))
+
+    def forward(self, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit):
         gate_RI, up_RI, h_RI = grouped_gate_up_swiglu(
             x_RH,
             group_end_E,
-            weight_operand(w_gate_EIH, precision, 2, "w_gate_EIH"),
-            weight_operand(w_up_EIH, precision, 2, "w_up_EIH"),
+            self._operand(w_gate_EIH, precision, 2, "w_gate_EIH"),
+            self._operand(w_up_EIH, precision, 2, "w_up_EIH"),
             limit,
         )
-        y_RH = grouped_mm(h_RI, group_end_E, weight_operand(w_down_EHI, precision, 2, "w_down_EHI"))
+        y_RH = grouped_mm(h_RI, group_end_E, self._operand(w_down_EHI, precision, 2, "w_down_EHI"))
         return y_RH, gate_RI, up_RI, h_RI
 
-    @staticmethod
-    def backward(dy_RH, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, gate_RI, up_RI, h_RI, precision, limit):
+    def backward(self, dy_RH, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, gate_RI, up_RI, h_RI, precision,
+                 limit):
         dgate_RI, dup_RI = grouped_down_dgrad_swiglu(
-            dy_RH, group_end_E, weight_operand(w_down_EHI, precision, 1, "w_down_EHI"), gate_RI, up_RI, limit
+            dy_RH, group_end_E, self._operand(w_down_EHI, precision, 1, "w_down_EHI"), gate_RI, up_RI, limit
         )
         dx_RH = grouped_mm_sum(
             dgate_RI,
             dup_RI,
             group_end_E,
-            weight_operand(w_gate_EIH, precision, 1, "w_gate_EIH"),
-            weight_operand(w_up_EIH, precision, 1, "w_up_EIH"),
+            self._operand(w_gate_EIH, precision, 1, "w_gate_EIH"),
+            self._operand(w_up_EIH, precision, 1, "w_up_EIH"),
         )
         dw_gate_EIH, dw_up_EIH, dw_down_EHI = grouped_wgrads(
             wgrad_operands(x_RH, h_RI, dy_RH, dgate_RI, dup_RI).values(), group_end_E, precision
@@ -156,8 +167,8 @@ def wgrad_operands(x_RH, h_RI, dy_RH, dgate_RI, dup_RI) -> dict:
 
 class _GroupedSwiGLUFFN(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit, use_triton):
-        ops = _TritonOps if use_triton else _ReferenceOps
+    def forward(ctx, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit, use_triton, owner):
+        ops = _TritonOps(owner) if use_triton else _ReferenceOps
         y_RH, gate_RI, up_RI, h_RI = ops.forward(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit)
         ctx.save_for_backward(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, gate_RI, up_RI, h_RI)
         ctx.ops, ctx.precision, ctx.limit = ops, precision, limit
@@ -171,7 +182,7 @@ class _GroupedSwiGLUFFN(torch.autograd.Function):
             ctx.precision, ctx.limit,
         )
         dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI = grads
-        return dx_RH, None, dw_gate_EIH, dw_up_EIH, dw_down_EHI, None, None, None
+        return dx_RH, None, dw_gate_EIH, dw_up_EIH, dw_down_EHI, None, None, None, None
 
 
 def _check_inputs(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, use_triton):
@@ -219,6 +230,7 @@ def grouped_swiglu_ffn(
     precision: str = "bf16",
     swiglu_limit: float | None = None,
     use_triton: bool = False,
+    weights_owner: object = None,
 ) -> torch.Tensor:
     """Routed experts' SwiGLU FFN on rows grouped by expert (module docstring); autograd-capable.
 
@@ -230,11 +242,15 @@ def grouped_swiglu_ffn(
         precision: "bf16" or "mxfp8" (all six GEMMs of forward and backward in MXFP8).
         swiglu_limit: DeepSeek-V4's clamp (gate <= L, |up| <= L), None for none.
         use_triton: Triton kernels (CUDA, bf16) instead of the PyTorch reference.
+        weights_owner: who holds the weights (the experts module): inside
+            ``weight_cache.kept_for_step()`` the Triton path quantizes each MXFP8 weight layout once
+            per owner and reuses it. None: quantized on every call.
 
     Returns:
         y_RH [R, H] in x's dtype.
     """
     _check_inputs(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, use_triton)
     return _GroupedSwiGLUFFN.apply(
-        x_RH.contiguous(), group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, swiglu_limit, use_triton
+        x_RH.contiguous(), group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, swiglu_limit, use_triton,
+        weights_owner,
     )

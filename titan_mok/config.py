@@ -27,10 +27,19 @@ class Mok:
     elsewhere. Wherever the routed experts run the Triton FFN, a BF16 shared expert
     runs it too (as one expert holding every token)."""
 
+    mxfp8_weight_cache: bool = False
+    """With precision "mxfp8": quantize each routed-expert weight once per optimizer step
+    instead of once per microbatch (the Triton expert FFN; ``titan_mok.kernels.weight_cache``).
+    Pays with gradient accumulation; costs an MXFP8 copy of the local expert weights in both
+    layouts (together as large as the bf16 weights) for the step's duration."""
+
     def __post_init__(self):
         _check_choice("mok.backend", self.backend, ("mok", "torchtitan"))
         _check_choice("mok.precision", self.precision, ("bf16", "mxfp8"))
         _check_choice("mok.kernels", self.kernels, ("auto", "reference", "triton"))
+        if self.mxfp8_weight_cache and self.precision != "mxfp8":
+            raise ValueError(f"[mok] mxfp8_weight_cache = true needs precision = 'mxfp8' (it keeps MXFP8 weights), "
+                             f"got precision = {self.precision!r}")
 
 
 @dataclass

@@ -61,7 +61,7 @@ class RoutedExperts(nn.Module):
         w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_RH.dtype) for w in self.local_weights())
         return grouped_swiglu_ffn(
             x_RH, group_end_L, w_gate_LIH, w_up_LIH, w_down_LHI,
-            precision=self.precision, swiglu_limit=self.swiglu_limit, use_triton=self.use_triton,
+            precision=self.precision, swiglu_limit=self.swiglu_limit, use_triton=self.use_triton, weights_owner=self,
         )
 
     def init_weights(self, init_std: float) -> None:
