@@ -59,6 +59,8 @@ def test_wrong_literal_in_toml(tmp_path):
         (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
          r"selective_ac_option = 'op' fails"),
         (["--mok.kernels", "triton"], r"\[mok\] kernels = 'triton' needs a CUDA GPU"),
+        (["--mok.precision", "mxfp8", "--mok.mxfp8_weight_cache", "--mok.kernels", "reference"],
+         r"\[mok\] mxfp8_weight_cache = true needs the Triton expert FFN .* kernels = 'reference'"),
         (["--parallelism.tensor_parallel_degree", "2"], r"\[parallelism\] tensor_parallel_degree = 2: titan-mok's models support FSDP/HSDP and EP only"),
         (["--parallelism.pipeline_parallel_degree", "2"], r"\[parallelism\] pipeline_parallel_degree = 2: titan-mok's models support"),
     ],

@@ -16,6 +16,7 @@ import torch
 from torchtitan.config import ConfigManager
 
 from titan_mok import registry
+from titan_mok.moe.moe import routed_experts_on_triton
 
 
 class ConfigError(ValueError):
@@ -111,6 +112,10 @@ def check_job(job_config, world_size: int) -> None:
         )
     if job_config.mok.kernels == "triton" and not torch.cuda.is_available():
         raise ConfigError("[mok] kernels = 'triton' needs a CUDA GPU; use 'reference' or 'auto' on CPU")
+    if job_config.mok.mxfp8_weight_cache and not routed_experts_on_triton(job_config.mok.kernels):
+        # the reference FFN quantizes inside its GEMMs: there is nothing to keep
+        raise ConfigError(f"[mok] mxfp8_weight_cache = true needs the Triton expert FFN (kernels = 'triton', or 'auto' "
+                          f"on an SM90+ GPU); here kernels = {job_config.mok.kernels!r} runs the reference FFN")
 
 
 class MokConfigManager(ConfigManager):

@@ -92,6 +92,12 @@ def check_moe_args(args: MoEArgs, dim: int) -> None:
                          "use 'reference' or 'auto'")
 
 
+def routed_experts_on_triton(kernels: str) -> bool:
+    """Whether ``[mok] kernels`` runs the experts' Triton FFN (kernels/grouped_ffn.py) here: "triton",
+    or "auto" on Hopper or newer."""
+    return kernels == "triton" or (kernels == "auto" and has_cuda_capability(9, 0))
+
+
 class MoE(nn.Module):
     def __init__(self, args: MoEArgs, dim: int):
         super().__init__()
@@ -100,7 +106,7 @@ class MoE(nn.Module):
         self.dim = dim
         # The experts' FFN (kernels/grouped_ffn.py): Triton kernels on Hopper under "auto" (routed and,
         # in BF16, shared).
-        self.use_triton = args.kernels == "triton" or (args.kernels == "auto" and has_cuda_capability(9, 0))
+        self.use_triton = routed_experts_on_triton(args.kernels)
         self.router = TopKRouter(args, dim)
         if args.backend == "mok":
             self.experts = RoutedExperts(dim, args, self.use_triton)

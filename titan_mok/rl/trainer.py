@@ -67,6 +67,10 @@ def check_rl_job(job_config) -> None:
         # The symmetric-memory path needs the same token count on every EP rank; each rank's
         # rollout prefill has its own prompt length.
         raise ConfigError("[mok] kernels = 'triton' is not supported by RL rollouts; use 'reference' or 'auto'")
+    if job_config.mok.mxfp8_weight_cache:
+        # it keeps weights across a step's microbatches; an RL step runs one forward+backward per update
+        raise ConfigError("[mok] mxfp8_weight_cache = true has nothing to keep in RL (one microbatch per optimizer "
+                          "update); leave it false")
 
 
 @contextmanager
