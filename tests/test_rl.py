@@ -231,7 +231,3 @@ def test_rl_job_checks(monkeypatch):
     config.mok.kernels = "triton"  # (on CPU the general check rejects it first)
     with pytest.raises(ConfigError, match=r"\[mok\] kernels = 'triton' is not supported by RL rollouts"):
         check_rl_job(config)
-    config = MokConfigManager().parse_args(base)
-    config.mok.precision, config.mok.mxfp8_weight_cache = "mxfp8", True  # (on CPU the general check rejects it first)
-    with pytest.raises(ConfigError, match=r"\[mok\] mxfp8_weight_cache = true has nothing to keep in RL"):
-        check_rl_job(config)

@@ -6,6 +6,7 @@ import torch
 
 from titan_mok.config import Mok
 from titan_mok.kernels import grouped_ffn, weight_cache
+from titan_mok.rl.trainer import RlTrainer
 from titan_mok.trainer import MokTrainer
 from tests.test_grouped_ffn import CPU_CASE, make_case, run
 
@@ -88,3 +89,25 @@ def test_trainer_keeps_weights_for_exactly_one_step(monkeypatch, enabled):
     trainer.train_step(iter(()))
     trainer.train_step(iter(()))
     assert seen == [enabled, enabled] and weight_cache._kept is None
+
+
+def test_rl_rollout_keeps_weights_when_configured(monkeypatch):
+    """RlTrainer.train_step generates its rollout (every decode step: the same weights) inside
+    kept_for_step() when [mok] mxfp8_weight_cache is set, and only then; the scope closes before the
+    policy updates. (The rollout is replaced by a recorder that ends the step.)"""
+    seen = []
+
+    class RolloutDone(Exception):
+        pass
+
+    def recorded_rollout(self):
+        seen.append(weight_cache._kept is not None)
+        raise RolloutDone
+
+    monkeypatch.setattr(RlTrainer, "_rollout", recorded_rollout)
+    trainer = object.__new__(RlTrainer)
+    for enabled in (False, True):
+        trainer.job_config = type("JobConfig", (), {"rl": None, "mok": Mok(precision="mxfp8", mxfp8_weight_cache=enabled)})()
+        with pytest.raises(RolloutDone):
+            trainer.train_step(iter(()))
+    assert seen == [False, True] and weight_cache._kept is None

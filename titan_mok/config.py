@@ -29,9 +29,10 @@ class Mok:
 
     mxfp8_weight_cache: bool = False
     """With precision "mxfp8": quantize each routed-expert weight once per optimizer step
-    instead of once per microbatch (the Triton expert FFN; ``titan_mok.kernels.weight_cache``).
-    Pays with gradient accumulation; costs an MXFP8 copy of the local expert weights in both
-    layouts (together as large as the bf16 weights) for the step's duration."""
+    instead of once per microbatch, and in RL once per rollout instead of once per decode step
+    (the Triton expert FFN; ``titan_mok.kernels.weight_cache``). Costs an MXFP8 copy of the
+    local expert weights in each layout used (both: together as large as the bf16 weights)
+    while the step or rollout runs."""
 
     def __post_init__(self):
         _check_choice("mok.backend", self.backend, ("mok", "torchtitan"))

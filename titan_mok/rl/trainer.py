@@ -15,7 +15,7 @@ uninterrupted one would.
 
 import hashlib
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from torchtitan.train import Trainer
 
 from titan_mok.attached_loss import loss_weight, without_losses
 from titan_mok.config_check import ConfigError
+from titan_mok.kernels import weight_cache
 from titan_mok.moe import MoE
 from titan_mok.rl.generate import Rollout, generate, has_kv_cache_step
 from titan_mok.rl.grpo import clipped_pg_loss_sum, group_advantages
@@ -67,10 +68,6 @@ def check_rl_job(job_config) -> None:
         # The symmetric-memory path needs the same token count on every EP rank; each rank's
         # rollout prefill has its own prompt length.
         raise ConfigError("[mok] kernels = 'triton' is not supported by RL rollouts; use 'reference' or 'auto'")
-    if job_config.mok.mxfp8_weight_cache:
-        # it keeps weights across a step's microbatches; an RL step runs one forward+backward per update
-        raise ConfigError("[mok] mxfp8_weight_cache = true has nothing to keep in RL (one microbatch per optimizer "
-                          "update); leave it false")
 
 
 @contextmanager
@@ -172,7 +169,9 @@ class RlTrainer(Trainer):
     def train_step(self, data_iterator):
         """One GRPO step; ``data_iterator`` (the pretraining stream) is not read."""
         rl = self.job_config.rl
-        rollout, prompts, rollout_s = self._rollout()
+        # every decode step of a rollout reads the same weights: [mok] mxfp8_weight_cache quantizes them once
+        with weight_cache.kept_for_step() if self.job_config.mok.mxfp8_weight_cache else nullcontext():
+            rollout, prompts, rollout_s = self._rollout()
         self.metrics_processor.data_loading_times.append(0.0)  # prompts are generated inside the rollout
 
         # NOTE: host sync: rewards score decoded text.
