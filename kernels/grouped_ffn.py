@@ -29,6 +29,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from titan_mok.kernels import weight_cache
 from titan_mok.kernels.grouped_gemm import (
     grouped_down_dgrad_swiglu,
     grouped_gate_up_swiglu,
@@ -38,7 +39,6 @@ from titan_mok.kernels.grouped_gemm import (
     ref_grouped_mm,
     ref_grouped_wgrad,
 )
-from titan_mok.kernels import weight_cache
 from titan_mok.kernels.mxfp8_quant import mxfp8_quantize, mxfp8_quantize_transposed
 
 PRECISIONS = ("bf16", "mxfp8")
@@ -120,9 +120,9 @@ def weight_operand(w_EXY: torch.Tensor, precision: str, along: int, name: str, m
 
 
 class _TritonOps:
-    """Triton grouped GEMMs (kernels/grouped_gemm.py); weights quantized in the layout each GEMM reads,
-    kept for the optimizer step under ``weight_cache.kept_for_step()`` (MXFP8 only: a bf16 operand is a
-    view), under ``weights_owner``."""
+    """Triton grouped GEMMs (kernels/grouped_gemm.py); weights quantized in the layout each GEMM reads.
+    Inside ``weight_cache.kept_for_step()`` each MXFP8 layout is kept under ``weights_owner`` (a bf16
+    operand is a view: nothing to keep)."""
 
     def __init__(self, weights_owner):
         self.weights_owner = weights_owner
