@@ -60,7 +60,7 @@ def tma_descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -69,7 +69,7 @@ def launch(max_tiles: int, persistent: bool, *args, **kwargs):
     program per SM, each looping over tiles t, t + grid, ... up to the device-side tile count, its
     loader prefetching the next tile's loads while the consumers store the last one's results. Which
     is faster depends on the kind (NOTES.md, session 8); the bits are the same."""
-    grid = (min(max_tiles, _sm_count(torch.cuda.current_device())) if persistent else max_tiles,)
+    grid = (min(max_tiles, sm_count(torch.cuda.current_device())) if persistent else max_tiles,)
     _grouped_mm_mx_ws_kernel[grid](*args, **kwargs)
 
 

@@ -281,12 +281,14 @@ def test_rows_tiers_pick_their_configs(monkeypatch):
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 def test_token_tile_keeps_bits(monkeypatch, precision):
     """The token tile follows the rows per expert; a row's bits must not (every kind of grouped_mm).
-    (No Triton config has a "@many_rows" tier: the GPU test below holds those.)"""
+    bf16's "@many_rows" configs are persistent: one program here, looping over every tile
+    (the MXFP8 ones run the warp-specialized kernel: the GPU test below holds those)."""
     tensors, group_end = make_case(**CPU_CASE)
-    wide, narrow = _tile_runs(monkeypatch, tensors, group_end, ("", "few_rows"), precision=precision,
-                              swiglu_limit=0.5)
-    for name, a, b in zip(NAMES, wide, narrow):
-        assert torch.equal(a, b), f"{name}: 64- and 128-token tiles give different bits"
+    base, *others = _tile_runs(monkeypatch, tensors, group_end, tuple(_TIERS), precision=precision,
+                               swiglu_limit=0.5)
+    for tier, other in zip(list(_TIERS)[1:], others):
+        for name, a, b in zip(NAMES, base, other):
+            assert torch.equal(a, b), f"{name}: the {tier} tiles give other bits than the 128-token ones"
 
 
 @pytest.mark.gpu
@@ -396,7 +398,7 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
     against the Triton E4M3-MMA kernel (weights K-major only)."""
     small = dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232, num_warps=4)
     if programs != "per_sm":
-        monkeypatch.setattr(grouped_mm_ws, "_sm_count", lambda device_index: programs)
+        monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
     prefix = "mxfp8_fp8_ws/" if fp8_mma else "mxfp8_ws/"
     for key in [k for k in gg._MM_CONFIGS if k.startswith(prefix)]:  # "@few_rows" too: case 2 has few rows
         cfg = {"committed": gg._MM_CONFIGS[key], "small": small, "half": {**gg._MM_CONFIGS[key], "HALF_TILES": True}}

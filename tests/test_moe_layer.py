@@ -229,6 +229,23 @@ def test_token_output_independent_of_batch(case, dtype):
     assert torch.equal(alone, elsewhere)
 
 
+@pytest.mark.parametrize("backend", ["mok", "torchtitan"])
+def test_autocast_runs_the_experts_in_its_dtype(backend):
+    """TorchTitan's AMP (mixed precision without FSDP, e.g. one GPU): the routed and shared experts
+    compute in autocast's dtype (the Triton FFN runs only bf16), the layer returns its input dtype."""
+    moe = _moe(backend=backend, kernels="reference")  # CPU tensors, also on a GPU machine
+    seen = []
+    for module in (moe.experts, moe.shared_expert):
+        module.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    x = torch.randn(2, 9, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x)
+    assert y.dtype == torch.float32
+    assert seen == [torch.bfloat16, torch.bfloat16]
+    y_fp32 = moe(x)
+    assert ((y - y_fp32).norm() / y_fp32.norm()).item() < 3e-2
+
+
 # ------------------------------------------------------ routing extremes
 
 

@@ -60,6 +60,19 @@ def test_rollout_logprobs_equal_trainer_recompute(model):
     _assert_parity(model, _rollout(model, list(range(6))))
 
 
+def test_rollout_parity_under_autocast(model):
+    """TorchTitan's AMP (one device, no FSDP): the rollout and the trainer's forward both run under
+    autocast, and the batch-invariant linear computes in its dtype as F.linear would."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rollout = _rollout(model, list(range(4)))
+        assert rollout.logprobs_BG.dtype == torch.float32
+        _assert_parity(model, rollout)
+    with torch.autocast("cpu", dtype=torch.bfloat16), BatchInvariantMode():
+        w_NK = model.output.weight
+        x_MK = torch.randn(5, w_NK.shape[1])
+        assert F.linear(x_MK, w_NK).dtype == torch.bfloat16
+
+
 def _debug_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
     args = copy.deepcopy(registry.flavors(name)["debug"])
     args.max_seq_len = SEQ_LEN

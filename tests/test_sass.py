@@ -53,9 +53,9 @@ def test_many_rows_kernels_do_not_spill():
 def test_compiling_context_restores_what_it_replaced():
     """The stand-in driver, the compile-only launches, the SM count and the launchers' CUDA answer are
     undone on exit, even after an error inside."""
-    patched = (sass.JITFunction.run, sass.grouped_mm_ws._sm_count, torch.cuda.current_device, sass.gg._on_cuda)
+    patched = (sass.JITFunction.run, sass.grouped_mm_ws.sm_count, torch.cuda.current_device, sass.gg._on_cuda)
     with pytest.raises(RuntimeError, match="inside"):
         with sass.compiling_for_sm90():
             assert sass.JITFunction.run is not patched[0]
             raise RuntimeError("inside")
-    assert (sass.JITFunction.run, sass.grouped_mm_ws._sm_count, torch.cuda.current_device, sass.gg._on_cuda) == patched
+    assert (sass.JITFunction.run, sass.grouped_mm_ws.sm_count, torch.cuda.current_device, sass.gg._on_cuda) == patched

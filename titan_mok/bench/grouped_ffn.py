@@ -1,6 +1,6 @@
 """Benchmark: routed-expert grouped GEMMs (kernels/grouped_ffn.py) against torch's grouped GEMMs, with roofline floors.
 
-    python3 -m titan_mok.bench.grouped_ffn [--out DIR] [--quick] [--tune]
+    python3 -m titan_mok.bench.grouped_ffn [--out DIR] [--quick] [--tune] [--regime all|moe|compute]
 
 Regimes (issue 6): the MoE regime — each shape's expert GEMMs at 2048 tokens/GPU × top-k rows over
 the local experts at EP=1 and EP=2, balanced and skewed routing — and the compute regime — 8
@@ -424,6 +424,8 @@ def main():
     p.add_argument("--quick", action="store_true", help="one shape, balanced, EP=2 only")
     p.add_argument("--tune", action="store_true", help="first sweep tile configs (TUNE_VARIANTS) and use the best")
     p.add_argument("--rep-ms", type=float, default=100)
+    p.add_argument("--regime", choices=("all", "moe", "compute"), default="all",
+                   help="the MoE-regime cases, the compute cases (8 x 4096 rows), or both")
     p.add_argument("--impls", default="grouped_mm_bf16,scaled_grouped_mm_fp8,ours_bf16,ours_mxfp8,ours_mxfp8_fp8mma",
                    help="comma-separated implementations to time")
     args = p.parse_args()
@@ -447,14 +449,14 @@ def main():
         tune(log, [key for i in impls for key in kernels.get(i, [])])
     results = []
     shapes = ["kimi"] if args.quick else list(SHAPES)
-    for shape in shapes:
+    for shape in shapes if args.regime != "compute" else []:
         H, I, E, K = SHAPES[shape]
         for ep in ([2] if args.quick else [1, 2]):
             for skewed in ([False] if args.quick else [False, True]):
                 counts = route_counts(TOKENS_PER_GPU * K, E // ep, skewed)
                 name = f"{shape} EP={ep} {'skewed' if skewed else 'balanced'}"
                 results.append(run_case(name, H, I, counts, ceil, impls, args.rep_ms, log))
-    for shape in shapes:
+    for shape in shapes if args.regime != "moe" else []:
         H, I, _, _ = SHAPES[shape]
         results.append(run_case(f"{shape} compute 8x4096", H, I, torch.full((8,), 4096, dtype=torch.int64),
                                 ceil, impls, args.rep_ms, log))

@@ -63,18 +63,18 @@ def compiling_for_sm90():
         compiled.append((self.fn.__name__, kernel))
         return kernel
 
-    sm_count, current_device, on_cuda = grouped_mm_ws._sm_count, torch.cuda.current_device, gg._on_cuda
+    sm_count, current_device, on_cuda = grouped_mm_ws.sm_count, torch.cuda.current_device, gg._on_cuda
     active = triton.runtime.driver._active  # None until a driver is used: reset_active() would need a GPU
     triton.runtime.driver.set_active(_Sm90Driver())
     JITFunction.run = compile_only
-    grouped_mm_ws._sm_count = lambda device_index: H200_SMS  # persistent grids: one program per SM
+    grouped_mm_ws.sm_count = lambda device_index: H200_SMS  # persistent grids: one program per SM
     torch.cuda.current_device = lambda: 0
     gg._on_cuda = lambda t: True  # the launchers pick the kernels they would on CUDA
     try:
         yield compiled
     finally:
         JITFunction.run = run
-        grouped_mm_ws._sm_count, torch.cuda.current_device, gg._on_cuda = sm_count, current_device, on_cuda
+        grouped_mm_ws.sm_count, torch.cuda.current_device, gg._on_cuda = sm_count, current_device, on_cuda
         triton.runtime.driver._active = active
 
 

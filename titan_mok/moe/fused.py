@@ -176,11 +176,12 @@ def fused_routed_experts(
     *,
     num_experts: int,
     max_rows_per_rank: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """schedule → dispatch → experts → combine; [T, H] → [T, H] in x's dtype.
+    """schedule → dispatch → experts → combine; [T, H] → [T, H] in out_dtype (None: x's dtype).
 
     ``experts(x_RH, group_end_L) -> y_RH`` is the layer's routed-experts module (its forward runs
     the Triton grouped FFN, ``kernels/grouped_ffn.py``, and lets FSDP gather its weights)."""
     handle = build_fused_handle(topk_idx_TK, num_experts, group, x_TH.shape[1], x_TH.dtype, max_rows_per_rank)
     y_RH = experts(fused_dispatch(x_TH, handle), handle.group_end)
-    return fused_combine(y_RH, weights_TK, shared_TH, handle, x_TH.dtype)
+    return fused_combine(y_RH, weights_TK, shared_TH, handle, out_dtype or x_TH.dtype)

@@ -26,6 +26,7 @@ from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch, red
 from titan_mok.moe.experts import RoutedExperts, SharedExpert
 from titan_mok.moe.fused import fused_routed_experts
 from titan_mok.moe.router import TopKRouter
+from titan_mok.moe.tiles import autocast_dtype
 from titan_mok.moe.torchtitan_backend import TorchTitanExperts, routed_torchtitan
 
 
@@ -162,15 +163,15 @@ class MoE(nn.Module):
         if bad_ids:
             raise ValueError(f"token_ids_BS must lie in [0, hash_vocab_size = {self.args.hash_vocab_size}) on every rank")
 
-    def _routed_mok(self, x_TH, weights_TK, topk_idx_TK, shared_TH, group):
+    def _routed_mok(self, x_TH, weights_TK, topk_idx_TK, shared_TH, group, out_dtype):
         if self.args.kernels == "triton":  # fused path over symmetric memory (titan_mok.moe.fused), no host sync
             return fused_routed_experts(
                 x_TH, weights_TK, topk_idx_TK, shared_TH, group, self.experts,
-                num_experts=self.args.num_experts, max_rows_per_rank=self.args.max_rows_per_rank,
+                num_experts=self.args.num_experts, max_rows_per_rank=self.args.max_rows_per_rank, out_dtype=out_dtype,
             )
         handle = build_dispatch_handle(topk_idx_TK, self.args.num_experts, group, self.args.max_rows_per_rank)
         y_RH = self.experts(dispatch(x_TH, handle), handle.group_end)
-        return combine(y_RH, weights_TK, shared_TH, handle, x_TH.dtype)
+        return combine(y_RH, weights_TK, shared_TH, handle, out_dtype)
 
     def forward(self, x_BSH: torch.Tensor, token_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
         """x_BSH [B, S, H] → y_BSH [B, S, H] (same dtype); token_ids_BS only for hash routing."""
@@ -193,11 +194,14 @@ class MoE(nn.Module):
             self.tokens_per_expert.add_(picks_E)
             self.expert_load.add_(picks_E)
 
-        shared_TH = self.shared_expert(x_TH) if self.shared_expert is not None else None
+        # Under AMP (TorchTitan's mixed precision without FSDP, e.g. one GPU) the experts compute in
+        # autocast's dtype, as nn.Linear would; the combine returns the layer's input dtype.
+        x_ffn_TH = x_TH.to(autocast_dtype(x_TH))
+        shared_TH = self.shared_expert(x_ffn_TH) if self.shared_expert is not None else None
         if self.args.backend == "mok":
-            y_TH = self._routed_mok(x_TH, weights_TK, topk_idx_TK, shared_TH, group)
+            y_TH = self._routed_mok(x_ffn_TH, weights_TK, topk_idx_TK, shared_TH, group, x_TH.dtype)
         else:
-            y_TKH = routed_torchtitan(self.experts, x_TH, topk_idx_TK)
+            y_TKH = routed_torchtitan(self.experts, x_ffn_TH, topk_idx_TK)
             y_TH = reduce_slots(y_TKH, weights_TK, shared_TH, x_TH.dtype)
         if self.args.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux_loss = load_balance_aux_loss(scores_TE, topk_idx_TK)

@@ -68,6 +68,12 @@ class _RowInvariantLinear(torch.autograd.Function):
         return dx_MK, dw_NK
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast runs x's matmuls in where it is on for x's device, else x's own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def row_invariant_linear(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     """``x_MK @ w_NK.T`` (no bias); each output row's bits depend only on its input row."""
     if x_MK.dim() != 2 or w_NK.dim() != 2 or x_MK.shape[1] != w_NK.shape[1]:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from titan_mok.moe.tiles import map_row_tiles, row_invariant_linear
+from titan_mok.moe.tiles import autocast_dtype, map_row_tiles, row_invariant_linear
 
 TILE_Q = 16
 """Queries per attention GEMM tile (fixed: a decode step pads its one query to it)."""
@@ -46,7 +46,11 @@ def _is_plain(*tensors) -> bool:
 
 
 def invariant_linear(x_xK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` whose output rows do not depend on the other rows of ``x``."""
+    """``F.linear`` whose output rows do not depend on the other rows of ``x``; under autocast in its
+    dtype, as ``F.linear`` (this mode sees the operands before autocast would cast them)."""
+    dtype = autocast_dtype(x_xK)
+    x_xK, weight_NK = x_xK.to(dtype), weight_NK.to(dtype)
+    bias_N = bias_N.to(dtype) if bias_N is not None else None
     lead = x_xK.shape[:-1]
     y_MN = row_invariant_linear(x_xK.reshape(-1, x_xK.shape[-1]), weight_NK)  # [..., K] -> [M, N]
     if bias_N is not None:

@@ -152,7 +152,8 @@ class RlTrainer(Trainer):
             device=self.device,
         )
         start = time.perf_counter()
-        with BatchInvariantMode(), moe_counts_kept(self.model):
+        # under the trainer's AMP context (one GPU: autocast), so that its logprobs can match the trainer's
+        with self.maybe_enable_amp, BatchInvariantMode(), moe_counts_kept(self.model):
             rollout = generate(
                 self.model,
                 token_ids,
@@ -235,7 +236,8 @@ class RlTrainer(Trainer):
         if not self.reference_restored:
             self.reference.reset_to(self.model)
             self.reference_restored = True
-        with torch.no_grad(), BatchInvariantMode(), moe_counts_kept(self.model), self.reference.swapped_in(self.model):
+        with (torch.no_grad(), self.maybe_enable_amp, BatchInvariantMode(), moe_counts_kept(self.model),
+              self.reference.swapped_in(self.model)):
             return completion_logprobs(self.model(rollout.tokens_BS), rollout, self.job_config.rl.temperature)
 
     def _check_parity(self, logprobs_BG: torch.Tensor, rollout: Rollout) -> float:
