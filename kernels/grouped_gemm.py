@@ -145,7 +145,7 @@ _MM_CONFIGS = {
     # bf16 dgrad kinds at many rows: the Triton kernel persistent (PERSISTENT: one program per SM, the
     # tile loop flattened into the K loop, so the next tile's loads can overlap this one's epilogue).
     # 8 x 4096 rows, four shapes, two runs: 0.4-3.9% faster in all 8 (kind, shape) pairs, about the
-    # spread of an A/A; SwiGLU gate/up and plain were 5-30% slower persistent (NOTES.md, session 18).
+    # spread of an A/A; SwiGLU gate/up and plain were 3-30% slower persistent (NOTES.md, session 18).
     "bf16/swiglu_bwd@many_rows": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4, PERSISTENT=True),
     "bf16/dual@many_rows": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4, PERSISTENT=True),
     "mxfp8_ws/plain@many_rows": dict(BM=256, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=240,
