@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_mok.moe import MoE, MoEArgs
+from titan_mok.moe import moe as moe_module
 from titan_mok.moe.aux_loss import load_balance_aux_loss
 
 H, I, E, K = 32, 16, 8, 3
@@ -244,6 +245,17 @@ def test_autocast_runs_the_experts_in_its_dtype(backend):
     assert seen == [torch.bfloat16, torch.bfloat16]
     y_fp32 = moe(x)
     assert ((y - y_fp32).norm() / y_fp32.norm()).item() < 3e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_kernels_run_the_reference_on_cpu_tensors(monkeypatch, dtype):
+    """kernels = "auto" on a Hopper machine picks the Triton expert FFN for CUDA tensors; a layer on
+    the CPU there runs the reference, bit for bit as kernels = "reference" (not an error)."""
+    monkeypatch.setattr(moe_module, "has_cuda_capability", lambda major, minor: True)
+    auto = _moe(dtype, kernels="auto")
+    assert auto.use_triton
+    x = torch.randn(2, 9, H, dtype=dtype)
+    assert torch.equal(auto(x), _moe(dtype, kernels="reference")(x))
 
 
 # ------------------------------------------------------ routing extremes

@@ -46,6 +46,7 @@ class RoutedExperts(nn.Module):
         self.precision = args.precision
         self.swiglu_limit = args.swiglu_limit
         self.use_triton = use_triton
+        self.kernels = args.kernels
         self.ep_mesh = None
         # Rows these experts computed on this rank (after dispatch), accumulated: summed over the
         # ranks it equals T·K routed slots exactly when no row was dropped (the metrics check it).
@@ -59,9 +60,11 @@ class RoutedExperts(nn.Module):
         with torch.no_grad():
             self.rows_computed.add_(group_end_L[-1])  # rows past group_end_L[-1] are padding
         w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_RH.dtype) for w in self.local_weights())
+        # "auto" runs the Triton FFN on CUDA tensors only: a CPU copy of the layer runs the reference
+        use_triton = self.use_triton and (x_RH.is_cuda or self.kernels == "triton")
         return grouped_swiglu_ffn(
             x_RH, group_end_L, w_gate_LIH, w_up_LIH, w_down_LHI,
-            precision=self.precision, swiglu_limit=self.swiglu_limit, use_triton=self.use_triton, weights_owner=self,
+            precision=self.precision, swiglu_limit=self.swiglu_limit, use_triton=use_triton, weights_owner=self,
         )
 
     def init_weights(self, init_std: float) -> None:
@@ -76,7 +79,7 @@ class SharedExpert(nn.Module):
     and with ``output_gate``: ``output_gate.weight [1, H]`` (Qwen3.5's
     ``shared_expert_gate``: output · sigmoid(x · output_gate)).
 
-    With ``use_triton`` (the routed experts' setting) and BF16 activations it runs as one
+    With ``use_triton`` (the routed experts' setting) and BF16 CUDA activations it runs as one
     expert through the routed experts' Triton FFN (``grouped_swiglu_ffn``, all T rows in
     one group): row-invariant by construction, two launches forward instead of a GEMM
     per 64-row tile. Otherwise on 64-row tiles (``row_invariant_linear``).
@@ -96,7 +99,7 @@ class SharedExpert(nn.Module):
         combine adds it in fp32 and rounds once)."""
         dtype = x_TH.dtype
         w_gate_IH, w_up_IH, w_down_HI = (linear.weight.to(dtype) for linear in (self.w_gate, self.w_up, self.w_down))
-        if self.use_triton and dtype == torch.bfloat16:
+        if self.use_triton and dtype == torch.bfloat16 and x_TH.is_cuda:
             group_end_1 = torch.full((1,), x_TH.shape[0], dtype=torch.int32, device=x_TH.device)
             # [I, H] -> [1, I, H]: one expert holding every row
             y_TH = grouped_swiglu_ffn(
