@@ -61,6 +61,17 @@ def test_compare_reports_changed_bits():
     assert committed_configs() == committed, "the committed configs are restored"
 
 
+def test_compare_reports_median_and_range_per_config():
+    """Each config's median round and its fastest and slowest, from the rounds that config ran."""
+    committed = committed_configs()
+    configs = {"committed": committed, "variant": {**committed, "bf16/plain": {**committed["bf16/plain"], "BK": 32}}}
+    times = {64: iter([3.0, 1.0, 2.0]), 32: iter([5.0, 6.0, 4.0])}  # per config's BK, in its rounds' order
+    rec = compare(lambda: torch.zeros(1), configs, rounds=3, rep_ms=1,
+                  bench=lambda f, rep_ms: next(times[gg._MM_CONFIGS["bf16/plain"]["BK"]]))
+    assert rec["committed_ms"] == 2.0 and rec["committed_range_ms"] == [1.0, 3.0]
+    assert rec["variant_ms"] == 5.0 and rec["variant_range_ms"] == [4.0, 6.0]
+
+
 def _run_tiny(monkeypatch, tmp_path, *flags):
     """The whole tool at a tiny shape on the interpreter, timing stubbed; its JSON lines."""
     import json

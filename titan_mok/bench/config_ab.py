@@ -15,7 +15,8 @@ changes (both for a run without ``--set``/``--unset``): grouped_mm's four kinds,
 gradient (not with ``--fp8-mma``: the weight gradient has no E4M3-MMA path). Per shape and case (the
 grouped_ffn benchmark's MoE-regime cases and 8 × 4096 rows), each GEMM's outputs under both configs
 are compared with ``torch.equal`` and then both are timed in ``--rounds`` rounds of
-``bench(fn, --rep-ms)``, their order alternating; the median round is reported. One JSON line per
+``bench(fn, --rep-ms)``, their order alternating; the median round is reported, with the fastest and
+slowest. One JSON line per
 (shape, case, kind) goes to stdout and ``$OUT/config_ab.jsonl`` (or ``--out``).
 """
 
@@ -98,7 +99,7 @@ def _outputs(fn) -> list[torch.Tensor]:
 
 def compare(fn, configs: dict[str, dict], rounds: int, rep_ms: float, bench) -> dict:
     """Bits of fn under configs["variant"] against configs["committed"], then the median times
-    (each round ``bench(fn, rep_ms)``)."""
+    (each round ``bench(fn, rep_ms)``) and each config's [fastest, slowest] round."""
     def use(name):
         install(configs[name])
 
@@ -113,7 +114,11 @@ def compare(fn, configs: dict[str, dict], rounds: int, rep_ms: float, bench) -> 
             use(name)
             times[name].append(bench(fn, rep_ms))
     use("committed")
-    return {"bits_equal": bits_equal, **{f"{name}_ms": round(statistics.median(t), 4) for name, t in times.items()}}
+    # each config's fastest and slowest round beside its median: the same config's rounds spread by up to
+    # ~10% on the H200 (NOTES.md, session 18), which bounds the differences a run can show
+    return {"bits_equal": bits_equal,
+            **{f"{name}_ms": round(statistics.median(t), 4) for name, t in times.items()},
+            **{f"{name}_range_ms": [round(min(t), 4), round(max(t), 4)] for name, t in times.items()}}
 
 
 def gemms_to_compare(c, args) -> dict:
