@@ -278,18 +278,33 @@ def _grouped_mm_tma_kernel(
     """
     if PERSISTENT:
         # one program per SM looping over the tiles, the loop nest flattened: the software pipeline
-        # issues the next tile's loads while this one's epilogue runs (no half tiles: many rows only)
+        # issues the next tile's loads while this one's epilogue runs
         for t in tl.range(tl.program_id(0), tl.load(tile_end_ptr + E - 1), tl.num_programs(0), flatten=True):
-            e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
-            _mm_tile(a1_desc, a2_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
-                     e, m0, row_end, n0, True, N, K, stride_se, stride_sn, stride_sk, limit,
-                     MODE, MX, HAS_LIMIT, B_KN, MMA_ORDER, BM, BN, BK, DOT_F32)
-        return
-    t = tl.program_id(0)
+            _mm_tile_at(t, a1_desc, a2_desc, a1h_desc, a2h_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr,
+                        c3_ptr, g_ptr, u_ptr, group_end_ptr, tile_end_ptr, N, K, E, stride_se, stride_sn, stride_sk,
+                        limit, MODE, MX, HAS_LIMIT, LOG_E, B_KN, MMA_ORDER, BM, BN, BK, GROUP_M, DOT_F32, HALF_TILES,
+                        PERSISTENT)
+    else:
+        _mm_tile_at(tl.program_id(0), a1_desc, a2_desc, a1h_desc, a2h_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr,
+                    c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, group_end_ptr, tile_end_ptr, N, K, E, stride_se, stride_sn,
+                    stride_sk, limit, MODE, MX, HAS_LIMIT, LOG_E, B_KN, MMA_ORDER, BM, BN, BK, GROUP_M, DOT_F32,
+                    HALF_TILES, PERSISTENT)
+
+
+@triton.jit
+def _mm_tile_at(t, a1_desc, a2_desc, a1h_desc, a2h_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr,
+                g_ptr, u_ptr, group_end_ptr, tile_end_ptr, N, K, E, stride_se, stride_sn, stride_sk, limit,
+                MODE: tl.constexpr, MX: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr,
+                B_KN: tl.constexpr, MMA_ORDER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, HALF_TILES: tl.constexpr, PERSISTENT: tl.constexpr):
+    """Tile t, on BM / 2-row MMAs where HALF_TILES and the tile holds at most BM / 2 of its expert's rows."""
     e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
-    # The grid is an upper bound on the tiles: programs past the last one run no K steps and
-    # store nothing (a loop bound, not an early return, keeps the K loop software-pipelined).
-    valid = t < tl.load(tile_end_ptr + E - 1)
+    if PERSISTENT:  # the loop visits real tiles only
+        valid = True
+    else:
+        # The grid is an upper bound on the tiles: programs past the last one run no K steps and
+        # store nothing (a loop bound, not an early return, keeps the K loop software-pipelined).
+        valid = t < tl.load(tile_end_ptr + E - 1)
     if HALF_TILES and row_end - m0 <= BM // 2:
         _mm_tile(a1h_desc, a2h_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
                  e, m0, row_end, n0, valid, N, K, stride_se, stride_sn, stride_sk, limit,
@@ -395,7 +410,7 @@ def _grouped_mm_fp8_mma_kernel(
     """MXFP8 with E4M3 MMAs: C [BM, BN] = A [BM, K] @ B[e]^T, one MMA and promotion per 32-wide block."""
     t = tl.program_id(0)
     e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
-    valid = t < tl.load(tile_end_ptr + E - 1)  # see _grouped_mm_tma_kernel
+    valid = t < tl.load(tile_end_ptr + E - 1)  # see _mm_tile_at
     k_end = tl.where(valid, K, 0)
     rows = m0 + tl.arange(0, BM)
     row_ok = (rows < row_end) & valid
