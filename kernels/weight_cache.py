@@ -19,11 +19,14 @@ _kept: dict | None = None  # (owner, name, along) -> operand, while a scope is o
 
 
 @contextlib.contextmanager
-def kept_for_step():
-    """Within this block, ``operand`` makes each (owner, name, along) operand once. The caller
-    promises that no weight changes inside it (one optimizer step: the optimizer runs after the
-    last backward)."""
+def kept_for_step(enabled: bool = True):
+    """Within this block, ``operand`` makes each (owner, name, along) operand once (not ``enabled``:
+    nothing is kept, the configured-off case). The caller promises that no weight changes inside it
+    (one optimizer step: the optimizer runs after the last backward)."""
     global _kept
+    if not enabled:
+        yield
+        return
     if _kept is not None:
         raise RuntimeError("kept_for_step() is already open: one optimizer step at a time")
     _kept = {}

@@ -3,8 +3,6 @@ losses (MoE aux, MTP, DSA indexer; ``titan_mok.attached_loss``) weighted by the
 microbatch's share of the step's tokens, as its cross-entropy is, and with
 ``[mok] mxfp8_weight_cache`` each step's MXFP8 expert weights quantized once."""
 
-from contextlib import nullcontext
-
 import torch
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.train import Trainer
@@ -16,7 +14,7 @@ from titan_mok.kernels import weight_cache
 class MokTrainer(Trainer):
     def train_step(self, data_iterator):
         # the weights change only in the step's optimizer update, after the last backward
-        with weight_cache.kept_for_step() if self.job_config.mok.mxfp8_weight_cache else nullcontext():
+        with weight_cache.kept_for_step(self.job_config.mok.mxfp8_weight_cache):
             return super().train_step(data_iterator)
 
     def forward_backward_step(

@@ -15,7 +15,7 @@ uninterrupted one would.
 
 import hashlib
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -171,7 +171,7 @@ class RlTrainer(Trainer):
         """One GRPO step; ``data_iterator`` (the pretraining stream) is not read."""
         rl = self.job_config.rl
         # every decode step of a rollout reads the same weights: [mok] mxfp8_weight_cache quantizes them once
-        with weight_cache.kept_for_step() if self.job_config.mok.mxfp8_weight_cache else nullcontext():
+        with weight_cache.kept_for_step(self.job_config.mok.mxfp8_weight_cache):
             rollout, prompts, rollout_s = self._rollout()
         self.metrics_processor.data_loading_times.append(0.0)  # prompts are generated inside the rollout
 
