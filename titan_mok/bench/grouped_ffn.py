@@ -1,6 +1,6 @@
 """Benchmark: routed-expert grouped GEMMs (kernels/grouped_ffn.py) against torch's grouped GEMMs, with roofline floors.
 
-    python3 -m titan_mok.bench.grouped_ffn [--out DIR] [--quick] [--tune] [--regime all|moe|compute]
+    python3 -m titan_mok.bench.grouped_ffn [--out DIR] [--quick] [--tune] [--regime all|moe|compute] [--rounds N]
 
 Regimes (issue 6): the MoE regime — each shape's expert GEMMs at 2048 tokens/GPU × top-k rows over
 the local experts at EP=1 and EP=2, balanced and skewed routing — and the compute regime — 8
@@ -27,6 +27,7 @@ Legend: R rows, H hidden, I expert FFN size, E local experts.
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -266,35 +267,69 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def run_case(name, H, I, counts, ceil, impls, rep_ms, log):
+IMPLS = ("grouped_mm_bf16", "scaled_grouped_mm_fp8", "ours_bf16", "ours_mxfp8", "ours_mxfp8_fp8mma")
+
+
+def _phases(impl, c):
+    """(phase callables, floor format) of one implementation on case c."""
+    if impl == "grouped_mm_bf16":
+        return phases_grouped_mm(c), "bf16"
+    if impl == "scaled_grouped_mm_fp8":
+        return phases_scaled_grouped_mm(c), "fp8"
+    if impl == "ours_bf16":
+        return phases_ours(c, "bf16"), "bf16"
+    if impl == "ours_mxfp8":
+        return phases_ours(c, "mxfp8"), "mxfp8"
+    if impl == "ours_mxfp8_fp8mma":
+        return phases_ours(c, "mxfp8", fp8_mma=True), "mxfp8"
+    raise ValueError(f"unknown implementation {impl!r}; implementations: {', '.join(IMPLS)}")
+
+
+def _time_phases(c, impls, ceil, rep_ms, rounds) -> dict:
+    """Each implementation's phases timed in rounds (rounds > 1: all of impls held at once, their order
+    alternating between rounds, so that clock and thermal drift meet every implementation alike), the
+    median round as "ms" and [fastest, slowest] as "range_ms"."""
+    built, times = {}, {}
+    for impl in impls:
+        try:
+            built[impl] = _phases(impl, c)
+        except Exception as e:
+            built[impl] = e
+    for r in range(rounds):
+        for impl in (impls if r % 2 == 0 else impls[::-1]):
+            if isinstance(built[impl], Exception):
+                continue
+            for phase, fn in built[impl][0].items():
+                try:
+                    times.setdefault(impl, {}).setdefault(phase, []).append(bench(fn, rep_ms))
+                except Exception as e:  # a baseline that torch rejects: record why
+                    times.setdefault(impl, {})[phase] = e
+    out = {}
+    for impl, got in built.items():
+        if isinstance(got, Exception):
+            out[impl] = {"error": repr(got)[:300]}
+            continue
+        fl, flops = floors(c, ceil, got[1])
+        out[impl] = {}
+        for phase, t in times.get(impl, {}).items():
+            if isinstance(t, Exception):
+                out[impl][phase] = {"error": repr(t)[:300]}
+                continue
+            ms = statistics.median(t)
+            out[impl][phase] = {"ms": ms, "tflops": flops / ms / 1e9 if phase != "wquant" else None,
+                                "floor_ms": fl[phase], "of_floor": fl[phase] / ms,
+                                **({"range_ms": [min(t), max(t)]} if rounds > 1 else {})}
+    return out
+
+
+def run_case(name, H, I, counts, ceil, impls, rep_ms, log, rounds=1):
     c = Case(H, I, counts)
     res = {"case": name, "H": H, "I": I, "E": c.E, "R": c.R, "rows_min": int(counts.min()),
            "rows_max": int(counts.max()), "impls": {}}
-    for impl in impls:
-        try:
-            if impl == "grouped_mm_bf16":
-                ph, fmt = phases_grouped_mm(c), "bf16"
-            elif impl == "scaled_grouped_mm_fp8":
-                ph, fmt = phases_scaled_grouped_mm(c), "fp8"
-            elif impl == "ours_bf16":
-                ph, fmt = phases_ours(c, "bf16"), "bf16"
-            elif impl == "ours_mxfp8":
-                ph, fmt = phases_ours(c, "mxfp8"), "mxfp8"
-            elif impl == "ours_mxfp8_fp8mma":
-                ph, fmt = phases_ours(c, "mxfp8", fp8_mma=True), "mxfp8"
-            fl, flops = floors(c, ceil, fmt)
-            out = {}
-            for phase, fn in ph.items():
-                try:
-                    ms = bench(fn, rep_ms)
-                    tflops = flops / ms / 1e9 if phase != "wquant" else None
-                    out[phase] = {"ms": ms, "tflops": tflops, "floor_ms": fl[phase], "of_floor": fl[phase] / ms}
-                except Exception as e:  # a baseline that torch rejects: record why
-                    out[phase] = {"error": repr(e)[:300]}
-            res["impls"][impl] = out
-        except Exception as e:
-            res["impls"][impl] = {"error": repr(e)[:300]}
-        ph = None  # its pre-quantized weights (tens of GB at EP=1) must not outlive the timing
+    # one round: one implementation at a time, its pre-quantized weights (tens of GB at EP=1) freed
+    # before the next is built; more rounds hold them all
+    for group in ([[impl] for impl in impls] if rounds == 1 else [impls]):
+        res["impls"].update(_time_phases(c, group, ceil, rep_ms, rounds))
         torch.cuda.empty_cache()
     # correctness at this size: ours vs torch's bf16 grouped GEMM forward (same bf16 inputs)
     try:
@@ -424,9 +459,11 @@ def main():
     p.add_argument("--quick", action="store_true", help="one shape, balanced, EP=2 only")
     p.add_argument("--tune", action="store_true", help="first sweep tile configs (TUNE_VARIANTS) and use the best")
     p.add_argument("--rep-ms", type=float, default=100)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timing rounds per phase, the implementations alternating (more than 1 holds them all at once)")
     p.add_argument("--regime", choices=("all", "moe", "compute"), default="all",
                    help="the MoE-regime cases, the compute cases (8 x 4096 rows), or both")
-    p.add_argument("--impls", default="grouped_mm_bf16,scaled_grouped_mm_fp8,ours_bf16,ours_mxfp8,ours_mxfp8_fp8mma",
+    p.add_argument("--impls", default=",".join(IMPLS),
                    help="comma-separated implementations to time")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -442,6 +479,10 @@ def main():
     log(json.dumps({"ceilings": ceil, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}))
     impls = args.impls.split(",")
+    if bad := [i for i in impls if i not in IMPLS]:
+        p.error(f"--impls: {bad} not among {list(IMPLS)}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.tune:
         kernels = {"ours_bf16": [k for k in TUNE_VARIANTS if k.startswith("bf16/")],
                    "ours_mxfp8": [k for k in TUNE_VARIANTS if k.startswith("mxfp8_ws/")],
@@ -455,11 +496,11 @@ def main():
             for skewed in ([False] if args.quick else [False, True]):
                 counts = route_counts(TOKENS_PER_GPU * K, E // ep, skewed)
                 name = f"{shape} EP={ep} {'skewed' if skewed else 'balanced'}"
-                results.append(run_case(name, H, I, counts, ceil, impls, args.rep_ms, log))
+                results.append(run_case(name, H, I, counts, ceil, impls, args.rep_ms, log, args.rounds))
     for shape in shapes if args.regime != "moe" else []:
         H, I, _, _ = SHAPES[shape]
         results.append(run_case(f"{shape} compute 8x4096", H, I, torch.full((8,), 4096, dtype=torch.int64),
-                                ceil, impls, args.rep_ms, log))
+                                ceil, impls, args.rep_ms, log, args.rounds))
     # summary table (the reply carries the end of the output)
     print("\ncase | impl | fwd ms (floor/time) | dgrad | wgrad | weight quantization")
     for r in results:

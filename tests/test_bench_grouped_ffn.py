@@ -1,0 +1,55 @@
+"""bench.grouped_ffn's timing rounds (CPU: the phases and the timer stubbed, the bookkeeping real)."""
+
+import pytest
+import torch
+
+from titan_mok.bench import grouped_ffn
+from titan_mok.bench.grouped_ffn import Case
+
+CEIL = {"bf16_tflops": 1.0, "fp8_tflops": 2.0, "hbm_tbps": 1.0}
+
+
+def _stub(monkeypatch, times):
+    """Phases "fwd" and "wgrad" per implementation; bench pops each (impl, phase)'s next time and logs the order."""
+    order = []
+    monkeypatch.setattr(grouped_ffn, "_phases",
+                        lambda impl, c: ({ph: (impl, ph) for ph in ("fwd", "wgrad")}, "bf16"))
+
+    def bench(fn, rep_ms):
+        order.append(fn)
+        return times[fn].pop(0)
+
+    monkeypatch.setattr(grouped_ffn, "bench", bench)
+    return order
+
+
+def test_rounds_alternate_the_implementations_and_report_median_and_range(monkeypatch):
+    times = {("a", "fwd"): [3.0, 1.0, 2.0], ("a", "wgrad"): [1.0, 1.0, 1.0],
+             ("b", "fwd"): [5.0, 6.0, 4.0], ("b", "wgrad"): [2.0, 9.0, 2.0]}
+    order = _stub(monkeypatch, times)
+    c = Case(64, 32, torch.tensor([3, 5]), dev="cpu")
+    out = grouped_ffn._time_phases(c, ["a", "b"], CEIL, rep_ms=1, rounds=3)
+    # round 0 a then b, round 1 b then a, round 2 a then b
+    assert [impl for impl, ph in order if ph == "fwd"] == ["a", "b", "b", "a", "a", "b"]
+    assert out["a"]["fwd"]["ms"] == 2.0 and out["a"]["fwd"]["range_ms"] == [1.0, 3.0]
+    assert out["b"]["fwd"]["ms"] == 5.0 and out["b"]["fwd"]["range_ms"] == [4.0, 6.0]
+    assert out["b"]["wgrad"]["ms"] == 2.0 and out["b"]["wgrad"]["range_ms"] == [2.0, 9.0]
+    fl, flops = grouped_ffn.floors(c, CEIL, "bf16")
+    assert out["a"]["fwd"]["of_floor"] == pytest.approx(fl["fwd"] / 2.0)
+
+
+def test_one_round_times_each_phase_once_without_a_range(monkeypatch):
+    order = _stub(monkeypatch, {("a", "fwd"): [3.0], ("a", "wgrad"): [4.0]})
+    out = grouped_ffn._time_phases(Case(64, 32, torch.tensor([3, 5]), dev="cpu"), ["a"], CEIL, rep_ms=1, rounds=1)
+    assert len(order) == 2 and out["a"]["fwd"]["ms"] == 3.0 and "range_ms" not in out["a"]["fwd"]
+
+
+def test_a_failing_implementation_is_recorded_not_raised(monkeypatch):
+    _stub(monkeypatch, {})
+
+    def phases(impl, c):
+        raise RuntimeError("torch rejects this case")
+
+    monkeypatch.setattr(grouped_ffn, "_phases", phases)
+    out = grouped_ffn._time_phases(Case(64, 32, torch.tensor([3, 5]), dev="cpu"), ["a"], CEIL, rep_ms=1, rounds=2)
+    assert "torch rejects this case" in out["a"]["error"]
