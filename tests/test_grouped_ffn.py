@@ -164,7 +164,8 @@ def test_wgrad_loop_shapes_keep_bits(monkeypatch):
     """The weight gradient's loop shape (flat over K tiles and row blocks, or one K tile per
     program) and the split of K tiles among programs follow the shapes; the bits do not. (Both
     loops with one tile config: the interpreter's fp32 dots round per row block; the GPU's row
-    blocks are test_wgrad_row_blocks_keep_bits_on_gpu.)"""
+    blocks are test_wgrad_row_blocks_keep_bits_on_gpu.) Each also persistent: one program looping over
+    the (features, K tiles) pairs."""
     monkeypatch.setitem(gg._WGRAD_CONFIGS, "rows", gg._WGRAD_CONFIGS["flat"])
 
     g = torch.Generator().manual_seed(3)
@@ -176,6 +177,11 @@ def test_wgrad_loop_shapes_keep_bits(monkeypatch):
         monkeypatch.setattr(gg, "_WGRAD_FLAT_MAX_ROWS", flat_max_rows)
         monkeypatch.setattr(gg, "_WGRAD_MIN_PROGRAMS", min_programs)
         outs.append(gg.grouped_wgrad(a, b, group_end, "bf16"))
+        # persistent: interpreted, one program looping over every (n, p) pair
+        loop = gg.wgrad_loop(a.shape[0], group_end.numel())
+        with monkeypatch.context() as m:
+            m.setitem(gg._WGRAD_CONFIGS, loop, {**gg._WGRAD_CONFIGS[loop], "PERSISTENT": True})
+            outs.append(gg.grouped_wgrad(a, b, group_end, "bf16"))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert rel_err(outs[0], gg.ref_grouped_wgrad(a, b, group_end, "bf16")) < 1e-2
     assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1])), "an expert with no rows gets a zero gradient"
