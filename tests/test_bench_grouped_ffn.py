@@ -10,14 +10,18 @@ CEIL = {"bf16_tflops": 1.0, "fp8_tflops": 2.0, "hbm_tbps": 1.0}
 
 
 def _stub(monkeypatch, times):
-    """Phases "fwd" and "wgrad" per implementation; bench pops each (impl, phase)'s next time and logs the order."""
+    """Phases "fwd" and "wgrad" per implementation; bench pops each (impl, phase)'s next time (raising it
+    if it is an exception) and logs the order."""
     order = []
     monkeypatch.setattr(grouped_ffn, "_phases",
                         lambda impl, c: ({ph: (impl, ph) for ph in ("fwd", "wgrad")}, "bf16"))
 
     def bench(fn, rep_ms):
         order.append(fn)
-        return times[fn].pop(0)
+        t = times[fn].pop(0)
+        if isinstance(t, Exception):
+            raise t
+        return t
 
     monkeypatch.setattr(grouped_ffn, "bench", bench)
     return order
@@ -53,3 +57,28 @@ def test_a_failing_implementation_is_recorded_not_raised(monkeypatch):
     monkeypatch.setattr(grouped_ffn, "_phases", phases)
     out = grouped_ffn._time_phases(Case(64, 32, torch.tensor([3, 5]), dev="cpu"), ["a"], CEIL, rep_ms=1, rounds=2)
     assert "torch rejects this case" in out["a"]["error"]
+
+
+def test_a_failing_phase_is_recorded_and_not_timed_again(monkeypatch):
+    """A phase that fails (say, out of memory) keeps its error text, is skipped in later rounds, and the
+    other phases and implementations are timed as usual."""
+    times = {("a", "fwd"): [RuntimeError("CUDA out of memory")], ("a", "wgrad"): [1.0, 2.0, 3.0],
+             ("b", "fwd"): [4.0, 5.0, 6.0], ("b", "wgrad"): [7.0, 8.0, 9.0]}
+    order = _stub(monkeypatch, times)
+    out = grouped_ffn._time_phases(Case(64, 32, torch.tensor([3, 5]), dev="cpu"), ["a", "b"], CEIL, rep_ms=1,
+                                   rounds=3)
+    assert order.count(("a", "fwd")) == 1
+    assert "CUDA out of memory" in out["a"]["fwd"]["error"] and isinstance(out["a"]["fwd"]["error"], str)
+    assert out["a"]["wgrad"]["ms"] == 2.0 and out["b"]["fwd"]["ms"] == 5.0
+
+
+@pytest.mark.parametrize("flag, value, named", [("--shapes", "kimi,foo", "--shapes: ['foo']"),
+                                                ("--impls", "ours_bf16,bar", "--impls: ['bar']"),
+                                                ("--rounds", "0", "--rounds must be at least 1")])
+def test_bad_arguments_are_named_before_any_gpu_work(monkeypatch, capsys, tmp_path, flag, value, named):
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["grouped_ffn", "--out", str(tmp_path), flag, value])
+    with pytest.raises(SystemExit):
+        grouped_ffn.main()
+    assert named in capsys.readouterr().err

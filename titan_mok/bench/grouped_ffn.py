@@ -1,6 +1,7 @@
 """Benchmark: routed-expert grouped GEMMs (kernels/grouped_ffn.py) against torch's grouped GEMMs, with roofline floors.
 
     python3 -m titan_mok.bench.grouped_ffn [--out DIR] [--quick] [--tune] [--regime all|moe|compute] [--rounds N]
+        [--shapes kimi,glm,qwen,deepseek] [--impls ...]
 
 Regimes (issue 6): the MoE regime — each shape's expert GEMMs at 2048 tokens/GPU × top-k rows over
 the local experts at EP=1 and EP=2, balanced and skewed routing — and the compute regime — 8
@@ -288,33 +289,35 @@ def _phases(impl, c):
 def _time_phases(c, impls, ceil, rep_ms, rounds) -> dict:
     """Each implementation's phases timed in rounds (rounds > 1: all of impls held at once, their order
     alternating between rounds, so that clock and thermal drift meet every implementation alike), the
-    median round as "ms" and [fastest, slowest] as "range_ms"."""
-    built, times = {}, {}
+    median round as "ms" and [fastest, slowest] as "range_ms". A failure is kept as its text, never as the
+    exception (its traceback would hold the failed call's tensors), and its phase is not timed again."""
+    built, times, errors = {}, {}, {}
     for impl in impls:
         try:
             built[impl] = _phases(impl, c)
         except Exception as e:
-            built[impl] = e
+            errors[impl] = repr(e)[:300]
     for r in range(rounds):
         for impl in (impls if r % 2 == 0 else impls[::-1]):
-            if isinstance(built[impl], Exception):
-                continue
-            for phase, fn in built[impl][0].items():
+            for phase, fn in (built[impl][0].items() if impl in built else ()):
+                if (impl, phase) in errors:
+                    continue
                 try:
                     times.setdefault(impl, {}).setdefault(phase, []).append(bench(fn, rep_ms))
                 except Exception as e:  # a baseline that torch rejects: record why
-                    times.setdefault(impl, {})[phase] = e
+                    errors[impl, phase] = repr(e)[:300]
     out = {}
-    for impl, got in built.items():
-        if isinstance(got, Exception):
-            out[impl] = {"error": repr(got)[:300]}
+    for impl in impls:
+        if impl not in built:
+            out[impl] = {"error": errors[impl]}
             continue
-        fl, flops = floors(c, ceil, got[1])
+        fl, flops = floors(c, ceil, built[impl][1])
         out[impl] = {}
-        for phase, t in times.get(impl, {}).items():
-            if isinstance(t, Exception):
-                out[impl][phase] = {"error": repr(t)[:300]}
+        for phase in built[impl][0]:
+            if (impl, phase) in errors:
+                out[impl][phase] = {"error": errors[impl, phase]}
                 continue
+            t = times[impl][phase]
             ms = statistics.median(t)
             out[impl][phase] = {"ms": ms, "tflops": flops / ms / 1e9 if phase != "wquant" else None,
                                 "floor_ms": fl[phase], "of_floor": fl[phase] / ms,
@@ -327,7 +330,8 @@ def run_case(name, H, I, counts, ceil, impls, rep_ms, log, rounds=1):
     res = {"case": name, "H": H, "I": I, "E": c.E, "R": c.R, "rows_min": int(counts.min()),
            "rows_max": int(counts.max()), "impls": {}}
     # one round: one implementation at a time, its pre-quantized weights (tens of GB at EP=1) freed
-    # before the next is built; more rounds hold them all
+    # before the next is built; more rounds hold them all (four of them do not fit a 141 GB H200 at
+    # DeepSeek-V4-Pro's EP=1: fewer --impls there)
     for group in ([[impl] for impl in impls] if rounds == 1 else [impls]):
         res["impls"].update(_time_phases(c, group, ceil, rep_ms, rounds))
         torch.cuda.empty_cache()
@@ -456,16 +460,27 @@ def tune(log, kernels):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--quick", action="store_true", help="one shape, balanced, EP=2 only")
+    p.add_argument("--quick", action="store_true", help="the first of --shapes, balanced, EP=2 only")
     p.add_argument("--tune", action="store_true", help="first sweep tile configs (TUNE_VARIANTS) and use the best")
     p.add_argument("--rep-ms", type=float, default=100)
     p.add_argument("--rounds", type=int, default=1,
                    help="timing rounds per phase, the implementations alternating (more than 1 holds them all at once)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--regime", choices=("all", "moe", "compute"), default="all",
                    help="the MoE-regime cases, the compute cases (8 x 4096 rows), or both")
     p.add_argument("--impls", default=",".join(IMPLS),
                    help="comma-separated implementations to time")
     args = p.parse_args()
+    impls = args.impls.split(",")
+    if bad := [i for i in impls if i not in IMPLS]:
+        p.error(f"--impls: {bad} not among {list(IMPLS)}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    shapes = args.shapes.split(",")
+    if bad := [x for x in shapes if x not in SHAPES]:
+        p.error(f"--shapes: {bad} not among {list(SHAPES)}")
+    if args.quick:
+        shapes = shapes[:1]
     os.makedirs(args.out, exist_ok=True)
     log_f = open(os.path.join(args.out, "grouped_ffn_bench.jsonl"), "a")
 
@@ -478,18 +493,12 @@ def main():
     ceil = measure_ceilings()
     log(json.dumps({"ceilings": ceil, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}))
-    impls = args.impls.split(",")
-    if bad := [i for i in impls if i not in IMPLS]:
-        p.error(f"--impls: {bad} not among {list(IMPLS)}")
-    if args.rounds < 1:
-        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.tune:
         kernels = {"ours_bf16": [k for k in TUNE_VARIANTS if k.startswith("bf16/")],
                    "ours_mxfp8": [k for k in TUNE_VARIANTS if k.startswith("mxfp8_ws/")],
                    "ours_mxfp8_fp8mma": [k for k in TUNE_VARIANTS if k.startswith("mxfp8_fp8_ws/")]}
         tune(log, [key for i in impls for key in kernels.get(i, [])])
     results = []
-    shapes = ["kimi"] if args.quick else list(SHAPES)
     for shape in shapes if args.regime != "compute" else []:
         H, I, E, K = SHAPES[shape]
         for ep in ([2] if args.quick else [1, 2]):
