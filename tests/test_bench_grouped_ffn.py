@@ -82,3 +82,12 @@ def test_bad_arguments_are_named_before_any_gpu_work(monkeypatch, capsys, tmp_pa
     with pytest.raises(SystemExit):
         grouped_ffn.main()
     assert named in capsys.readouterr().err
+
+
+def test_rowwise_fp8_of_an_empty_group():
+    """The fp8 baseline quantizes the weight gradient's operands per expert along the token axis: an expert
+    without rows is an empty [N, 0] block, which gets one scale per row and no data (it failed in amax)."""
+    q, s = grouped_ffn.rowwise_fp8(torch.zeros(4, 0, dtype=torch.bfloat16))
+    assert q.shape == (4, 0) and q.dtype == torch.float8_e4m3fn and torch.equal(s, torch.ones(4))
+    q, s = grouped_ffn.rowwise_fp8(torch.tensor([[1.0, -448.0]], dtype=torch.bfloat16))
+    assert torch.equal(s, torch.tensor([1.0])) and q.float().tolist() == [[1.0, -448.0]]

@@ -92,6 +92,8 @@ def rowwise_fp8(x):
 
 
 def _rowwise_fp8_rows(x):
+    if x.shape[-1] == 0:  # an expert without rows (scales along the token axis): a scale that multiplies nothing
+        return x.to(torch.float8_e4m3fn), torch.ones(x.shape[:-1], dtype=torch.float32, device=x.device)
     amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
     scale = amax / 448.0
     return (x.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
