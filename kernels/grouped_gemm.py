@@ -720,9 +720,8 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         a_half = ([_tma_descriptor(a, [bm // 2, block_k], name) for name, a in (("a1", a1), ("a2", a2))] if half
                   else a_descs)
         sb1, sb2, s_strides = (b1_s, b2_s, b1_s.stride()) if mx else (a1, a1, (0, 0, 0))  # bf16: never read
-        if common.get("PERSISTENT"):  # one program per SM; interpreted, one looping over every tile
-            programs = grouped_mm_ws.sm_count(a1.device.index) if _on_cuda(a1) else _INTERPRETED_PROGRAMS
-            grid = (min(grid[0], programs),)
+        if common.get("PERSISTENT"):
+            grid = (_persistent_programs(a1, grid[0]),)
         _grouped_mm_tma_kernel[grid](*a_descs, *a_half, *b_descs, sb1, sb2, *outs_and_groups, *s_strides, limit,
                                      MX=mx, B_KN=b_kn, MMA_ORDER=mma_order, DOT_F32=_DOT_F32, **common)
 
@@ -738,6 +737,12 @@ def _wide_scale_experts(*bits_ENB: torch.Tensor) -> torch.Tensor:
     above 2^7, or NaN): the warp-specialized kernel dequantizes those experts with a second multiply
     (mx_dequantize_bits_sm90). One read of the scales, 1/32 of the E4M3 weight bytes."""
     return (torch.stack([b.amax(dim=(1, 2)) for b in bits_ENB]).amax(0) > WIDE_SCALE_BITS.value).to(torch.int32)
+
+
+def _persistent_programs(t: torch.Tensor, work_items: int) -> int:
+    """A PERSISTENT config's grid for t's launch: one program per SM (none past the work items); under
+    Triton's interpreter _INTERPRETED_PROGRAMS, one program looping over every item."""
+    return min(work_items, grouped_mm_ws.sm_count(t.device.index) if _on_cuda(t) else _INTERPRETED_PROGRAMS)
 
 
 def _on_cuda(t: torch.Tensor) -> bool:
@@ -869,9 +874,8 @@ def _grouped_wgrad_values(a_RN, b_RK, group_end_E) -> torch.Tensor:
         prog_end_E, k_tiles_per_prog_E, max_programs = _wgrad_programs(group_end_E, a_RN.shape[0], cfg["BR"], n_tiles,
                                                                        k_tiles, flat)
         grid = (n_tiles, max_programs)
-        if cfg.get("PERSISTENT"):  # one program per SM; interpreted, one looping over every (n, p) pair
-            programs = grouped_mm_ws.sm_count(a_RN.device.index) if _on_cuda(a_RN) else _INTERPRETED_PROGRAMS
-            grid = (min(n_tiles * max_programs, programs),)
+        if cfg.get("PERSISTENT"):
+            grid = (_persistent_programs(a_RN, n_tiles * max_programs),)
         _set_triton_allocator()
         _grouped_wgrad_kernel[grid](
             a_RN, b_RK, c_ENK, group_end_E, prog_end_E, k_tiles_per_prog_E, n, k, num_experts,

@@ -270,22 +270,21 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-IMPLS = ("grouped_mm_bf16", "scaled_grouped_mm_fp8", "ours_bf16", "ours_mxfp8", "ours_mxfp8_fp8mma")
+# implementation: (its phases on a case, the format its floors use)
+_IMPL_PHASES = {
+    "grouped_mm_bf16": (phases_grouped_mm, "bf16"),
+    "scaled_grouped_mm_fp8": (phases_scaled_grouped_mm, "fp8"),
+    "ours_bf16": (lambda c: phases_ours(c, "bf16"), "bf16"),
+    "ours_mxfp8": (lambda c: phases_ours(c, "mxfp8"), "mxfp8"),
+    "ours_mxfp8_fp8mma": (lambda c: phases_ours(c, "mxfp8", fp8_mma=True), "mxfp8"),
+}
+IMPLS = tuple(_IMPL_PHASES)
 
 
 def _phases(impl, c):
     """(phase callables, floor format) of one implementation on case c."""
-    if impl == "grouped_mm_bf16":
-        return phases_grouped_mm(c), "bf16"
-    if impl == "scaled_grouped_mm_fp8":
-        return phases_scaled_grouped_mm(c), "fp8"
-    if impl == "ours_bf16":
-        return phases_ours(c, "bf16"), "bf16"
-    if impl == "ours_mxfp8":
-        return phases_ours(c, "mxfp8"), "mxfp8"
-    if impl == "ours_mxfp8_fp8mma":
-        return phases_ours(c, "mxfp8", fp8_mma=True), "mxfp8"
-    raise ValueError(f"unknown implementation {impl!r}; implementations: {', '.join(IMPLS)}")
+    make, fmt = _IMPL_PHASES[impl]
+    return make(c), fmt
 
 
 def _time_phases(c, impls, ceil, rep_ms, rounds) -> dict:
