@@ -253,8 +253,9 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_p
             acc1, acc2, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps, n_steps,
                                           loads_per_pair, n_loads, stride_se, stride_sn, MODE, B_KN, MMA_ORDER, NB,
                                           BMT, KB, STAGES, False, half)
-    if BLOCKED_STORE and MODE != 2:
-        _store_blocked(acc1, acc2, m0, row_end, n0 + half * 64, N, c1_ptr, c2_ptr, c3_ptr, limit, MODE, HAS_LIMIT, BMT)
+    if BLOCKED_STORE:
+        _store_blocked(acc1, acc2, m0, row_end, n0 + half * 64, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
+                       HAS_LIMIT, BMT)
     else:
         rows = m0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, _acc_layout(BMT, FP8_MMA)))
         c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
@@ -264,11 +265,12 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_p
 
 
 @gluon.jit
-def _store_blocked(acc1, acc2, m0, row_end, n_start, N, c1_ptr, c2_ptr, c3_ptr, limit, MODE: gl.constexpr,
-                   HAS_LIMIT: gl.constexpr, BMT: gl.constexpr):
+def _store_blocked(acc1, acc2, m0, row_end, n_start, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
+                   MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, BMT: gl.constexpr):
     """BLOCKED_STORE: the tile's bf16 results [64 features, BMT tokens], rounded in the accumulator's layout (the
     same bits), turned through shared memory so that each thread stores 8 adjacent features of a token: 16-byte
-    stores instead of the accumulator layout's 2-byte ones (a token's features are contiguous in the output)."""
+    stores instead of the accumulator layout's 2-byte ones (a token's features are contiguous in the output).
+    SwiGLU backward turns its fp32 dh instead, so that g and u are loaded 16 bytes at a time too."""
     ST: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
     feats = n_start + gl.arange(0, 64, layout=gl.SliceLayout(1, ST))
     toks = m0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, ST))
@@ -279,6 +281,9 @@ def _store_blocked(acc1, acc2, m0, row_end, n_start, N, c1_ptr, c2_ptr, c3_ptr, 
         gl.store(c1_ptr + off, gl.convert_layout(g, ST), mask=ok)
         gl.store(c2_ptr + off, gl.convert_layout(u, ST), mask=ok)
         gl.store(c3_ptr + off, gl.convert_layout(h, ST), mask=ok)
+    elif MODE == 2:
+        _epilogue(gl.convert_layout(acc1, ST), acc1, off, ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
+                  HAS_LIMIT)
     else:
         gl.store(c1_ptr + off, gl.convert_layout(_bf16_rne(acc1), ST), mask=ok)
 
