@@ -45,7 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from titan_mok.kernels.grouped_tiles import _epilogue, _tile_of_program
+from titan_mok.kernels.grouped_tiles import _bf16_rne, _epilogue, _swiglu_out, _tile_of_program
 from titan_mok.kernels.mxfp8_quant import mx_dequantize_bits_sm90, mx_scale_of_bits
 
 KB = 4  # 32-wide K blocks per load: [BN, 128] E4M3 weight tiles
@@ -210,7 +210,8 @@ def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, 
               stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
               B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-              HALF_TILES: gl.constexpr, SPLIT_TILES: gl.constexpr, FP8_MMA: gl.constexpr, half: gl.constexpr):
+              HALF_TILES: gl.constexpr, SPLIT_TILES: gl.constexpr, FP8_MMA: gl.constexpr,
+              BLOCKED_STORE: gl.constexpr, half: gl.constexpr):
     """One warpgroup: for each of the program's tiles, weight rows [n0 + 64 * half, +64) against its
     BM tokens (HALF_TILES: against the first BM / 2 where the tile holds no more of its expert's
     rows: half the MMA work, the same instructions per token; SPLIT_TILES: against the first
@@ -223,17 +224,17 @@ def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, 
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, 0, KB, STAGES,
-                              FP8_MMA, half)
+                              FP8_MMA, BLOCKED_STORE, half)
         elif SPLIT_TILES and row_end - m0 <= BM // 2 + BM // 4:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, BM // 4, KB,
-                              STAGES, FP8_MMA, half)
+                              STAGES, FP8_MMA, BLOCKED_STORE, half)
         else:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM, 0, KB, STAGES,
-                              FP8_MMA, half)
+                              FP8_MMA, BLOCKED_STORE, half)
 
 
 @gluon.jit
@@ -242,7 +243,7 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_p
                   stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr,
                   BMT2: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, FP8_MMA: gl.constexpr,
-                  half: gl.constexpr):
+                  BLOCKED_STORE: gl.constexpr, half: gl.constexpr):
     """One tile's loads (ring positions c, c + 1, ...) against its first BMT tokens (and, BMT2 > 0, the next
     BMT2 in a second set of accumulators), and its epilogue; returns the ring position after them."""
     gl.static_assert(BMT2 == 0 or not FP8_MMA, "split tiles run on the dequantizing path only")
@@ -266,21 +267,50 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_p
                                                         False, half)
         if BMT2 > 0:
             _tile_epilogue(acc1b, acc2b, m0 + BMT, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
-                           MODE, HAS_LIMIT, BMT2, FP8_MMA)
+                           MODE, HAS_LIMIT, BMT2, FP8_MMA, BLOCKED_STORE)
     _tile_epilogue(acc1, acc2, m0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT,
-                   BMT, FP8_MMA)
+                   BMT, FP8_MMA, BLOCKED_STORE)
     return c
 
 
 @gluon.jit
 def _tile_epilogue(acc1, acc2, r0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
-                   MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, BMT: gl.constexpr, FP8_MMA: gl.constexpr):
+                   MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, BMT: gl.constexpr, FP8_MMA: gl.constexpr,
+                   BLOCKED_STORE: gl.constexpr):
     """Stores of the accumulators [64 weight rows, BMT tokens from r0]."""
-    rows = r0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, _acc_layout(BMT, FP8_MMA)))
-    offs_n = gl.convert_layout(offs_n, gl.SliceLayout(1, _acc_layout(BMT, FP8_MMA)))
-    c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
-    c_ok = gl.expand_dims(rows < row_end, 0) & gl.expand_dims(offs_n < N, 1)
-    _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT)
+    if BLOCKED_STORE:
+        _store_blocked(acc1, acc2, r0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
+                       HAS_LIMIT, BMT)
+    else:
+        rows = r0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, _acc_layout(BMT, FP8_MMA)))
+        offs_n = gl.convert_layout(offs_n, gl.SliceLayout(1, _acc_layout(BMT, FP8_MMA)))
+        c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
+        c_ok = gl.expand_dims(rows < row_end, 0) & gl.expand_dims(offs_n < N, 1)
+        _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT)
+
+
+@gluon.jit
+def _store_blocked(acc1, acc2, r0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
+                   MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, BMT: gl.constexpr):
+    """BLOCKED_STORE: the tile's bf16 results [64 features, BMT tokens], rounded in the accumulator's layout (the
+    same bits), turned through shared memory so that each thread stores 8 adjacent features of a token: 16-byte
+    stores instead of the accumulator layout's 2-byte ones (a token's features are contiguous in the output).
+    SwiGLU backward turns its fp32 dh instead, so that g and u are loaded 16 bytes at a time too."""
+    ST: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+    feats = gl.convert_layout(offs_n, gl.SliceLayout(1, ST))
+    toks = r0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, ST))
+    off = gl.expand_dims(toks.to(gl.int64) * N, 0) + gl.expand_dims(feats, 1)
+    ok = gl.expand_dims(toks < row_end, 0) & gl.expand_dims(feats < N, 1)
+    if MODE == 1:
+        g, u, h = _swiglu_out(acc1, acc2, limit, HAS_LIMIT)
+        gl.store(c1_ptr + off, gl.convert_layout(g, ST), mask=ok)
+        gl.store(c2_ptr + off, gl.convert_layout(u, ST), mask=ok)
+        gl.store(c3_ptr + off, gl.convert_layout(h, ST), mask=ok)
+    elif MODE == 2:
+        _epilogue(gl.convert_layout(acc1, ST), acc1, off, ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
+                  HAS_LIMIT)
+    else:
+        gl.store(c1_ptr + off, gl.convert_layout(_bf16_rne(acc1), ST), mask=ok)
 
 
 @gluon.constexpr_function
@@ -467,7 +497,7 @@ def _grouped_mm_mx_ws_kernel(
     MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, LOG_E: gl.constexpr, B_KN: gl.constexpr, MMA_ORDER: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, HALF_TILES: gl.constexpr, FP8_MMA: gl.constexpr, num_warps: gl.constexpr,
-    SPLIT_TILES: gl.constexpr = False,
+    SPLIT_TILES: gl.constexpr = False, BLOCKED_STORE: gl.constexpr = False,
 ):
     gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 weight rows each")
     gl.static_assert(not (FP8_MMA and B_KN), "E4M3 wgmmas read both operands K-major: weights [E, N, K]")
@@ -495,11 +525,11 @@ def _grouped_mm_mx_ws_kernel(
         (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                      u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 0)),
+                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, BLOCKED_STORE, 0)),
         (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                      u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 1)),
+                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, BLOCKED_STORE, 1)),
         (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_bufs, w_bufs, full, empty,
                    group_end_ptr, tile_end_ptr, N, K, E, stride_sak, loads_per_pair, n_loads, MODE, B_KN, NB, KB,
                    STAGES, LOG_E, BM, BN, GROUP_M, FP8_MMA)),
