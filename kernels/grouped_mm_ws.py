@@ -45,7 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from titan_mok.kernels.grouped_tiles import _epilogue, _tile_of_program
+from titan_mok.kernels.grouped_tiles import _bf16_rne, _epilogue, _swiglu_out, _tile_of_program
 from titan_mok.kernels.mxfp8_quant import mx_dequantize_bits_sm90, mx_scale_of_bits
 
 KB = 4  # 32-wide K blocks per load: [BN, 128] E4M3 weight tiles
@@ -195,9 +195,9 @@ def _w_operands(w_bufs, s, q: gl.constexpr, half: gl.constexpr, bits, WIDE: gl.c
 
 
 @gluon.jit
-def _mma_block(a_bufs, slot, w1, w2, acc1, acc2, NB: gl.constexpr, BMT: gl.constexpr):
-    # the activation tile's first BMT tokens [BMT, 32] as the MMA's B [32, BMT]
-    x = a_bufs.index(slot).slice(0, BMT, dim=0).permute((1, 0))
+def _mma_block(a_bufs, slot, w1, w2, acc1, acc2, NB: gl.constexpr, BMT: gl.constexpr, T0: gl.constexpr = 0):
+    # the activation tile's tokens [T0, T0 + BMT) [BMT, 32] as the MMA's B [32, BMT]
+    x = a_bufs.index(slot).slice(T0, BMT, dim=0).permute((1, 0))
     acc1 = warpgroup_mma(w1, x, acc1, is_async=True)
     if NB == 2:
         acc2 = warpgroup_mma(w2, x, acc2, is_async=True)
@@ -210,33 +210,43 @@ def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, 
               stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
               B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-              HALF_TILES: gl.constexpr, FP8_MMA: gl.constexpr, half: gl.constexpr):
+              HALF_TILES: gl.constexpr, SPLIT_TILES: gl.constexpr, FP8_MMA: gl.constexpr,
+              BLOCKED_STORE: gl.constexpr, half: gl.constexpr):
     """One warpgroup: for each of the program's tiles, weight rows [n0 + 64 * half, +64) against its
     BM tokens (HALF_TILES: against the first BM / 2 where the tile holds no more of its expert's
-    rows: half the MMA work, the same instructions per token), then their epilogue."""
+    rows: half the MMA work, the same instructions per token; SPLIT_TILES: against the first
+    BM / 2 + BM / 4 as two MMAs on each dequantized block, where the tile holds no more: 3/4 of the
+    MMA work), then their epilogue."""
     c = 0  # loads consumed by this program, over all its tiles: the ring position
     for t in range(gl.program_id(0), gl.load(tile_end_ptr + E - 1), gl.num_programs(0)):
         e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
         if HALF_TILES and row_end - m0 <= BM // 2:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
-                              stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, KB, STAGES,
-                              FP8_MMA, half)
+                              stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, 0, KB, STAGES,
+                              FP8_MMA, BLOCKED_STORE, half)
+        elif SPLIT_TILES and row_end - m0 <= BM // 2 + BM // 4:
+            c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
+                              g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
+                              stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, BM // 4, KB,
+                              STAGES, FP8_MMA, BLOCKED_STORE, half)
         else:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
-                              stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM, KB, STAGES,
-                              FP8_MMA, half)
+                              stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM, 0, KB, STAGES,
+                              FP8_MMA, BLOCKED_STORE, half)
 
 
 @gluon.jit
 def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                   u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                   stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                  B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr, KB: gl.constexpr,
-                  STAGES: gl.constexpr, FP8_MMA: gl.constexpr, half: gl.constexpr):
-    """One tile's loads (ring positions c, c + 1, ...) against its first BMT tokens, and its
-    epilogue; returns the ring position after them."""
+                  B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr,
+                  BMT2: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, FP8_MMA: gl.constexpr,
+                  BLOCKED_STORE: gl.constexpr, half: gl.constexpr):
+    """One tile's loads (ring positions c, c + 1, ...) against its first BMT tokens (and, BMT2 > 0, the next
+    BMT2 in a second set of accumulators), and its epilogue; returns the ring position after them."""
+    gl.static_assert(BMT2 == 0 or not FP8_MMA, "split tiles run on the dequantizing path only")
     offs_n = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _acc_layout(BMT, FP8_MMA)))
     if FP8_MMA:
         acc1, acc2, c = _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_n, c, N, k_steps,
@@ -246,18 +256,61 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_p
         # one branch per tile around two copies of the loop: a branch per block keeps ptxas from interleaving
         # the HGMMA issue with the dequantization (NOTES.md, session 15)
         if gl.load(wide_ptr + e) != 0:
-            acc1, acc2, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps, n_steps,
-                                          loads_per_pair, n_loads, stride_se, stride_sn, MODE, B_KN, MMA_ORDER, NB,
-                                          BMT, KB, STAGES, True, half)
+            acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
+                                                        k_steps, n_steps, loads_per_pair, n_loads, stride_se,
+                                                        stride_sn, MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES,
+                                                        True, half)
         else:
-            acc1, acc2, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps, n_steps,
-                                          loads_per_pair, n_loads, stride_se, stride_sn, MODE, B_KN, MMA_ORDER, NB,
-                                          BMT, KB, STAGES, False, half)
-    rows = m0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, _acc_layout(BMT, FP8_MMA)))
-    c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
-    c_ok = gl.expand_dims(rows < row_end, 0) & gl.expand_dims(offs_n < N, 1)
-    _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT)
+            acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
+                                                        k_steps, n_steps, loads_per_pair, n_loads, stride_se,
+                                                        stride_sn, MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES,
+                                                        False, half)
+        if BMT2 > 0:
+            _tile_epilogue(acc1b, acc2b, m0 + BMT, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
+                           MODE, HAS_LIMIT, BMT2, FP8_MMA, BLOCKED_STORE)
+    _tile_epilogue(acc1, acc2, m0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT,
+                   BMT, FP8_MMA, BLOCKED_STORE)
     return c
+
+
+@gluon.jit
+def _tile_epilogue(acc1, acc2, r0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
+                   MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, BMT: gl.constexpr, FP8_MMA: gl.constexpr,
+                   BLOCKED_STORE: gl.constexpr):
+    """Stores of the accumulators [64 weight rows, BMT tokens from r0]."""
+    if BLOCKED_STORE:
+        _store_blocked(acc1, acc2, r0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
+                       HAS_LIMIT, BMT)
+    else:
+        rows = r0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, _acc_layout(BMT, FP8_MMA)))
+        offs_n = gl.convert_layout(offs_n, gl.SliceLayout(1, _acc_layout(BMT, FP8_MMA)))
+        c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
+        c_ok = gl.expand_dims(rows < row_end, 0) & gl.expand_dims(offs_n < N, 1)
+        _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT)
+
+
+@gluon.jit
+def _store_blocked(acc1, acc2, r0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
+                   MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, BMT: gl.constexpr):
+    """BLOCKED_STORE: the tile's bf16 results [64 features, BMT tokens], rounded in the accumulator's layout (the
+    same bits), turned through shared memory so that each thread stores 8 adjacent features of a token: 16-byte
+    stores instead of the accumulator layout's 2-byte ones (a token's features are contiguous in the output).
+    SwiGLU backward turns its fp32 dh instead, so that g and u are loaded 16 bytes at a time too."""
+    ST: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+    feats = gl.convert_layout(offs_n, gl.SliceLayout(1, ST))
+    toks = r0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, ST))
+    off = gl.expand_dims(toks.to(gl.int64) * N, 0) + gl.expand_dims(feats, 1)
+    ok = gl.expand_dims(toks < row_end, 0) & gl.expand_dims(feats < N, 1)
+    if MODE == 1:
+        g, u, h = _swiglu_out(acc1, acc2, limit, HAS_LIMIT)
+        gl.store(c1_ptr + off, gl.convert_layout(g, ST), mask=ok)
+        gl.store(c2_ptr + off, gl.convert_layout(u, ST), mask=ok)
+        gl.store(c3_ptr + off, gl.convert_layout(h, ST), mask=ok)
+    elif MODE == 2:
+        _epilogue(gl.convert_layout(acc1, ST), acc1, off, ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
+                  HAS_LIMIT)
+    else:
+        gl.store(c1_ptr + off, gl.convert_layout(_bf16_rne(acc1), ST), mask=ok)
 
 
 @gluon.constexpr_function
@@ -270,10 +323,11 @@ def _acc_layout(BMT, FP8_MMA):
 @gluon.jit
 def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps, n_steps, loads_per_pair,
                   n_loads, stride_se, stride_sn, MODE: gl.constexpr, B_KN: gl.constexpr, MMA_ORDER: gl.constexpr,
-                  NB: gl.constexpr, BMT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr,
-                  half: gl.constexpr):
-    """The tile's accumulators (acc1, acc2) by bf16 MMAs on dequantized weights, and the ring position. WIDE:
-    the expert has scales above 2^7 (mx_dequantize_bits_sm90's second multiply)."""
+                  NB: gl.constexpr, BMT: gl.constexpr, BMT2: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
+                  WIDE: gl.constexpr, half: gl.constexpr):
+    """The tile's accumulators (acc1, acc2 over the first BMT tokens; acc1b, acc2b over the next BMT2 where
+    BMT2 > 0, else aliases) by bf16 MMAs on dequantized weights, and the ring position. WIDE: the expert has
+    scales above 2^7 (mx_dequantize_bits_sm90's second multiply)."""
     gl.static_assert(KB == 4, "_dequant_tile unrolls four K blocks per load")
     ACC: gl.constexpr = _acc_layout(BMT, False)
     W_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -284,6 +338,10 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
     acc1 = gl.zeros([64, BMT], gl.float32, ACC)
     if NB == 2:
         acc2 = gl.zeros([64, BMT], gl.float32, ACC)
+    if BMT2 > 0:
+        acc1b = gl.zeros([64, BMT2], gl.float32, _acc_layout(BMT2, False))
+        if NB == 2:
+            acc2b = gl.zeros([64, BMT2], gl.float32, _acc_layout(BMT2, False))
     for l in range(n_loads):
         s = c % STAGES
         # the next load's scale bits: their global-load latency overlaps this load's conversions and MMAs
@@ -298,19 +356,38 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
             acc1, acc2 = _mma_block(a_bufs, s * KB + 1, w1b, w2b, acc1, acc2, NB, BMT)
             acc1, acc2 = _mma_block(a_bufs, s * KB + 2, w1c, w2c, acc1, acc2, NB, BMT)
             acc1, acc2 = _mma_block(a_bufs, s * KB + 3, w1d, w2d, acc1, acc2, NB, BMT)
-            acc1, acc2 = warpgroup_mma_wait(0, deps=(acc1, acc2))
+            if BMT2 > 0:  # the same registers against the next BMT2 tokens
+                acc1b, acc2b = _mma_block(a_bufs, s * KB + 0, w1a, w2a, acc1b, acc2b, NB, BMT2, BMT)
+                acc1b, acc2b = _mma_block(a_bufs, s * KB + 1, w1b, w2b, acc1b, acc2b, NB, BMT2, BMT)
+                acc1b, acc2b = _mma_block(a_bufs, s * KB + 2, w1c, w2c, acc1b, acc2b, NB, BMT2, BMT)
+                acc1b, acc2b = _mma_block(a_bufs, s * KB + 3, w1d, w2d, acc1b, acc2b, NB, BMT2, BMT)
+                acc1, acc2, acc1b, acc2b = warpgroup_mma_wait(0, deps=(acc1, acc2, acc1b, acc2b))
+            else:
+                acc1, acc2 = warpgroup_mma_wait(0, deps=(acc1, acc2))
         else:  # no second accumulator carried through the loop
             acc1, _ = _mma_block(a_bufs, s * KB + 0, w1a, w1a, acc1, acc1, NB, BMT)
             acc1, _ = _mma_block(a_bufs, s * KB + 1, w1b, w1b, acc1, acc1, NB, BMT)
             acc1, _ = _mma_block(a_bufs, s * KB + 2, w1c, w1c, acc1, acc1, NB, BMT)
             acc1, _ = _mma_block(a_bufs, s * KB + 3, w1d, w1d, acc1, acc1, NB, BMT)
-            acc1 = warpgroup_mma_wait(0, deps=(acc1,))
+            if BMT2 > 0:
+                acc1b, _ = _mma_block(a_bufs, s * KB + 0, w1a, w1a, acc1b, acc1b, NB, BMT2, BMT)
+                acc1b, _ = _mma_block(a_bufs, s * KB + 1, w1b, w1b, acc1b, acc1b, NB, BMT2, BMT)
+                acc1b, _ = _mma_block(a_bufs, s * KB + 2, w1c, w1c, acc1b, acc1b, NB, BMT2, BMT)
+                acc1b, _ = _mma_block(a_bufs, s * KB + 3, w1d, w1d, acc1b, acc1b, NB, BMT2, BMT)
+                acc1, acc1b = warpgroup_mma_wait(0, deps=(acc1, acc1b))
+            else:
+                acc1 = warpgroup_mma_wait(0, deps=(acc1,))
         mbarrier.arrive(empty.index(s), count=1)
         c += 1
         bits = nxt
     if NB == 1:
         acc2 = acc1  # unused outside SWIGLU
-    return acc1, acc2, c
+        if BMT2 > 0:
+            acc2b = acc1b
+    if BMT2 == 0:  # no second set: aliases, never stored
+        acc1b = acc1
+        acc2b = acc2
+    return acc1, acc2, acc1b, acc2b, c
 
 
 @gluon.jit
@@ -420,6 +497,7 @@ def _grouped_mm_mx_ws_kernel(
     MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, LOG_E: gl.constexpr, B_KN: gl.constexpr, MMA_ORDER: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, HALF_TILES: gl.constexpr, FP8_MMA: gl.constexpr, num_warps: gl.constexpr,
+    SPLIT_TILES: gl.constexpr = False, BLOCKED_STORE: gl.constexpr = False,
 ):
     gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 weight rows each")
     gl.static_assert(not (FP8_MMA and B_KN), "E4M3 wgmmas read both operands K-major: weights [E, N, K]")
@@ -447,11 +525,11 @@ def _grouped_mm_mx_ws_kernel(
         (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                      u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, FP8_MMA, 0)),
+                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, BLOCKED_STORE, 0)),
         (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                      u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, FP8_MMA, 1)),
+                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, BLOCKED_STORE, 1)),
         (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_bufs, w_bufs, full, empty,
                    group_end_ptr, tile_end_ptr, N, K, E, stride_sak, loads_per_pair, n_loads, MODE, B_KN, NB, KB,
                    STAGES, LOG_E, BM, BN, GROUP_M, FP8_MMA)),

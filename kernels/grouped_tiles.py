@@ -65,16 +65,24 @@ def _swiglu_clamped(g, u, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _swiglu_out(acc1, acc2, limit, HAS_LIMIT: tl.constexpr):
+    """(g, u, h) in bf16 from the gate and up accumulators: g, u rounded to the activation dtype, h = silu(g) * u
+    from the rounded values."""
+    g = _bf16_rne(acc1)
+    u = _bf16_rne(acc2)
+    gc, uc = _swiglu_clamped(g.to(tl.float32), u.to(tl.float32), limit, HAS_LIMIT)
+    return g, u, _bf16_rne(gc * tl.sigmoid(gc) * uc)
+
+
+@triton.jit
 def _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE: tl.constexpr,
               HAS_LIMIT: tl.constexpr):
     """Stores of one output tile (either orientation: c_off/c_ok give each element's place)."""
-    if MODE == 1:  # g, u stored in the activation dtype; h = silu(g) * u from the stored values
-        g = _bf16_rne(acc1)
-        u = _bf16_rne(acc2)
-        gc, uc = _swiglu_clamped(g.to(tl.float32), u.to(tl.float32), limit, HAS_LIMIT)
+    if MODE == 1:
+        g, u, h = _swiglu_out(acc1, acc2, limit, HAS_LIMIT)
         tl.store(c1_ptr + c_off, g, mask=c_ok)
         tl.store(c2_ptr + c_off, u, mask=c_ok)
-        tl.store(c3_ptr + c_off, _bf16_rne(gc * tl.sigmoid(gc) * uc), mask=c_ok)
+        tl.store(c3_ptr + c_off, h, mask=c_ok)
     elif MODE == 2:  # acc1 = dh; dg, du of h = silu(clamp(g)) * clamp(u)
         g = tl.load(g_ptr + c_off, mask=c_ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + c_off, mask=c_ok, other=0.0).to(tl.float32)
