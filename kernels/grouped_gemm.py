@@ -105,15 +105,19 @@ _MM_CONFIGS = {
     # per thread asked for the second consumer warpgroup (a worker partition of warp_specialize);
     # PERSISTENT: one program per SM looping over tiles, else one program per tile; maxnreg (optional)
     # caps the kernel's registers per thread, so that two programs fit on an SM. HALF_TILES as for bf16
-    # (64-token MMAs): kept for the dgrad kinds, 0.4-7.2% faster in all 18 cases where it applies (EP=2
-    # and 8 x 4096 rows, three shapes); SwiGLU gate/up (more spills) and plain were slower or mixed
-    # (NOTES.md, session 12).
-    "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4),
-    "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232, num_warps=4),
+    # (64-token MMAs; 0.4-7.2% faster for the dgrad kinds, session 12). SPLIT_TILES: a tile holding 65-96
+    # of its expert's rows runs 64 + 32-token MMAs, 3/4 of the padded work (EP=2: 80-85 rows per expert at
+    # Kimi K2.7 and Qwen3.5). With the 16-byte stores (spills 408 -> 0-24 B), both together 4-13% faster
+    # than 16-byte stores alone at EP=2 and level at 8 x 4096 rows; at EP=1 the half tiles in 128-token
+    # programs were 2-4% slower than 64-token tiles, hence the "@few_rows" entries (NOTES.md, session 20).
+    "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4,
+                           HALF_TILES=True, SPLIT_TILES=True),
+    "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232, num_warps=4,
+                            HALF_TILES=True, SPLIT_TILES=True),
     "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=248, num_warps=4,
-                                HALF_TILES=True),
+                                HALF_TILES=True, SPLIT_TILES=True),
     "mxfp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4,
-                          HALF_TILES=True),
+                          HALF_TILES=True, SPLIT_TILES=True),
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
     # fp8_mma=True on CUDA: E4M3 x E4M3 wgmmas in the warp-specialized kernel (FP8_MMA), each 32-wide K
     # block's partial sums promoted while the next block's wgmma runs. 1.2-2x slower than "mxfp8_ws" in
@@ -129,7 +133,12 @@ _MM_CONFIGS = {
     # At few rows per expert (below): 64-token tiles halve the accumulators, so two programs fit on an
     # SM (80 registers per thread, 104 for the consumers, two loads in flight) and hide each other's
     # latencies: the dgrad kinds 1-13% faster per kind and case (the dgrad 6-9% at EP=1); plain was
-    # level and SwiGLU gate/up (two accumulators) spills (NOTES.md, session 11).
+    # level and SwiGLU gate/up (two accumulators) spills (NOTES.md, session 11). Plain and SwiGLU gate/up
+    # keep the 64-token tiles they had before their 128-token configs took HALF_TILES (session 20).
+    "mxfp8_ws/plain@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232,
+                                    num_warps=4),
+    "mxfp8_ws/swiglu@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232,
+                                     num_warps=4),
     "mxfp8_ws/swiglu_bwd@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=104,
                                          maxnreg=80, num_warps=4),
     "mxfp8_ws/dual@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=104,

@@ -12,8 +12,8 @@ the dequantized weights are the MMA's register operand and never go back to shar
 - two consumer warpgroups, each owning 64 of the tile's weight rows: dequantize the load's KB blocks
   (E4M3 * 2^e -> bf16, exact; ``mxfp8_quant.mx_dequantize_bits_sm90``: bit placement and one bf16x2
   multiply, a second one for experts whose scales pass 2^7, chosen per tile) in registers, issue their
-  wgmmas, wait, hand the slot back, and at the end store their half of the tile
-  (``grouped_tiles._epilogue``, shared with the Triton kernel). Weights in MMA order
+  wgmmas, wait, hand the slot back, and at the end store their half of the tile, rounded as
+  ``grouped_tiles._epilogue`` rounds (shared with the Triton kernel), 16 bytes per store. Weights in MMA order
   (``MXTensor.mma_order``, as the MoE layer quantizes them) reach the registers by one 8-byte shared
   load per row and block, in index order by four 2-byte ones; a row's four scales by one 4-byte load.
 
@@ -210,8 +210,7 @@ def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, 
               stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
               B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-              HALF_TILES: gl.constexpr, SPLIT_TILES: gl.constexpr, FP8_MMA: gl.constexpr,
-              BLOCKED_STORE: gl.constexpr, half: gl.constexpr):
+              HALF_TILES: gl.constexpr, SPLIT_TILES: gl.constexpr, FP8_MMA: gl.constexpr, half: gl.constexpr):
     """One warpgroup: for each of the program's tiles, weight rows [n0 + 64 * half, +64) against its
     BM tokens (HALF_TILES: against the first BM / 2 where the tile holds no more of its expert's
     rows: half the MMA work, the same instructions per token; SPLIT_TILES: against the first
@@ -224,17 +223,17 @@ def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, 
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, 0, KB, STAGES,
-                              FP8_MMA, BLOCKED_STORE, half)
+                              FP8_MMA, half)
         elif SPLIT_TILES and row_end - m0 <= BM // 2 + BM // 4:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, BM // 4, KB,
-                              STAGES, FP8_MMA, BLOCKED_STORE, half)
+                              STAGES, FP8_MMA, half)
         else:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM, 0, KB, STAGES,
-                              FP8_MMA, BLOCKED_STORE, half)
+                              FP8_MMA, half)
 
 
 @gluon.jit
@@ -243,7 +242,7 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_p
                   stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr,
                   BMT2: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, FP8_MMA: gl.constexpr,
-                  BLOCKED_STORE: gl.constexpr, half: gl.constexpr):
+                  half: gl.constexpr):
     """One tile's loads (ring positions c, c + 1, ...) against its first BMT tokens (and, BMT2 > 0, the next
     BMT2 in a second set of accumulators), and its epilogue; returns the ring position after them."""
     gl.static_assert(BMT2 == 0 or not FP8_MMA, "split tiles run on the dequantizing path only")
@@ -267,35 +266,20 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_p
                                                         False, half)
         if BMT2 > 0:
             _tile_epilogue(acc1b, acc2b, m0 + BMT, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
-                           MODE, HAS_LIMIT, BMT2, FP8_MMA, BLOCKED_STORE)
+                           MODE, HAS_LIMIT, BMT2)
     _tile_epilogue(acc1, acc2, m0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT,
-                   BMT, FP8_MMA, BLOCKED_STORE)
+                   BMT)
     return c
 
 
 @gluon.jit
 def _tile_epilogue(acc1, acc2, r0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
-                   MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, BMT: gl.constexpr, FP8_MMA: gl.constexpr,
-                   BLOCKED_STORE: gl.constexpr):
-    """Stores of the accumulators [64 weight rows, BMT tokens from r0]."""
-    if BLOCKED_STORE:
-        _store_blocked(acc1, acc2, r0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
-                       HAS_LIMIT, BMT)
-    else:
-        rows = r0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, _acc_layout(BMT, FP8_MMA)))
-        offs_n = gl.convert_layout(offs_n, gl.SliceLayout(1, _acc_layout(BMT, FP8_MMA)))
-        c_off = gl.expand_dims(rows.to(gl.int64) * N, 0) + gl.expand_dims(offs_n, 1)
-        c_ok = gl.expand_dims(rows < row_end, 0) & gl.expand_dims(offs_n < N, 1)
-        _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT)
-
-
-@gluon.jit
-def _store_blocked(acc1, acc2, r0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
                    MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, BMT: gl.constexpr):
-    """BLOCKED_STORE: the tile's bf16 results [64 features, BMT tokens], rounded in the accumulator's layout (the
-    same bits), turned through shared memory so that each thread stores 8 adjacent features of a token: 16-byte
-    stores instead of the accumulator layout's 2-byte ones (a token's features are contiguous in the output).
-    SwiGLU backward turns its fp32 dh instead, so that g and u are loaded 16 bytes at a time too."""
+    """Stores of the accumulators [64 weight rows, BMT tokens from r0]: rounded to bf16 in the accumulator's
+    layout, then turned through shared memory so that each thread stores 8 adjacent features of a token (a
+    token's features are contiguous in the output): 16-byte stores instead of the accumulator layout's 2-byte
+    ones, 3-35% faster per kind (NOTES.md, session 20). SwiGLU backward turns its fp32 dh instead, so that g and
+    u are loaded 16 bytes at a time too."""
     ST: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
     feats = gl.convert_layout(offs_n, gl.SliceLayout(1, ST))
     toks = r0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, ST))
@@ -497,7 +481,7 @@ def _grouped_mm_mx_ws_kernel(
     MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, LOG_E: gl.constexpr, B_KN: gl.constexpr, MMA_ORDER: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, HALF_TILES: gl.constexpr, FP8_MMA: gl.constexpr, num_warps: gl.constexpr,
-    SPLIT_TILES: gl.constexpr = False, BLOCKED_STORE: gl.constexpr = False,
+    SPLIT_TILES: gl.constexpr = False,
 ):
     gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 weight rows each")
     gl.static_assert(not (FP8_MMA and B_KN), "E4M3 wgmmas read both operands K-major: weights [E, N, K]")
@@ -525,11 +509,11 @@ def _grouped_mm_mx_ws_kernel(
         (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                      u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, BLOCKED_STORE, 0)),
+                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 0)),
         (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                      u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, BLOCKED_STORE, 1)),
+                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 1)),
         (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_bufs, w_bufs, full, empty,
                    group_end_ptr, tile_end_ptr, N, K, E, stride_sak, loads_per_pair, n_loads, MODE, B_KN, NB, KB,
                    STAGES, LOG_E, BM, BN, GROUP_M, FP8_MMA)),

@@ -362,6 +362,9 @@ def _ws(stages=4, regs=232, persistent=True, bm=128, **kw):
     return dict(BM=bm, BN=128, GROUP_M=8, PERSISTENT=persistent, STAGES=stages, CONSUMER_REGS=regs, num_warps=4, **kw)
 
 
+_SPLIT = dict(HALF_TILES=True, SPLIT_TILES=True)  # 65-96-row tiles on 64 + 32-token MMAs, <= 64 rows on 64
+
+
 def _ws_two_per_sm(stages=2, regs=104):  # 64-token tiles, registers capped so two programs share an SM
     return _ws(stages=stages, regs=regs, persistent=False, bm=64, maxnreg=80)
 
@@ -375,11 +378,14 @@ def _ws_two_per_sm(stages=2, regs=104):  # 64-token tiles, registers capped so t
 TUNE_VARIANTS = {
     **{f"bf16/{kind}": _BF16_VARIANTS for kind in _KINDS},
     "bf16/swiglu_bwd@few_rows": [*_BF16_FEW_ROWS_VARIANTS, _BF16_VARIANTS[1]],
-    "mxfp8_ws/plain": [None, _ws(stages=3), _ws(stages=4)],
-    "mxfp8_ws/swiglu": [None, _ws(stages=2, persistent=False), _ws(stages=2), _ws(stages=3), _ws(stages=3, regs=248)],
-    "mxfp8_ws/swiglu_bwd": [None, _ws(regs=248, HALF_TILES=True), _ws(HALF_TILES=True),
-                            _ws(stages=3, regs=248, HALF_TILES=True), _ws(stages=3, regs=248)],
-    "mxfp8_ws/dual": [None, _ws(HALF_TILES=True), _ws(stages=3, HALF_TILES=True), _ws()],
+    "mxfp8_ws/plain": [None, _ws(**_SPLIT), _ws(stages=3, **_SPLIT), _ws()],
+    "mxfp8_ws/swiglu": [None, _ws(stages=2, persistent=False, **_SPLIT), _ws(stages=2, persistent=False),
+                        _ws(stages=2, **_SPLIT), _ws(stages=3, regs=248, **_SPLIT)],
+    "mxfp8_ws/swiglu_bwd": [None, _ws(stages=3, regs=248, **_SPLIT), _ws(stages=3, regs=248, HALF_TILES=True),
+                            _ws(regs=248, **_SPLIT), _ws(**_SPLIT)],
+    "mxfp8_ws/dual": [None, _ws(**_SPLIT), _ws(HALF_TILES=True), _ws(stages=3, **_SPLIT)],
+    "mxfp8_ws/plain@few_rows": [_ws(bm=64), _ws(stages=3, bm=64)],
+    "mxfp8_ws/swiglu@few_rows": [_ws(stages=2, persistent=False, bm=64), _ws(stages=2, bm=64)],
     "mxfp8_ws/swiglu_bwd@few_rows": [_ws(stages=3, regs=248, bm=64), _ws_two_per_sm(), _ws_two_per_sm(regs=112),
                                      _ws_two_per_sm(stages=3)],
     "mxfp8_ws/dual@few_rows": [_ws(bm=64), _ws_two_per_sm(), _ws_two_per_sm(regs=112), _ws_two_per_sm(stages=3)],
