@@ -409,7 +409,8 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
     prefix = "mxfp8_fp8_ws/" if fp8_mma else "mxfp8_ws/"
     for key in [k for k in gg._MM_CONFIGS if k.startswith(prefix)]:  # "@few_rows" too: case 2 has few rows
-        cfg = {"committed": gg._MM_CONFIGS[key], "small": small, "half": {**gg._MM_CONFIGS[key], "HALF_TILES": True, "SPLIT_TILES": False},
+        cfg = {"committed": gg._MM_CONFIGS[key], "small": small,
+               "half": {**gg._MM_CONFIGS[key], "HALF_TILES": True, "SPLIT_TILES": False},
                "split": {**gg._MM_CONFIGS[key], "HALF_TILES": True, "SPLIT_TILES": True}}
         monkeypatch.setitem(gg._MM_CONFIGS, key, cfg[rings])
     # (H, I, rows per expert, kinds whose K = H or I is a multiple of 128)
