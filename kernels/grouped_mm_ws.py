@@ -278,8 +278,8 @@ def _tile_epilogue(acc1, acc2, r0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g
     """Stores of the accumulators [64 weight rows, BMT tokens from r0]: rounded to bf16 in the accumulator's
     layout, then turned through shared memory so that each thread stores 8 adjacent features of a token (a
     token's features are contiguous in the output): 16-byte stores instead of the accumulator layout's 2-byte
-    ones, level to 34% faster per kind (NOTES.md, session 20). SwiGLU backward turns its fp32 dh instead, so that g and
-    u are loaded 16 bytes at a time too."""
+    ones, level to 34% faster per kind (NOTES.md, session 20). SwiGLU backward turns its fp32 dh instead, so
+    that g and u are loaded 16 bytes at a time too."""
     ST: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
     feats = gl.convert_layout(offs_n, gl.SliceLayout(1, ST))
     toks = r0 + gl.arange(0, BMT, layout=gl.SliceLayout(0, ST))
