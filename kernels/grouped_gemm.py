@@ -134,7 +134,8 @@ _MM_CONFIGS = {
     # SM (80 registers per thread, 104 for the consumers, two loads in flight) and hide each other's
     # latencies: the dgrad kinds 1-13% faster per kind and case (the dgrad 6-9% at EP=1); plain was
     # level and SwiGLU gate/up (two accumulators) spills (NOTES.md, session 11). Plain and SwiGLU gate/up
-    # keep the 64-token tiles they had before their 128-token configs took HALF_TILES (session 20).
+    # keep the 64-token tiles they had before their 128-token configs took HALF_TILES: those configs'
+    # half tiles were 2-12% slower here with balanced routing, level to 11% slower with skewed (session 20).
     "mxfp8_ws/plain@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232,
                                     num_warps=4),
     "mxfp8_ws/swiglu@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232,
