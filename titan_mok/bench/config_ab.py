@@ -160,7 +160,8 @@ def main():
     except ValueError as e:
         p.error(str(e))
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "config_ab.jsonl"), "a") as log:
+    # line-buffered: a run cut short by a time limit keeps the lines it measured
+    with open(os.path.join(args.out, "config_ab.jsonl"), "a", buffering=1) as log:
         log.write(json.dumps({"sets": args.sets, "unsets": args.unsets, "precision": args.precision,
                               "fp8_mma": args.fp8_mma}) + "\n")
         for shape in shapes:
