@@ -205,6 +205,17 @@ def _mma_block(a_bufs, slot, w1, w2, acc1, acc2, NB: gl.constexpr, BMT: gl.const
 
 
 @gluon.jit
+def _mma_load(a_bufs, s, w1a, w2a, w1b, w2b, w1c, w2c, w1d, w2d, acc1, acc2, NB: gl.constexpr, BMT: gl.constexpr,
+              KB: gl.constexpr, T0: gl.constexpr = 0):
+    """The MMAs of one load's four K blocks (ring slot s) against tokens [T0, T0 + BMT), issued, not waited on."""
+    acc1, acc2 = _mma_block(a_bufs, s * KB + 0, w1a, w2a, acc1, acc2, NB, BMT, T0)
+    acc1, acc2 = _mma_block(a_bufs, s * KB + 1, w1b, w2b, acc1, acc2, NB, BMT, T0)
+    acc1, acc2 = _mma_block(a_bufs, s * KB + 2, w1c, w2c, acc1, acc2, NB, BMT, T0)
+    acc1, acc2 = _mma_block(a_bufs, s * KB + 3, w1d, w2d, acc1, acc2, NB, BMT, T0)
+    return acc1, acc2
+
+
+@gluon.jit
 def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
               u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
               stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
@@ -336,28 +347,18 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
         w1c, w2c = _w_operands(w_bufs, s, 2, half, bits[2], WIDE, B_KN, MMA_ORDER, NB, W_OP)
         w1d, w2d = _w_operands(w_bufs, s, 3, half, bits[3], WIDE, B_KN, MMA_ORDER, NB, W_OP)
         if NB == 2:
-            acc1, acc2 = _mma_block(a_bufs, s * KB + 0, w1a, w2a, acc1, acc2, NB, BMT)
-            acc1, acc2 = _mma_block(a_bufs, s * KB + 1, w1b, w2b, acc1, acc2, NB, BMT)
-            acc1, acc2 = _mma_block(a_bufs, s * KB + 2, w1c, w2c, acc1, acc2, NB, BMT)
-            acc1, acc2 = _mma_block(a_bufs, s * KB + 3, w1d, w2d, acc1, acc2, NB, BMT)
+            acc1, acc2 = _mma_load(a_bufs, s, w1a, w2a, w1b, w2b, w1c, w2c, w1d, w2d, acc1, acc2, NB, BMT, KB)
             if BMT2 > 0:  # the same registers against the next BMT2 tokens
-                acc1b, acc2b = _mma_block(a_bufs, s * KB + 0, w1a, w2a, acc1b, acc2b, NB, BMT2, BMT)
-                acc1b, acc2b = _mma_block(a_bufs, s * KB + 1, w1b, w2b, acc1b, acc2b, NB, BMT2, BMT)
-                acc1b, acc2b = _mma_block(a_bufs, s * KB + 2, w1c, w2c, acc1b, acc2b, NB, BMT2, BMT)
-                acc1b, acc2b = _mma_block(a_bufs, s * KB + 3, w1d, w2d, acc1b, acc2b, NB, BMT2, BMT)
+                acc1b, acc2b = _mma_load(a_bufs, s, w1a, w2a, w1b, w2b, w1c, w2c, w1d, w2d, acc1b, acc2b, NB, BMT2,
+                                         KB, BMT)
                 acc1, acc2, acc1b, acc2b = warpgroup_mma_wait(0, deps=(acc1, acc2, acc1b, acc2b))
             else:
                 acc1, acc2 = warpgroup_mma_wait(0, deps=(acc1, acc2))
         else:  # no second accumulator carried through the loop
-            acc1, _ = _mma_block(a_bufs, s * KB + 0, w1a, w1a, acc1, acc1, NB, BMT)
-            acc1, _ = _mma_block(a_bufs, s * KB + 1, w1b, w1b, acc1, acc1, NB, BMT)
-            acc1, _ = _mma_block(a_bufs, s * KB + 2, w1c, w1c, acc1, acc1, NB, BMT)
-            acc1, _ = _mma_block(a_bufs, s * KB + 3, w1d, w1d, acc1, acc1, NB, BMT)
+            acc1, _ = _mma_load(a_bufs, s, w1a, w1a, w1b, w1b, w1c, w1c, w1d, w1d, acc1, acc1, NB, BMT, KB)
             if BMT2 > 0:
-                acc1b, _ = _mma_block(a_bufs, s * KB + 0, w1a, w1a, acc1b, acc1b, NB, BMT2, BMT)
-                acc1b, _ = _mma_block(a_bufs, s * KB + 1, w1b, w1b, acc1b, acc1b, NB, BMT2, BMT)
-                acc1b, _ = _mma_block(a_bufs, s * KB + 2, w1c, w1c, acc1b, acc1b, NB, BMT2, BMT)
-                acc1b, _ = _mma_block(a_bufs, s * KB + 3, w1d, w1d, acc1b, acc1b, NB, BMT2, BMT)
+                acc1b, _ = _mma_load(a_bufs, s, w1a, w1a, w1b, w1b, w1c, w1c, w1d, w1d, acc1b, acc1b, NB, BMT2, KB,
+                                     BMT)
                 acc1, acc1b = warpgroup_mma_wait(0, deps=(acc1, acc1b))
             else:
                 acc1 = warpgroup_mma_wait(0, deps=(acc1,))
