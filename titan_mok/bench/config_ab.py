@@ -27,8 +27,8 @@ import statistics
 
 import torch
 
-from titan_mok.bench.grouped_ffn import (SHAPES, TOKENS_PER_GPU, Case, bench, gemms_by_kind, route_counts,
-                                        wgrads_by_weight)
+from titan_mok.bench.grouped_ffn import (SHAPES, TOKENS_PER_GPU, Case, bench, comma_choices, gemms_by_kind,
+                                        route_counts, wgrads_by_weight)
 from titan_mok.kernels import grouped_gemm as gg
 
 CASES = ("EP=1 balanced", "EP=1 skewed", "EP=2 balanced", "EP=2 skewed", "8x4096")
@@ -150,10 +150,8 @@ def main():
         p.error("--fp8-mma runs the MXFP8 kinds: it needs --precision mxfp8")
     if args.fp8_mma and _changed_keys(args) and all(k.startswith(WGRAD) for k in _changed_keys(args)):
         p.error("--fp8-mma: the weight gradient has no E4M3-MMA path; A/B its loops without --fp8-mma")
-    shapes, cases = args.shapes.split(","), args.cases.split(",")
-    for flag, given, allowed in (("--shapes", shapes, SHAPES), ("--cases", cases, CASES)):
-        if bad := [x for x in given if x not in allowed]:
-            p.error(f"{flag}: {bad} not among {list(allowed)}")
+    shapes = comma_choices(p, "--shapes", args.shapes, SHAPES)
+    cases = comma_choices(p, "--cases", args.cases, CASES)
     committed = committed_configs()
     try:
         configs = {"committed": committed, "variant": variant_configs(committed, args.sets, args.unsets)}

@@ -464,6 +464,14 @@ def tune(log, kernels):
         log(json.dumps({"tuned": key, "cfg": best, "summed_ms": min(total[key])}))
 
 
+def comma_choices(parser: argparse.ArgumentParser, flag: str, text: str, allowed) -> list[str]:
+    """The comma-separated values of a flag, each one of ``allowed`` (else the parser's error, naming them)."""
+    given = text.split(",")
+    if bad := [x for x in given if x not in allowed]:
+        parser.error(f"{flag}: {bad} not among {list(allowed)}")
+    return given
+
+
 def main():
     # DeepSeek-V4-Pro at EP=1 holds ~114 GB; its weight gradient's 15.75 GB output then found the free
     # memory only in pieces (out of memory with 15.7 GB reserved but unallocated, session 20): segments
@@ -482,14 +490,10 @@ def main():
     p.add_argument("--impls", default=",".join(IMPLS),
                    help="comma-separated implementations to time")
     args = p.parse_args()
-    impls = args.impls.split(",")
-    if bad := [i for i in impls if i not in IMPLS]:
-        p.error(f"--impls: {bad} not among {list(IMPLS)}")
+    impls = comma_choices(p, "--impls", args.impls, IMPLS)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
-    shapes = args.shapes.split(",")
-    if bad := [x for x in shapes if x not in SHAPES]:
-        p.error(f"--shapes: {bad} not among {list(SHAPES)}")
+    shapes = comma_choices(p, "--shapes", args.shapes, SHAPES)
     if args.quick:
         shapes = shapes[:1]
     os.makedirs(args.out, exist_ok=True)
