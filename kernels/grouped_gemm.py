@@ -110,8 +110,13 @@ _MM_CONFIGS = {
     # Kimi K2.7 and Qwen3.5). With the 16-byte stores (spills 408 -> 0-24 B), both together 4-13% faster
     # than 16-byte stores alone at EP=2 and level at 8 x 4096 rows; at EP=1 the half tiles in 128-token
     # programs were 2-4% slower than 64-token tiles, hence the "@few_rows" entries (NOTES.md, session 20).
-    "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4,
-                           HALF_TILES=True, SPLIT_TILES=True),
+    # ROW_BLOCKS = 2 (plain): a tile is two 128-row blocks of the weight against one activation tile, each
+    # warpgroup 64 rows of both on two accumulators as SwiGLU gate/up runs its two weights, so the activation
+    # bytes through L2 and the loader's TMAs halve; three stages to fit shared memory (200 KB). Faster in all
+    # four A/Bs, Kimi K2.7 EP=2 balanced (twice) and skewed 4.8-6.1%, Qwen3.5 EP=2 balanced 11%, bits equal
+    # (same-run A/As of the unchanged kinds: -14% to +2%; NOTES.md, session 21).
+    "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=232, num_warps=4,
+                           HALF_TILES=True, SPLIT_TILES=True, ROW_BLOCKS=2),
     "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232, num_warps=4,
                             HALF_TILES=True, SPLIT_TILES=True),
     "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=248, num_warps=4,
@@ -681,6 +686,8 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         raise ValueError(f"the warp-specialized kernel needs K (here {k}) to be a multiple of {ws_k}; "
                          "the Triton kernel runs any K")
     cfg = ws_cfg if warp_specialized else _mm_config(mm_config_key(mode, mx, fp8_mma), tier)
+    if cfg is not None and cfg.get("ROW_BLOCKS", 1) > 1 and not b1_data.is_contiguous():
+        cfg = {**cfg, "ROW_BLOCKS": 1}  # two row blocks per tile: measured on [E, N, K] weights only (the FFN's)
     if a1.shape[1] != k:
         raise ValueError(f"A operand has K = {a1.shape[1]}, B has K = {k}")
     if group_end_E.shape != (num_experts,):
@@ -690,7 +697,7 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     a1, sa1 = _a_operand(a1, mx, fp8_mma, "a1")
     a2, sa2 = _a_operand(a2, mx, fp8_mma, "a2") if a2 is not None else (a1, sa1)
     bm, bn = cfg["BM"], cfg["BN"]
-    n_tiles = triton.cdiv(n, bn)
+    n_tiles = triton.cdiv(n, bn * cfg.get("ROW_BLOCKS", 1))  # ROW_BLOCKS: BN-row weight blocks per tile
     tile_end_E = _tile_ends(group_end_E, bm, n_tiles)
     grid = ((triton.cdiv(a1.shape[0], bm) + num_experts) * n_tiles,)  # upper bound, no host sync
     c1, c2, c3 = (list(outs) + [outs[0]] * 2)[:3]

@@ -22,7 +22,9 @@ redefined while a wgmma is in flight makes ptxas serialize every wgmma of the ke
 never overlaps its own dequantization with its MMAs; the two warpgroups (separate partitions, so no
 barrier ties them) fill the tensor cores for each other (making them take turns measured slower:
 ptxas interleaves a load's HGMMA issue with the dequantization of its later blocks). DUAL runs its
-two (A, B) pairs as consecutive loads into one accumulator; SWIGLU dequantizes two weights per block.
+two (A, B) pairs as consecutive loads into one accumulator; SWIGLU dequantizes two weights per block;
+ROW_BLOCKS = 2 (plain) two 128-row blocks of its weight, the same way, so that one activation tile serves
+256 weight rows.
 Every partition walks the program's tiles t, t + grid, ... (one tile each unless launched
 persistent), its ring position carried across tiles. HALF_TILES: the consumers run a tile that holds
 at most BM / 2 of its expert's rows on BM / 2-token MMAs against the first half of the loaded
@@ -96,7 +98,7 @@ def _token_scales(sa_ptr, m0, kb0, stride_sak, KB: gl.constexpr, BM: gl.constexp
 def _loader(a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_bufs, w_bufs, full, empty, group_end_ptr,
             tile_end_ptr, N, K, E, stride_sak, loads_per_pair, n_loads, MODE: gl.constexpr, B_KN: gl.constexpr,
             NB: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr,
-            BN: gl.constexpr, GROUP_M: gl.constexpr, FP8_MMA: gl.constexpr):
+            BN: gl.constexpr, GROUP_M: gl.constexpr, FP8_MMA: gl.constexpr, ROW_BLOCKS: gl.constexpr):
     if FP8_MMA:
         a_bytes: gl.constexpr = a1_desc.block_type.nbytes
     else:
@@ -104,7 +106,7 @@ def _loader(a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_buf
     load_bytes: gl.constexpr = a_bytes + NB * b1_desc.block_type.nbytes
     c = 0  # loads issued by this program, over all its tiles: the ring position
     for t in range(gl.program_id(0), gl.load(tile_end_ptr + E - 1), gl.num_programs(0)):
-        e, m0, _, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
+        e, m0, _, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN * ROW_BLOCKS, GROUP_M)
         for l in range(n_loads):
             s = c % STAGES
             second = l >= loads_per_pair  # DUAL: the (A2, B2) pair follows (A1, B1) in the same accumulator
@@ -133,7 +135,10 @@ def _loader(a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_buf
             else:
                 _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB, FP8_MMA)
                 tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s * NB))
-                if NB == 2:
+                if ROW_BLOCKS == 2:  # the same weight's next BN rows (past the expert's N: never stored)
+                    tma.async_copy_global_to_shared(b1_desc, [e * N + n0 + BN, kb0 * 32], full.index(s),
+                                                    w_bufs.index(s * NB + 1))
+                elif NB == 2:
                     tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s * NB + 1))
             if FP8_MMA:  # the full barrier's second arrival: the scales are in shared memory
                 sa_bufs.index(s).store(sa)
@@ -221,7 +226,8 @@ def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, 
               stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
               B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-              HALF_TILES: gl.constexpr, SPLIT_TILES: gl.constexpr, FP8_MMA: gl.constexpr, half: gl.constexpr):
+              HALF_TILES: gl.constexpr, SPLIT_TILES: gl.constexpr, FP8_MMA: gl.constexpr, half: gl.constexpr,
+              ROW_BLOCKS: gl.constexpr):
     """One warpgroup: for each of the program's tiles, weight rows [n0 + 64 * half, +64) against its
     BM tokens (HALF_TILES: against the first BM / 2 where the tile holds no more of its expert's
     rows: half the MMA work, the same instructions per token; SPLIT_TILES: against the first
@@ -229,22 +235,23 @@ def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, 
     MMA work), then their epilogue."""
     c = 0  # loads consumed by this program, over all its tiles: the ring position
     for t in range(gl.program_id(0), gl.load(tile_end_ptr + E - 1), gl.num_programs(0)):
-        e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
+        e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN * ROW_BLOCKS,
+                                              GROUP_M)
         if HALF_TILES and row_end - m0 <= BM // 2:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, 0, KB, STAGES,
-                              FP8_MMA, half)
+                              FP8_MMA, half, ROW_BLOCKS)
         elif SPLIT_TILES and row_end - m0 <= BM // 2 + BM // 4:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, BM // 4, KB,
-                              STAGES, FP8_MMA, half)
+                              STAGES, FP8_MMA, half, ROW_BLOCKS)
         else:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM, 0, KB, STAGES,
-                              FP8_MMA, half)
+                              FP8_MMA, half, ROW_BLOCKS)
 
 
 @gluon.jit
@@ -253,7 +260,7 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_p
                   stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr,
                   BMT2: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, FP8_MMA: gl.constexpr,
-                  half: gl.constexpr):
+                  half: gl.constexpr, ROW_BLOCKS: gl.constexpr):
     """One tile's loads (ring positions c, c + 1, ...) against its first BMT tokens (and, BMT2 > 0, the next
     BMT2 in a second set of accumulators), and its epilogue; returns the ring position after them."""
     gl.static_assert(BMT2 == 0 or not FP8_MMA, "split tiles run on the dequantizing path only")
@@ -269,17 +276,23 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_p
             acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
                                                         k_steps, n_steps, loads_per_pair, n_loads, stride_se,
                                                         stride_sn, MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES,
-                                                        True, half)
+                                                        True, half, ROW_BLOCKS)
         else:
             acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
                                                         k_steps, n_steps, loads_per_pair, n_loads, stride_se,
                                                         stride_sn, MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES,
-                                                        False, half)
+                                                        False, half, ROW_BLOCKS)
         if BMT2 > 0:
             _tile_epilogue(acc1b, acc2b, m0 + BMT, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
                            MODE, HAS_LIMIT, BMT2)
+            if ROW_BLOCKS == 2:  # acc2b: the second row block's (BN = 128 rows on), stored as plain's acc1b
+                _tile_epilogue(acc2b, acc2b, m0 + BMT, row_end, offs_n + 128, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+                               limit, MODE, HAS_LIMIT, BMT2)
     _tile_epilogue(acc1, acc2, m0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT,
                    BMT)
+    if ROW_BLOCKS == 2:
+        _tile_epilogue(acc2, acc2, m0, row_end, offs_n + 128, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
+                       HAS_LIMIT, BMT)
     return c
 
 
@@ -319,7 +332,7 @@ def _acc_layout(BMT, FP8_MMA):
 def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps, n_steps, loads_per_pair,
                   n_loads, stride_se, stride_sn, MODE: gl.constexpr, B_KN: gl.constexpr, MMA_ORDER: gl.constexpr,
                   NB: gl.constexpr, BMT: gl.constexpr, BMT2: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-                  WIDE: gl.constexpr, half: gl.constexpr):
+                  WIDE: gl.constexpr, half: gl.constexpr, ROW_BLOCKS: gl.constexpr):
     """The tile's accumulators (acc1, acc2 over the first BMT tokens; acc1b, acc2b over the next BMT2 where
     BMT2 > 0, else aliases) by bf16 MMAs on dequantized weights, and the ring position. WIDE: the expert has
     scales above 2^7 (mx_dequantize_bits_sm90's second multiply)."""
@@ -329,7 +342,12 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
     offs_w = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _mma_order_layout()))
     n_ok = offs_w < N
     s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
-    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, 0, loads_per_pair, k_steps, n_steps, MODE, NB, KB)
+    if ROW_BLOCKS == 2:  # the second weight tile holds the same weight's next 128 rows (BN): their scales
+        sb2_ptr = sb1_ptr + 128 * stride_sn
+        n_ok2 = offs_w + 128 < N
+    else:
+        n_ok2 = n_ok
+    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, n_ok2, 0, loads_per_pair, k_steps, n_steps, MODE, NB, KB)
     acc1 = gl.zeros([64, BMT], gl.float32, ACC)
     if NB == 2:
         acc2 = gl.zeros([64, BMT], gl.float32, ACC)
@@ -340,7 +358,8 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
     for l in range(n_loads):
         s = c % STAGES
         # the next load's scale bits: their global-load latency overlaps this load's conversions and MMAs
-        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, l + 1, loads_per_pair, k_steps, n_steps, MODE, NB, KB)
+        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, n_ok2, l + 1, loads_per_pair, k_steps, n_steps, MODE, NB,
+                         KB)
         mbarrier.wait(full.index(s), (c // STAGES) & 1)
         w1a, w2a = _w_operands(w_bufs, s, 0, half, bits[0], WIDE, B_KN, MMA_ORDER, NB, W_OP)
         w1b, w2b = _w_operands(w_bufs, s, 1, half, bits[1], WIDE, B_KN, MMA_ORDER, NB, W_OP)
@@ -376,7 +395,7 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
 
 
 @gluon.jit
-def _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, l, loads_per_pair, k_steps, n_steps, MODE: gl.constexpr,
+def _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, n_ok2, l, loads_per_pair, k_steps, n_steps, MODE: gl.constexpr,
                NB: gl.constexpr, KB: gl.constexpr):
     """Raw E8M0 bits of the weight rows' four K blocks of load l, ((b1, b2) per block; 127, i.e. 2^0, past the
     last load). The scales are contiguous along K and a load's first step is a multiple of 4: one 4-byte load per
@@ -391,7 +410,8 @@ def _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, l, loads_per_pair, k_steps, n_step
         sb_ptr = sb1_ptr
     word1 = gl.load((sb_ptr + s_off + kb).to(gl.pointer_type(gl.int32)), mask=ok, other=0x7F7F7F7F)
     if NB == 2:
-        word2 = gl.load((sb2_ptr + s_off + kb).to(gl.pointer_type(gl.int32)), mask=ok, other=0x7F7F7F7F)
+        word2 = gl.load((sb2_ptr + s_off + kb).to(gl.pointer_type(gl.int32)), mask=n_ok2 & (i0 < n_steps),
+                        other=0x7F7F7F7F)
     else:
         word2 = word1
     return ((word1 & 0xFF, word2 & 0xFF), ((word1 >> 8) & 0xFF, (word2 >> 8) & 0xFF),
@@ -432,6 +452,7 @@ def _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_w,
     gl.static_assert(KB == 4, "_fp8_tile unrolls four K blocks per load")
     ACC: gl.constexpr = _acc_layout(BMT, True)
     n_ok = offs_w < N
+    n_ok2 = n_ok  # SWIGLU's second weight: the same rows
     s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
     acc1 = gl.zeros([64, BMT], gl.float32, ACC)
     pa1 = gl.zeros([64, BMT], gl.float32, ACC)
@@ -442,11 +463,12 @@ def _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_w,
         pb2 = gl.zeros([64, BMT], gl.float32, ACC)
     else:  # no second set carried through the loop
         acc2, pa2, pb2 = acc1, pa1, pb1
-    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, 0, loads_per_pair, k_steps, n_steps, MODE, NB, KB)
+    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, n_ok2, 0, loads_per_pair, k_steps, n_steps, MODE, NB, KB)
     for l in range(n_loads):
         s = c % STAGES
         # the next load's scale bits: their global-load latency overlaps this load's MMAs
-        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, l + 1, loads_per_pair, k_steps, n_steps, MODE, NB, KB)
+        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, n_ok2, l + 1, loads_per_pair, k_steps, n_steps, MODE, NB,
+                         KB)
         mbarrier.wait(full.index(s), (c // STAGES) & 1)
         pa1, pa2 = _fp8_partials(a_bufs, w_bufs, s, 0, half, pa1, pa2, NB, BMT)
         pb1, pb2 = _fp8_partials(a_bufs, w_bufs, s, 1, half, pb1, pb2, NB, BMT)
@@ -482,11 +504,13 @@ def _grouped_mm_mx_ws_kernel(
     MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, LOG_E: gl.constexpr, B_KN: gl.constexpr, MMA_ORDER: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, HALF_TILES: gl.constexpr, FP8_MMA: gl.constexpr, num_warps: gl.constexpr,
-    SPLIT_TILES: gl.constexpr = False,
+    SPLIT_TILES: gl.constexpr = False, ROW_BLOCKS: gl.constexpr = 1,
 ):
     gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 weight rows each")
     gl.static_assert(not (FP8_MMA and B_KN), "E4M3 wgmmas read both operands K-major: weights [E, N, K]")
-    NB: gl.constexpr = 2 if MODE == 1 else 1  # weight tiles per block (SWIGLU: gate and up)
+    gl.static_assert(ROW_BLOCKS == 1 or (ROW_BLOCKS == 2 and MODE == 0 and not FP8_MMA and not B_KN),
+                     "ROW_BLOCKS = 2: the plain kind on the dequantizing path, weights [E, N, K]")
+    NB: gl.constexpr = 2 if MODE == 1 or ROW_BLOCKS == 2 else 1  # weight tiles per load (SWIGLU: gate and up)
     k_steps = K // 32
     pairs = 2 if MODE == 3 else 1
     n_steps = k_steps * pairs
@@ -510,12 +534,12 @@ def _grouped_mm_mx_ws_kernel(
         (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                      u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 0)),
+                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 0, ROW_BLOCKS)),
         (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                      u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 1)),
+                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 1, ROW_BLOCKS)),
         (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_bufs, w_bufs, full, empty,
                    group_end_ptr, tile_end_ptr, N, K, E, stride_sak, loads_per_pair, n_loads, MODE, B_KN, NB, KB,
-                   STAGES, LOG_E, BM, BN, GROUP_M, FP8_MMA)),
+                   STAGES, LOG_E, BM, BN, GROUP_M, FP8_MMA, ROW_BLOCKS)),
     ], [4, 1], [CONSUMER_REGS, 40 if FP8_MMA else 24])

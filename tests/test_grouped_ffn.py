@@ -390,7 +390,7 @@ def _mx_kinds(counts, dim_h, dim_i, layout, wide=False):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("programs", ["per_sm", 3])
-@pytest.mark.parametrize("rings", ["committed", "small", "half", "split"])
+@pytest.mark.parametrize("rings", ["committed", "small", "half", "split", "row_blocks"])
 # E4M3 MMAs read K-major weights in index order only (the refusals: test_fp8_mma_needs_k_major_weights,
 # test_mma_order_is_refused_where_it_cannot_be_read)
 @pytest.mark.parametrize("fp8_mma, layout", [(False, "mma"), (False, "index"), (False, "kn"), (True, "index")])
@@ -402,8 +402,10 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
     Kinds whose K is not a multiple of 128 are refused. "half": every config with HALF_TILES and without
     SPLIT_TILES (tiles holding at most BM / 2 of their expert's rows on BM / 2-token MMAs). "split": every
     config with both (tiles of 65-96 rows on 64 + 32-token MMAs at BM 128: 70 and 72-row tiles here; the
-    E4M3-MMA path ignores it). fp8_mma: its E4M3-MMA path against the Triton E4M3-MMA kernel (weights
-    K-major only)."""
+    E4M3-MMA path ignores it). "row_blocks": ROW_BLOCKS = 2 (two 128-row blocks of the weight per tile,
+    committed for plain's 128-token config) on plain's "@few_rows" config too, which case 3 runs (N = 704: a
+    second block partly and wholly past N). fp8_mma: its E4M3-MMA path
+    against the Triton E4M3-MMA kernel (weights K-major only)."""
     small = dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232, num_warps=4)
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
@@ -411,7 +413,9 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
     for key in [k for k in gg._MM_CONFIGS if k.startswith(prefix)]:  # "@few_rows" too: case 2 has few rows
         cfg = {"committed": gg._MM_CONFIGS[key], "small": small,
                "half": {**gg._MM_CONFIGS[key], "HALF_TILES": True, "SPLIT_TILES": False},
-               "split": {**gg._MM_CONFIGS[key], "HALF_TILES": True, "SPLIT_TILES": True}}
+               "split": {**gg._MM_CONFIGS[key], "HALF_TILES": True, "SPLIT_TILES": True},
+               "row_blocks": {**gg._MM_CONFIGS[key], **(dict(ROW_BLOCKS=2, STAGES=3) if key.startswith("mxfp8_ws/plain")
+                                                        else {})}}
         monkeypatch.setitem(gg._MM_CONFIGS, key, cfg[rings])
     # (H, I, rows per expert, kinds whose K = H or I is a multiple of 128)
     cases = ((512, 256, [70, 0, 200], set(gg._MODE_NAMES.values())),

@@ -378,7 +378,7 @@ def _ws_two_per_sm(stages=2, regs=104):  # 64-token tiles, registers capped so t
 TUNE_VARIANTS = {
     **{f"bf16/{kind}": _BF16_VARIANTS for kind in _KINDS},
     "bf16/swiglu_bwd@few_rows": [*_BF16_FEW_ROWS_VARIANTS, _BF16_VARIANTS[1]],
-    "mxfp8_ws/plain": [None, _ws(**_SPLIT), _ws(stages=3, **_SPLIT), _ws()],
+    "mxfp8_ws/plain": [None, _ws(stages=3, ROW_BLOCKS=2, **_SPLIT), _ws(**_SPLIT), _ws(stages=3, **_SPLIT), _ws()],
     "mxfp8_ws/swiglu": [None, _ws(stages=2, persistent=False, **_SPLIT), _ws(stages=2, persistent=False),
                         _ws(stages=2, **_SPLIT), _ws(stages=3, regs=248, **_SPLIT)],
     "mxfp8_ws/swiglu_bwd": [None, _ws(stages=3, regs=248, **_SPLIT), _ws(stages=3, regs=248, HALF_TILES=True),
