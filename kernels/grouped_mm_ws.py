@@ -399,7 +399,8 @@ def _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, n_ok2, l, loads_per_pair, k_steps,
                NB: gl.constexpr, KB: gl.constexpr):
     """Raw E8M0 bits of the weight rows' four K blocks of load l, ((b1, b2) per block; 127, i.e. 2^0, past the
     last load). The scales are contiguous along K and a load's first step is a multiple of 4: one 4-byte load per
-    row and weight (DUAL: the second pair's steps follow the first's, B2's scales)."""
+    row and weight (DUAL: the second pair's steps follow the first's, B2's scales). n_ok, n_ok2: which rows exist
+    for b1 and b2 (ROW_BLOCKS = 2: b2's rows are b1's plus 128)."""
     i0 = _first_step(l, loads_per_pair, k_steps, KB)
     second = i0 >= k_steps
     kb = i0 - gl.where(second, k_steps, 0)
