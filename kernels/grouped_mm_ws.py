@@ -23,8 +23,8 @@ never overlaps its own dequantization with its MMAs; the two warpgroups (separat
 barrier ties them) fill the tensor cores for each other (making them take turns measured slower:
 ptxas interleaves a load's HGMMA issue with the dequantization of its later blocks). DUAL runs its
 two (A, B) pairs as consecutive loads into one accumulator; SWIGLU dequantizes two weights per block;
-ROW_BLOCKS = 2 (plain) two 128-row blocks of its weight, the same way, so that one activation tile serves
-256 weight rows.
+ROW_BLOCKS = 2 (the one-weight kinds) two 128-row blocks of their weight, the same way, so that one
+activation tile serves 256 weight rows (committed for plain; offline, the SwiGLU backward spills 1 KB with it).
 Every partition walks the program's tiles t, t + grid, ... (one tile each unless launched
 persistent), its ring position carried across tiles. HALF_TILES: the consumers run a tile that holds
 at most BM / 2 of its expert's rows on BM / 2-token MMAs against the first half of the loaded
@@ -128,10 +128,16 @@ def _loader(a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_buf
             if MODE == 3:
                 if second:
                     _load_a(a2_desc, a_bufs, full.index(s), s, m0, kb0, KB, FP8_MMA)
-                    tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s))
+                    tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s * NB))
+                    if ROW_BLOCKS == 2:  # the same weight's next BN rows (past the expert's N: never stored)
+                        tma.async_copy_global_to_shared(b2_desc, [e * N + n0 + BN, kb0 * 32], full.index(s),
+                                                        w_bufs.index(s * NB + 1))
                 else:
                     _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB, FP8_MMA)
-                    tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s))
+                    tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s * NB))
+                    if ROW_BLOCKS == 2:
+                        tma.async_copy_global_to_shared(b1_desc, [e * N + n0 + BN, kb0 * 32], full.index(s),
+                                                        w_bufs.index(s * NB + 1))
             else:
                 _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB, FP8_MMA)
                 tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s * NB))
@@ -343,11 +349,13 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
     n_ok = offs_w < N
     s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
     if ROW_BLOCKS == 2:  # the second weight tile holds the same weight's next 128 rows (BN): their scales
-        sb2_ptr = sb1_ptr + 128 * stride_sn
+        s_off2 = s_off + 128 * stride_sn
         n_ok2 = offs_w + 128 < N
     else:
+        s_off2 = s_off
         n_ok2 = n_ok
-    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, n_ok2, 0, loads_per_pair, k_steps, n_steps, MODE, NB, KB)
+    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, s_off2, n_ok, n_ok2, 0, loads_per_pair, k_steps, n_steps, MODE, NB, KB,
+                      ROW_BLOCKS)
     acc1 = gl.zeros([64, BMT], gl.float32, ACC)
     if NB == 2:
         acc2 = gl.zeros([64, BMT], gl.float32, ACC)
@@ -358,8 +366,8 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
     for l in range(n_loads):
         s = c % STAGES
         # the next load's scale bits: their global-load latency overlaps this load's conversions and MMAs
-        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, n_ok2, l + 1, loads_per_pair, k_steps, n_steps, MODE, NB,
-                         KB)
+        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, s_off2, n_ok, n_ok2, l + 1, loads_per_pair, k_steps, n_steps, MODE,
+                         NB, KB, ROW_BLOCKS)
         mbarrier.wait(full.index(s), (c // STAGES) & 1)
         w1a, w2a = _w_operands(w_bufs, s, 0, half, bits[0], WIDE, B_KN, MMA_ORDER, NB, W_OP)
         w1b, w2b = _w_operands(w_bufs, s, 1, half, bits[1], WIDE, B_KN, MMA_ORDER, NB, W_OP)
@@ -395,12 +403,12 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
 
 
 @gluon.jit
-def _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, n_ok2, l, loads_per_pair, k_steps, n_steps, MODE: gl.constexpr,
-               NB: gl.constexpr, KB: gl.constexpr):
+def _load_bits(sb1_ptr, sb2_ptr, s_off, s_off2, n_ok, n_ok2, l, loads_per_pair, k_steps, n_steps, MODE: gl.constexpr,
+               NB: gl.constexpr, KB: gl.constexpr, ROW_BLOCKS: gl.constexpr):
     """Raw E8M0 bits of the weight rows' four K blocks of load l, ((b1, b2) per block; 127, i.e. 2^0, past the
     last load). The scales are contiguous along K and a load's first step is a multiple of 4: one 4-byte load per
-    row and weight (DUAL: the second pair's steps follow the first's, B2's scales). n_ok, n_ok2: which rows exist
-    for b1 and b2 (ROW_BLOCKS = 2: b2's rows are b1's plus 128)."""
+    row and weight (DUAL: the second pair's steps follow the first's, B2's scales). The second word: SWIGLU's
+    second weight (sb2_ptr) at the same rows; ROW_BLOCKS = 2, the same weight's rows 128 on (s_off2, n_ok2)."""
     i0 = _first_step(l, loads_per_pair, k_steps, KB)
     second = i0 >= k_steps
     kb = i0 - gl.where(second, k_steps, 0)
@@ -411,7 +419,11 @@ def _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, n_ok2, l, loads_per_pair, k_steps,
         sb_ptr = sb1_ptr
     word1 = gl.load((sb_ptr + s_off + kb).to(gl.pointer_type(gl.int32)), mask=ok, other=0x7F7F7F7F)
     if NB == 2:
-        word2 = gl.load((sb2_ptr + s_off + kb).to(gl.pointer_type(gl.int32)), mask=n_ok2 & (i0 < n_steps),
+        if ROW_BLOCKS == 2:
+            sb_ptr2 = sb_ptr
+        else:
+            sb_ptr2 = sb2_ptr
+        word2 = gl.load((sb_ptr2 + s_off2 + kb).to(gl.pointer_type(gl.int32)), mask=n_ok2 & (i0 < n_steps),
                         other=0x7F7F7F7F)
     else:
         word2 = word1
@@ -453,7 +465,6 @@ def _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_w,
     gl.static_assert(KB == 4, "_fp8_tile unrolls four K blocks per load")
     ACC: gl.constexpr = _acc_layout(BMT, True)
     n_ok = offs_w < N
-    n_ok2 = n_ok  # SWIGLU's second weight: the same rows
     s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
     acc1 = gl.zeros([64, BMT], gl.float32, ACC)
     pa1 = gl.zeros([64, BMT], gl.float32, ACC)
@@ -464,12 +475,13 @@ def _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_w,
         pb2 = gl.zeros([64, BMT], gl.float32, ACC)
     else:  # no second set carried through the loop
         acc2, pa2, pb2 = acc1, pa1, pb1
-    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, n_ok2, 0, loads_per_pair, k_steps, n_steps, MODE, NB, KB)
+    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, s_off, n_ok, n_ok, 0, loads_per_pair, k_steps, n_steps, MODE, NB, KB,
+                      1)
     for l in range(n_loads):
         s = c % STAGES
         # the next load's scale bits: their global-load latency overlaps this load's MMAs
-        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, n_ok, n_ok2, l + 1, loads_per_pair, k_steps, n_steps, MODE, NB,
-                         KB)
+        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, s_off, n_ok, n_ok, l + 1, loads_per_pair, k_steps, n_steps, MODE, NB,
+                         KB, 1)
         mbarrier.wait(full.index(s), (c // STAGES) & 1)
         pa1, pa2 = _fp8_partials(a_bufs, w_bufs, s, 0, half, pa1, pa2, NB, BMT)
         pb1, pb2 = _fp8_partials(a_bufs, w_bufs, s, 1, half, pb1, pb2, NB, BMT)
@@ -509,8 +521,8 @@ def _grouped_mm_mx_ws_kernel(
 ):
     gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 weight rows each")
     gl.static_assert(not (FP8_MMA and B_KN), "E4M3 wgmmas read both operands K-major: weights [E, N, K]")
-    gl.static_assert(ROW_BLOCKS == 1 or (ROW_BLOCKS == 2 and MODE == 0 and not FP8_MMA and not B_KN),
-                     "ROW_BLOCKS = 2: the plain kind on the dequantizing path, weights [E, N, K]")
+    gl.static_assert(ROW_BLOCKS == 1 or (ROW_BLOCKS == 2 and MODE != 1 and not FP8_MMA and not B_KN),
+                     "ROW_BLOCKS = 2: the one-weight kinds on the dequantizing path, weights [E, N, K]")
     NB: gl.constexpr = 2 if MODE == 1 or ROW_BLOCKS == 2 else 1  # weight tiles per load (SWIGLU: gate and up)
     k_steps = K // 32
     pairs = 2 if MODE == 3 else 1

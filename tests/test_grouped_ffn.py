@@ -403,9 +403,9 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
     SPLIT_TILES (tiles holding at most BM / 2 of their expert's rows on BM / 2-token MMAs). "split": every
     config with both (tiles of 65-96 rows on 64 + 32-token MMAs at BM 128: 70 and 72-row tiles here; the
     E4M3-MMA path ignores it). "row_blocks": ROW_BLOCKS = 2 (two 128-row blocks of the weight per tile,
-    committed for plain's 128-token config) on plain's "@few_rows" config too, which case 3 runs (N = 704: a
-    second block partly and wholly past N). fp8_mma: its E4M3-MMA path
-    against the Triton E4M3-MMA kernel (weights K-major only)."""
+    committed for plain) on plain's and dual's 128-token configs, every case run on them (no "@few_rows" tier:
+    case 3's N = 704 puts a second block partly and wholly past N). fp8_mma: its E4M3-MMA path against the
+    Triton E4M3-MMA kernel (weights K-major only)."""
     small = dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232, num_warps=4)
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
@@ -414,9 +414,11 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
         cfg = {"committed": gg._MM_CONFIGS[key], "small": small,
                "half": {**gg._MM_CONFIGS[key], "HALF_TILES": True, "SPLIT_TILES": False},
                "split": {**gg._MM_CONFIGS[key], "HALF_TILES": True, "SPLIT_TILES": True},
-               "row_blocks": {**gg._MM_CONFIGS[key], **(dict(ROW_BLOCKS=2, STAGES=3) if key.startswith("mxfp8_ws/plain")
-                                                        else {})}}
+               "row_blocks": {**gg._MM_CONFIGS[key], **(dict(ROW_BLOCKS=2, STAGES=3)
+                                                        if key in ("mxfp8_ws/plain", "mxfp8_ws/dual") else {})}}
         monkeypatch.setitem(gg._MM_CONFIGS, key, cfg[rings])
+    if rings == "row_blocks":
+        monkeypatch.setattr(gg, "_FEW_ROWS", 0)
     # (H, I, rows per expert, kinds whose K = H or I is a multiple of 128)
     cases = ((512, 256, [70, 0, 200], set(gg._MODE_NAMES.values())),
              (1024, 192, [1, 129, 0, 64], {"swiglu", "swiglu_bwd"}),  # N = I = 192: a partial N tile
