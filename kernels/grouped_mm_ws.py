@@ -85,6 +85,15 @@ def _load_a(a_desc, a_bufs, bar, s, m0, kb0, KB: gl.constexpr, FP8_MMA: gl.const
 
 
 @gluon.jit
+def _load_w(b_desc, w_at, bar, w_bufs, s, next_row, kb0, NB: gl.constexpr, ROW_BLOCKS: gl.constexpr):
+    """A load's weight tile from b_desc at w_at into slot s; ROW_BLOCKS = 2: also the same weight's next BN rows,
+    from row next_row of [E*N, K] (past the expert's N: never stored)."""
+    tma.async_copy_global_to_shared(b_desc, w_at, bar, w_bufs.index(s * NB))
+    if ROW_BLOCKS == 2:
+        tma.async_copy_global_to_shared(b_desc, [next_row, kb0 * 32], bar, w_bufs.index(s * NB + 1))
+
+
+@gluon.jit
 def _token_scales(sa_ptr, m0, kb0, stride_sak, KB: gl.constexpr, BM: gl.constexpr):
     """FP8_MMA: the fp32 scales [KB, BM] of a load's K blocks for the tile's tokens (rows of A's scales
     [K/32, R + BM], padded so that no tile reads past them)."""
@@ -128,23 +137,14 @@ def _loader(a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_buf
             if MODE == 3:
                 if second:
                     _load_a(a2_desc, a_bufs, full.index(s), s, m0, kb0, KB, FP8_MMA)
-                    tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s * NB))
-                    if ROW_BLOCKS == 2:  # the same weight's next BN rows (past the expert's N: never stored)
-                        tma.async_copy_global_to_shared(b2_desc, [e * N + n0 + BN, kb0 * 32], full.index(s),
-                                                        w_bufs.index(s * NB + 1))
+                    _load_w(b2_desc, w_at, full.index(s), w_bufs, s, e * N + n0 + BN, kb0, NB, ROW_BLOCKS)
                 else:
                     _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB, FP8_MMA)
-                    tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s * NB))
-                    if ROW_BLOCKS == 2:
-                        tma.async_copy_global_to_shared(b1_desc, [e * N + n0 + BN, kb0 * 32], full.index(s),
-                                                        w_bufs.index(s * NB + 1))
+                    _load_w(b1_desc, w_at, full.index(s), w_bufs, s, e * N + n0 + BN, kb0, NB, ROW_BLOCKS)
             else:
                 _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB, FP8_MMA)
-                tma.async_copy_global_to_shared(b1_desc, w_at, full.index(s), w_bufs.index(s * NB))
-                if ROW_BLOCKS == 2:  # the same weight's next BN rows (past the expert's N: never stored)
-                    tma.async_copy_global_to_shared(b1_desc, [e * N + n0 + BN, kb0 * 32], full.index(s),
-                                                    w_bufs.index(s * NB + 1))
-                elif NB == 2:
+                _load_w(b1_desc, w_at, full.index(s), w_bufs, s, e * N + n0 + BN, kb0, NB, ROW_BLOCKS)
+                if NB == 2 and ROW_BLOCKS == 1:  # SWIGLU's second weight
                     tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s * NB + 1))
             if FP8_MMA:  # the full barrier's second arrival: the scales are in shared memory
                 sa_bufs.index(s).store(sa)
