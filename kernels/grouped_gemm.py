@@ -114,15 +114,17 @@ _MM_CONFIGS = {
     # warpgroup 64 rows of both on two accumulators as SwiGLU gate/up runs its two weights, so the activation
     # bytes through L2 and the loader's TMAs halve; three stages to fit shared memory (200 KB). Faster in all
     # four A/Bs, Kimi K2.7 EP=2 balanced (twice) and skewed 4.8-6.1%, Qwen3.5 EP=2 balanced 11%, bits equal
-    # (same-run A/As of the unchanged kinds: -14% to +2%; NOTES.md, session 21).
+    # (same-run A/As of the unchanged kinds: -14% to +2%; NOTES.md, session 21). The dual kind the same way
+    # (each of its two weights' load brings that weight's next 128 rows): 5.3-11% faster at EP=2, Kimi K2.7,
+    # GLM-5.2 and Qwen3.5, balanced and skewed, bits equal (A/As: -3.8% to +3.4%; session 22).
     "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=232, num_warps=4,
                            HALF_TILES=True, SPLIT_TILES=True, ROW_BLOCKS=2),
     "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232, num_warps=4,
                             HALF_TILES=True, SPLIT_TILES=True),
     "mxfp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=248, num_warps=4,
                                 HALF_TILES=True, SPLIT_TILES=True),
-    "mxfp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4,
-                          HALF_TILES=True, SPLIT_TILES=True),
+    "mxfp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=232, num_warps=4,
+                          HALF_TILES=True, SPLIT_TILES=True, ROW_BLOCKS=2),
     "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
     # fp8_mma=True on CUDA: E4M3 x E4M3 wgmmas in the warp-specialized kernel (FP8_MMA), each 32-wide K
     # block's partial sums promoted while the next block's wgmma runs. 1.2-2x slower than "mxfp8_ws" in
@@ -141,8 +143,10 @@ _MM_CONFIGS = {
     # level and SwiGLU gate/up (two accumulators) spills (NOTES.md, session 11). Plain and SwiGLU gate/up
     # keep the 64-token tiles they had before their 128-token configs took HALF_TILES: those configs'
     # half tiles were 2-12% slower here with balanced routing, level to 11% slower with skewed (session 20).
+    # Plain's two weight row blocks per 64-token tile (as at 128 tokens, above): 7.9-16% faster at EP=1 in
+    # all four shapes, balanced and skewed, bits equal (A/As: -3.6% to +3.4%; session 22).
     "mxfp8_ws/plain@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232,
-                                    num_warps=4),
+                                    num_warps=4, ROW_BLOCKS=2),
     "mxfp8_ws/swiglu@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232,
                                      num_warps=4),
     "mxfp8_ws/swiglu_bwd@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=104,

@@ -402,9 +402,10 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
     Kinds whose K is not a multiple of 128 are refused. "half": every config with HALF_TILES and without
     SPLIT_TILES (tiles holding at most BM / 2 of their expert's rows on BM / 2-token MMAs). "split": every
     config with both (tiles of 65-96 rows on 64 + 32-token MMAs at BM 128: 70 and 72-row tiles here; the
-    E4M3-MMA path ignores it). "row_blocks": ROW_BLOCKS = 2 (two 128-row blocks of the weight per tile,
-    committed for plain) on plain's and dual's 128-token configs, every case run on them (no "@few_rows" tier:
-    case 3's N = 704 puts a second block partly and wholly past N). fp8_mma: its E4M3-MMA path against the
+    E4M3-MMA path ignores it). "row_blocks": the committed configs with every case on the 128-token ones (no
+    "@few_rows" tier), so that plain's and dual's ROW_BLOCKS = 2 (two 128-row blocks of the weight per tile)
+    meet case 3's N = 704, a second block partly and wholly past N (the committed ring meets it on plain's
+    64-token tiles). fp8_mma: its E4M3-MMA path against the
     Triton E4M3-MMA kernel (weights K-major only)."""
     small = dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232, num_warps=4)
     if programs != "per_sm":
@@ -414,8 +415,7 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
         cfg = {"committed": gg._MM_CONFIGS[key], "small": small,
                "half": {**gg._MM_CONFIGS[key], "HALF_TILES": True, "SPLIT_TILES": False},
                "split": {**gg._MM_CONFIGS[key], "HALF_TILES": True, "SPLIT_TILES": True},
-               "row_blocks": {**gg._MM_CONFIGS[key], **(dict(ROW_BLOCKS=2, STAGES=3)
-                                                        if key in ("mxfp8_ws/plain", "mxfp8_ws/dual") else {})}}
+               "row_blocks": gg._MM_CONFIGS[key]}
         monkeypatch.setitem(gg._MM_CONFIGS, key, cfg[rings])
     if rings == "row_blocks":
         monkeypatch.setattr(gg, "_FEW_ROWS", 0)
