@@ -95,6 +95,16 @@ _MM_CONFIGS = {
     "bf16/swiglu": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4, HALF_TILES=True),
     "bf16/swiglu_bwd": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4, HALF_TILES=True),
     "bf16/dual": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4, HALF_TILES=True),
+    # bf16 on CUDA: the warp-specialized Gluon kernel (grouped_mm_ws, bf16 weights read by the wgmmas from shared
+    # memory) where a config is given, else (None) the Triton kernel above.
+    "bf16_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232, num_warps=4,
+                          HALF_TILES=True, SPLIT_TILES=True, ROW_BLOCKS=2),
+    "bf16_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232, num_warps=4,
+                           HALF_TILES=True, SPLIT_TILES=True),
+    "bf16_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=232, num_warps=4,
+                               HALF_TILES=True, SPLIT_TILES=True),
+    "bf16_ws/dual": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=232, num_warps=4,
+                         HALF_TILES=True, SPLIT_TILES=True),
     "mxfp8/plain": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8/swiglu": dict(BM=128, BN=64, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8/swiglu_bwd": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
@@ -665,8 +675,9 @@ def _tile_ends(group_end_E: torch.Tensor, rows_per_tile: int, tiles_per_rows: in
 
 def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_limit=None, fp8_mma=False,
                warp_specialized=None):
-    """warp_specialized (MXFP8 only): the Gluon kernel of grouped_mm_ws; None picks it on CUDA outside
-    Triton's interpreter (False: the Triton kernel it must match, for tests and benchmarks)."""
+    """warp_specialized: the Gluon kernel of grouped_mm_ws; None picks it on CUDA outside Triton's interpreter
+    where the kind's "<precision>_ws" config is not None (False: the Triton kernel it must match, for tests and
+    benchmarks)."""
     b1_data, b1_s, mma_order = _b_operand(b1, "b1")
     b2_data, b2_s, mma_order2 = _b_operand(b2, "b2") if b2 is not None else (b1_data, b1_s, mma_order)
     mx = b1_s is not None
@@ -677,12 +688,11 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         raise ValueError("fp8_mma: E4M3 MMAs read the weights in index order; quantize them with mma_order=False")
     num_experts, n, k = b1_data.shape
     tier = rows_tier(a1.shape[0], num_experts)
-    ws_key = mm_config_key(mode, True, fp8_mma, True)
-    ws_cfg = _mm_config(ws_key, tier) if mx else None
+    ws_key = mm_config_key(mode, mx, fp8_mma, True)
+    ws_cfg = _mm_config(ws_key, tier)
     ws_k = 32 * grouped_mm_ws.KB  # its loads take K in blocks of ws_k
     if warp_specialized is None:
         warp_specialized = _on_cuda(b1_data) and not _DOT_F32 and ws_cfg is not None and k % ws_k == 0
-    warp_specialized = warp_specialized and mx
     if warp_specialized and ws_cfg is None:
         raise ValueError(f"{ws_key} has no config (None: this kind runs the Triton kernel); set one to run the "
                          "warp-specialized kernel")
@@ -714,7 +724,7 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
             *b1_data.stride(), *b1_s.stride(), limit, **common,
         )
         return
-    block_k = 32 if mx else cfg["BK"]  # the MXFP8 path loads one scale block at a time...
+    block_k = 32 if mx or warp_specialized else cfg["BK"]  # the MXFP8 path loads one scale block at a time...
     block_kw = ws_k if warp_specialized else block_k  # ...but its Gluon kernel's weights KB at a time
     block_ka = block_kw if fp8_mma else block_k  # (and its E4M3 activations too)
     a_descs = [_tma_descriptor(a, [bm, block_ka], name, warp_specialized) for name, a in (("a1", a1), ("a2", a2))]
@@ -728,15 +738,18 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         persistent = common.pop("PERSISTENT")
         if b_kn and fp8_mma:
             raise ValueError("E4M3 MMAs read the weights K-major: pass them as a contiguous [E, N, K]")
-        # FP8_MMA: A's scales as fp32 [K/32, R + BM] (else unused)
-        sa_t1 = _token_scales_t(sa1, bm) if fp8_mma else b1_s
-        sa_t2 = _token_scales_t(sa2, bm) if fp8_mma and sa2 is not sa1 else sa_t1  # a2 given only for DUAL
-        wide_E = b1_s if fp8_mma else _wide_scale_experts(b1_s, *([] if b2_s is b1_s else [b2_s]))  # FP8_MMA: unused
-        s1 = _scales_by_row(b1_s)
-        s2 = s1 if b2_s is b1_s else _scales_by_row(b2_s)
+        if mx:
+            # FP8_MMA: A's scales as fp32 [K/32, R + BM] (else unused)
+            sa_t1 = _token_scales_t(sa1, bm) if fp8_mma else b1_s
+            sa_t2 = _token_scales_t(sa2, bm) if fp8_mma and sa2 is not sa1 else sa_t1  # a2 given only for DUAL
+            wide_E = b1_s if fp8_mma else _wide_scale_experts(b1_s, *([] if b2_s is b1_s else [b2_s]))  # FP8_MMA: unused
+            s1 = _scales_by_row(b1_s)
+            s2 = s1 if b2_s is b1_s else _scales_by_row(b2_s)
+        else:  # bf16: no scales (never read)
+            sa_t1 = sa_t2 = wide_E = s1 = s2 = a1
         grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, sa_t1, sa_t2, sa_t1.stride(0), s1, s2, wide_E,
-                             *outs_and_groups, *s1.stride()[:2], limit,
-                             B_KN=b_kn, MMA_ORDER=mma_order, KB=grouped_mm_ws.KB, FP8_MMA=fp8_mma, **common)
+                             *outs_and_groups, *s1.stride()[:2], limit, B_KN=b_kn, MMA_ORDER=mma_order,
+                             KB=grouped_mm_ws.KB, FP8_MMA=fp8_mma, MX=mx, **common)
     else:
         a_half = ([_tma_descriptor(a, [bm // 2, block_k], name) for name, a in (("a1", a1), ("a2", a2))] if half
                   else a_descs)
@@ -797,7 +810,7 @@ def mm_config_key(mode: int, mx: bool, fp8_mma: bool, warp_specialized: bool = F
     """The ``_MM_CONFIGS`` entry a grouped_mm of this kind and precision runs with."""
     if fp8_mma:
         return f"mxfp8_fp8_ws/{_MODE_NAMES[mode]}" if warp_specialized else "mxfp8_fp8_mma"
-    precision = ("mxfp8_ws" if warp_specialized else "mxfp8") if mx else "bf16"
+    precision = ("mxfp8" if mx else "bf16") + ("_ws" if warp_specialized else "")
     return f"{precision}/{_MODE_NAMES[mode]}"
 
 

@@ -179,27 +179,31 @@ def _index_order(w, W_OP: gl.constexpr):
 
 @gluon.jit
 def _w_operand(w_buf, q: gl.constexpr, half: gl.constexpr, bits, WIDE: gl.constexpr, B_KN: gl.constexpr,
-               MMA_ORDER: gl.constexpr, W_OP: gl.constexpr):
+               MMA_ORDER: gl.constexpr, W_OP: gl.constexpr, MX: gl.constexpr):
     """This warpgroup's 64 weight rows of K block q of a loaded E4M3 tile, as the MMA's register
     operand [64, 32] bf16: E4M3 * 2^(bits - 127), exact. MMA_ORDER: a thread's bytes of a row are
-    adjacent, one 8-byte shared-memory load per row and block (else one 2-byte load per pair)."""
+    adjacent, one 8-byte shared-memory load per row and block (else one 2-byte load per pair). A bf16
+    tile (not MX): the block's shared-memory view, the MMA's operand as it is."""
     if B_KN:  # the tile is [32 * KB, BN]
         blk = w_buf.slice(q * 32, 32, dim=0).slice(half * 64, 64, dim=1).permute((1, 0))
     else:  # the tile is [BN, 32 * KB]
         blk = w_buf.slice(half * 64, 64, dim=0).slice(q * 32, 32, dim=1)
-    if MMA_ORDER:
-        w = mx_dequantize_bits_sm90(blk.load(_mma_order_layout()), bits, 1, WIDE, True)
-        return _index_order(w, W_OP)
-    return mx_dequantize_bits_sm90(blk.load(W_OP), gl.convert_layout(bits, gl.SliceLayout(1, W_OP)), 1, WIDE, False)
+    if not MX:  # bf16 weights: the wgmma reads them from shared memory
+        w = blk
+    elif MMA_ORDER:
+        w = _index_order(mx_dequantize_bits_sm90(blk.load(_mma_order_layout()), bits, 1, WIDE, True), W_OP)
+    else:
+        w = mx_dequantize_bits_sm90(blk.load(W_OP), gl.convert_layout(bits, gl.SliceLayout(1, W_OP)), 1, WIDE, False)
+    return w
 
 
 @gluon.jit
 def _w_operands(w_bufs, s, q: gl.constexpr, half: gl.constexpr, bits, WIDE: gl.constexpr, B_KN: gl.constexpr,
-                MMA_ORDER: gl.constexpr, NB: gl.constexpr, W_OP: gl.constexpr):
-    """K block q's register operand(s) from slot s, with that block's scale bits (b1, b2)."""
-    w1 = _w_operand(w_bufs.index(s * NB), q, half, bits[0], WIDE, B_KN, MMA_ORDER, W_OP)
+                MMA_ORDER: gl.constexpr, NB: gl.constexpr, W_OP: gl.constexpr, MX: gl.constexpr):
+    """K block q's operand(s) from slot s, with that block's scale bits (b1, b2; MX only)."""
+    w1 = _w_operand(w_bufs.index(s * NB), q, half, bits[0], WIDE, B_KN, MMA_ORDER, W_OP, MX)
     if NB == 2:
-        w2 = _w_operand(w_bufs.index(s * NB + 1), q, half, bits[1], WIDE, B_KN, MMA_ORDER, W_OP)
+        w2 = _w_operand(w_bufs.index(s * NB + 1), q, half, bits[1], WIDE, B_KN, MMA_ORDER, W_OP, MX)
     else:
         w2 = w1
     return w1, w2
@@ -233,7 +237,7 @@ def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, 
               B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
               HALF_TILES: gl.constexpr, SPLIT_TILES: gl.constexpr, FP8_MMA: gl.constexpr, half: gl.constexpr,
-              ROW_BLOCKS: gl.constexpr):
+              ROW_BLOCKS: gl.constexpr, MX: gl.constexpr):
     """One warpgroup: for each of the program's tiles, weight rows [n0 + 64 * half, +64) against its
     BM tokens (HALF_TILES: against the first BM / 2 where the tile holds no more of its expert's
     rows: half the MMA work, the same instructions per token; SPLIT_TILES: against the first
@@ -247,17 +251,17 @@ def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, 
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, 0, KB, STAGES,
-                              FP8_MMA, half, ROW_BLOCKS)
+                              FP8_MMA, half, ROW_BLOCKS, MX)
         elif SPLIT_TILES and row_end - m0 <= BM // 2 + BM // 4:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, BM // 4, KB,
-                              STAGES, FP8_MMA, half, ROW_BLOCKS)
+                              STAGES, FP8_MMA, half, ROW_BLOCKS, MX)
         else:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM, 0, KB, STAGES,
-                              FP8_MMA, half, ROW_BLOCKS)
+                              FP8_MMA, half, ROW_BLOCKS, MX)
 
 
 @gluon.jit
@@ -266,7 +270,7 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_p
                   stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr,
                   BMT2: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, FP8_MMA: gl.constexpr,
-                  half: gl.constexpr, ROW_BLOCKS: gl.constexpr):
+                  half: gl.constexpr, ROW_BLOCKS: gl.constexpr, MX: gl.constexpr):
     """One tile's loads (ring positions c, c + 1, ...) against its first BMT tokens (and, BMT2 > 0, the next
     BMT2 in a second set of accumulators), and its epilogue; returns the ring position after them."""
     gl.static_assert(BMT2 == 0 or not FP8_MMA, "split tiles run on the dequantizing path only")
@@ -278,16 +282,21 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_p
     else:
         # one branch per tile around two copies of the loop: a branch per block keeps ptxas from interleaving
         # the HGMMA issue with the dequantization (NOTES.md, session 15)
-        if gl.load(wide_ptr + e) != 0:
+        if not MX:  # bf16 weights: no dequantization
             acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
                                                         k_steps, n_steps, loads_per_pair, n_loads, stride_se,
                                                         stride_sn, MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES,
-                                                        True, half, ROW_BLOCKS)
+                                                        False, half, ROW_BLOCKS, MX)
+        elif gl.load(wide_ptr + e) != 0:
+            acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
+                                                        k_steps, n_steps, loads_per_pair, n_loads, stride_se,
+                                                        stride_sn, MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES,
+                                                        True, half, ROW_BLOCKS, MX)
         else:
             acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
                                                         k_steps, n_steps, loads_per_pair, n_loads, stride_se,
                                                         stride_sn, MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES,
-                                                        False, half, ROW_BLOCKS)
+                                                        False, half, ROW_BLOCKS, MX)
         if BMT2 > 0:
             _tile_epilogue(acc1b, acc2b, m0 + BMT, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
                            MODE, HAS_LIMIT, BMT2)
@@ -338,10 +347,10 @@ def _acc_layout(BMT, FP8_MMA):
 def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps, n_steps, loads_per_pair,
                   n_loads, stride_se, stride_sn, MODE: gl.constexpr, B_KN: gl.constexpr, MMA_ORDER: gl.constexpr,
                   NB: gl.constexpr, BMT: gl.constexpr, BMT2: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-                  WIDE: gl.constexpr, half: gl.constexpr, ROW_BLOCKS: gl.constexpr):
+                  WIDE: gl.constexpr, half: gl.constexpr, ROW_BLOCKS: gl.constexpr, MX: gl.constexpr):
     """The tile's accumulators (acc1, acc2 over the first BMT tokens; acc1b, acc2b over the next BMT2 where
-    BMT2 > 0, else aliases) by bf16 MMAs on dequantized weights, and the ring position. WIDE: the expert has
-    scales above 2^7 (mx_dequantize_bits_sm90's second multiply)."""
+    BMT2 > 0, else aliases) by bf16 MMAs on dequantized weights (not MX: on the bf16 weights in shared memory),
+    and the ring position. WIDE: the expert has scales above 2^7 (mx_dequantize_bits_sm90's second multiply)."""
     gl.static_assert(KB == 4, "_dequant_tile unrolls four K blocks per load")
     ACC: gl.constexpr = _acc_layout(BMT, False)
     W_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -354,8 +363,11 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
     else:
         s_off2 = s_off
         n_ok2 = n_ok
-    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, s_off2, n_ok, n_ok2, 0, loads_per_pair, k_steps, n_steps, MODE, NB, KB,
-                      ROW_BLOCKS)
+    if MX:
+        bits = _load_bits(sb1_ptr, sb2_ptr, s_off, s_off2, n_ok, n_ok2, 0, loads_per_pair, k_steps, n_steps, MODE, NB,
+                          KB, ROW_BLOCKS)
+    else:  # no scales
+        bits = ((0, 0), (0, 0), (0, 0), (0, 0))
     acc1 = gl.zeros([64, BMT], gl.float32, ACC)
     if NB == 2:
         acc2 = gl.zeros([64, BMT], gl.float32, ACC)
@@ -365,14 +377,14 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
             acc2b = gl.zeros([64, BMT2], gl.float32, _acc_layout(BMT2, False))
     for l in range(n_loads):
         s = c % STAGES
-        # the next load's scale bits: their global-load latency overlaps this load's conversions and MMAs
-        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, s_off2, n_ok, n_ok2, l + 1, loads_per_pair, k_steps, n_steps, MODE,
-                         NB, KB, ROW_BLOCKS)
+        if MX:  # the next load's scale bits: their global-load latency overlaps this load's conversions and MMAs
+            nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, s_off2, n_ok, n_ok2, l + 1, loads_per_pair, k_steps, n_steps,
+                             MODE, NB, KB, ROW_BLOCKS)
         mbarrier.wait(full.index(s), (c // STAGES) & 1)
-        w1a, w2a = _w_operands(w_bufs, s, 0, half, bits[0], WIDE, B_KN, MMA_ORDER, NB, W_OP)
-        w1b, w2b = _w_operands(w_bufs, s, 1, half, bits[1], WIDE, B_KN, MMA_ORDER, NB, W_OP)
-        w1c, w2c = _w_operands(w_bufs, s, 2, half, bits[2], WIDE, B_KN, MMA_ORDER, NB, W_OP)
-        w1d, w2d = _w_operands(w_bufs, s, 3, half, bits[3], WIDE, B_KN, MMA_ORDER, NB, W_OP)
+        w1a, w2a = _w_operands(w_bufs, s, 0, half, bits[0], WIDE, B_KN, MMA_ORDER, NB, W_OP, MX)
+        w1b, w2b = _w_operands(w_bufs, s, 1, half, bits[1], WIDE, B_KN, MMA_ORDER, NB, W_OP, MX)
+        w1c, w2c = _w_operands(w_bufs, s, 2, half, bits[2], WIDE, B_KN, MMA_ORDER, NB, W_OP, MX)
+        w1d, w2d = _w_operands(w_bufs, s, 3, half, bits[3], WIDE, B_KN, MMA_ORDER, NB, W_OP, MX)
         if NB == 2:
             acc1, acc2 = _mma_load(a_bufs, s, w1a, w2a, w1b, w2b, w1c, w2c, w1d, w2d, acc1, acc2, NB, BMT, KB)
             if BMT2 > 0:  # the same registers against the next BMT2 tokens
@@ -391,7 +403,8 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
                 acc1 = warpgroup_mma_wait(0, deps=(acc1,))
         mbarrier.arrive(empty.index(s), count=1)
         c += 1
-        bits = nxt
+        if MX:
+            bits = nxt
     if NB == 1:
         acc2 = acc1  # unused outside SWIGLU
         if BMT2 > 0:
@@ -503,12 +516,12 @@ def _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_w,
 
 @gluon.jit
 def _grouped_mm_mx_ws_kernel(
-    # TMA: A [R, K] bf16 blocks [BM, 32] (FP8_MMA: E4M3 blocks [BM, 32 * KB]); B E4M3 blocks [BN, 32 * KB]
-    # (or [32 * KB, BN], B_KN)
+    # TMA: A [R, K] bf16 blocks [BM, 32] (FP8_MMA: E4M3 blocks [BM, 32 * KB]); B E4M3 (not MX: bf16) blocks
+    # [BN, 32 * KB] (or [32 * KB, BN], B_KN)
     a1_desc, a2_desc, b1_desc, b2_desc,
     sa1_ptr, sa2_ptr, stride_sak,  # FP8_MMA: A's scales as fp32 [K/32, R + BM] (row stride stride_sak); else unused
-    sb1_ptr, sb2_ptr,  # E8M0 bits of the B operands, contiguous [E, N, K/32] (grouped_gemm._scales_by_row)
-    wide_ptr,  # int32 [E]: 1 where an expert's B scales pass 2^7 (grouped_gemm._wide_scale_experts); FP8_MMA: unused
+    sb1_ptr, sb2_ptr,  # E8M0 bits of the B operands, contiguous [E, N, K/32] (grouped_gemm._scales_by_row); not MX: unused
+    wide_ptr,  # int32 [E]: 1 where an expert's B scales pass 2^7 (grouped_gemm._wide_scale_experts); FP8_MMA, not MX: unused
     c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
     group_end_ptr, tile_end_ptr,
     N, K, E,
@@ -517,10 +530,11 @@ def _grouped_mm_mx_ws_kernel(
     MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, LOG_E: gl.constexpr, B_KN: gl.constexpr, MMA_ORDER: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, HALF_TILES: gl.constexpr, FP8_MMA: gl.constexpr, num_warps: gl.constexpr,
-    SPLIT_TILES: gl.constexpr = False, ROW_BLOCKS: gl.constexpr = 1,
+    SPLIT_TILES: gl.constexpr = False, ROW_BLOCKS: gl.constexpr = 1, MX: gl.constexpr = True,
 ):
     gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 weight rows each")
     gl.static_assert(not (FP8_MMA and B_KN), "E4M3 wgmmas read both operands K-major: weights [E, N, K]")
+    gl.static_assert(MX or not (FP8_MMA or MMA_ORDER), "bf16 weights (not MX) are bf16 MMAs' operands in index order")
     gl.static_assert(ROW_BLOCKS == 1 or (ROW_BLOCKS == 2 and MODE != 1 and not FP8_MMA and not B_KN),
                      "ROW_BLOCKS = 2: the one-weight kinds on the dequantizing path, weights [E, N, K]")
     NB: gl.constexpr = 2 if MODE == 1 or ROW_BLOCKS == 2 else 1  # weight tiles per load (SWIGLU: gate and up)
@@ -547,11 +561,11 @@ def _grouped_mm_mx_ws_kernel(
         (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                      u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 0, ROW_BLOCKS)),
+                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 0, ROW_BLOCKS, MX)),
         (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                      u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 1, ROW_BLOCKS)),
+                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 1, ROW_BLOCKS, MX)),
         (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_bufs, w_bufs, full, empty,
                    group_end_ptr, tile_end_ptr, N, K, E, stride_sak, loads_per_pair, n_loads, MODE, B_KN, NB, KB,
                    STAGES, LOG_E, BM, BN, GROUP_M, FP8_MMA, ROW_BLOCKS)),

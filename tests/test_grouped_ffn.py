@@ -354,7 +354,8 @@ def _mx_kinds(counts, dim_h, dim_i, layout, wide=False):
     """Inputs of the four kinds of MXFP8 grouped_mm at these sizes: {kind: (mode, a1, a2, b1, b2, outs, gu)}.
     layout: the weights as weight_operand gives them ("mma": contiguous [E, N, K], MMA order), contiguous
     [E, N, K] in index order ("index"), or the dgrad weights as transposed views of contiguous [E, K, N] in
-    index order ("kn"; the forward ones as "index"). wide: expert 0's weights times 2^20 (scales above 2^7)
+    index order ("kn"; the forward ones as "index"); bf16 weights as weight_operand gives them ("bf16": the
+    dgrad ones transposed views) or all contiguous [E, N, K] ("bf16_index"). wide: expert 0's weights times 2^20 (scales above 2^7)
     and a NaN in each of expert 1's (a NaN-scale block)."""
     (x, w_gate, w_up, w_down, dy), group_end = make_case(counts=counts, dim_h=dim_h, dim_i=dim_i, padding=5)
     if wide:
@@ -366,9 +367,13 @@ def _mx_kinds(counts, dim_h, dim_i, layout, wide=False):
     g_, u_, h, dg, du = (torch.randn(rows, dim_i, generator=g).mul(3).to(torch.bfloat16).to(DEVICE) for _ in range(5))
 
     def fwd(w):  # [E, N, K] blocked along K
+        if layout.startswith("bf16"):
+            return w
         return weight_operand(w, "mxfp8", 2, "w") if layout == "mma" else mxfp8_quantize(w, 2, "w")
 
     def dgrad(w):  # [E, X, Y] -> [E, Y, X] blocked along X
+        if layout.startswith("bf16"):
+            return w.transpose(1, 2).contiguous() if layout == "bf16_index" else weight_operand(w, "bf16", 1, "w")
         if layout == "mma":
             return weight_operand(w, "mxfp8", 1, "w")
         m = mxfp8_quantize(w, 1, "w")
@@ -393,9 +398,10 @@ def _mx_kinds(counts, dim_h, dim_i, layout, wide=False):
 @pytest.mark.parametrize("rings", ["committed", "small", "half", "split", "row_blocks"])
 # E4M3 MMAs read K-major weights in index order only (the refusals: test_fp8_mma_needs_k_major_weights,
 # test_mma_order_is_refused_where_it_cannot_be_read)
-@pytest.mark.parametrize("fp8_mma, layout", [(False, "mma"), (False, "index"), (False, "kn"), (True, "index")])
+@pytest.mark.parametrize("fp8_mma, layout", [(False, "mma"), (False, "index"), (False, "kn"), (True, "index"),
+                                             (False, "bf16"), (False, "bf16_index")])
 def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, rings, programs):
-    """The Gluon warp-specialized MXFP8 kernel gives the Triton kernel's bits for every kind, every
+    """The Gluon warp-specialized kernel gives the Triton kernel's bits, MXFP8 and bf16, for every kind, every
     weight layout, an empty expert, partial N tiles and padding rows; with the committed configs and
     with 64-token tiles and a two-load ring (every kind persistent); with a program per SM (here one
     tile each) and with 3 programs looping over all tiles (the ring's phases carried across tiles).
@@ -410,7 +416,7 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
     small = dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232, num_warps=4)
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
-    prefix = "mxfp8_fp8_ws/" if fp8_mma else "mxfp8_ws/"
+    prefix = "mxfp8_fp8_ws/" if fp8_mma else "bf16_ws/" if layout.startswith("bf16") else "mxfp8_ws/"
     for key in [k for k in gg._MM_CONFIGS if k.startswith(prefix)]:  # "@few_rows" too: case 2 has few rows
         cfg = {"committed": gg._MM_CONFIGS[key], "small": small,
                "half": {**gg._MM_CONFIGS[key], "HALF_TILES": True, "SPLIT_TILES": False},
