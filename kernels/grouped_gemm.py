@@ -98,13 +98,13 @@ _MM_CONFIGS = {
     # bf16 on CUDA: the warp-specialized Gluon kernel (grouped_mm_ws, bf16 weights read by the wgmmas from shared
     # memory) where a config is given, else (None) the Triton kernel above.
     "bf16_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232, num_warps=4,
-                          HALF_TILES=True, SPLIT_TILES=True, ROW_BLOCKS=2, IN_FLIGHT=True),
+                          HALF_TILES=True, SPLIT_TILES=True, ROW_BLOCKS=2),
     "bf16_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232, num_warps=4,
-                           HALF_TILES=True, SPLIT_TILES=True, IN_FLIGHT=True),
+                           HALF_TILES=True, SPLIT_TILES=True),
     "bf16_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=232, num_warps=4,
-                               HALF_TILES=True, SPLIT_TILES=True, IN_FLIGHT=True),
+                               HALF_TILES=True, SPLIT_TILES=True),
     "bf16_ws/dual": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=232, num_warps=4,
-                         HALF_TILES=True, SPLIT_TILES=True, IN_FLIGHT=True),
+                         HALF_TILES=True, SPLIT_TILES=True),
     "mxfp8/plain": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8/swiglu": dict(BM=128, BN=64, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8/swiglu_bwd": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),

@@ -237,7 +237,7 @@ def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, 
               B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
               HALF_TILES: gl.constexpr, SPLIT_TILES: gl.constexpr, FP8_MMA: gl.constexpr, half: gl.constexpr,
-              ROW_BLOCKS: gl.constexpr, MX: gl.constexpr, IN_FLIGHT: gl.constexpr):
+              ROW_BLOCKS: gl.constexpr, MX: gl.constexpr):
     """One warpgroup: for each of the program's tiles, weight rows [n0 + 64 * half, +64) against its
     BM tokens (HALF_TILES: against the first BM / 2 where the tile holds no more of its expert's
     rows: half the MMA work, the same instructions per token; SPLIT_TILES: against the first
@@ -251,17 +251,17 @@ def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, 
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, 0, KB, STAGES,
-                              FP8_MMA, half, ROW_BLOCKS, MX, IN_FLIGHT)
+                              FP8_MMA, half, ROW_BLOCKS, MX)
         elif SPLIT_TILES and row_end - m0 <= BM // 2 + BM // 4:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, BM // 4, KB,
-                              STAGES, FP8_MMA, half, ROW_BLOCKS, MX, IN_FLIGHT)
+                              STAGES, FP8_MMA, half, ROW_BLOCKS, MX)
         else:
             c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM, 0, KB, STAGES,
-                              FP8_MMA, half, ROW_BLOCKS, MX, IN_FLIGHT)
+                              FP8_MMA, half, ROW_BLOCKS, MX)
 
 
 @gluon.jit
@@ -270,7 +270,7 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_p
                   stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr,
                   BMT2: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, FP8_MMA: gl.constexpr,
-                  half: gl.constexpr, ROW_BLOCKS: gl.constexpr, MX: gl.constexpr, IN_FLIGHT: gl.constexpr):
+                  half: gl.constexpr, ROW_BLOCKS: gl.constexpr, MX: gl.constexpr):
     """One tile's loads (ring positions c, c + 1, ...) against its first BMT tokens (and, BMT2 > 0, the next
     BMT2 in a second set of accumulators), and its epilogue; returns the ring position after them."""
     gl.static_assert(BMT2 == 0 or not FP8_MMA, "split tiles run on the dequantizing path only")
@@ -286,17 +286,17 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_p
             acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
                                                         k_steps, n_steps, loads_per_pair, n_loads, stride_se,
                                                         stride_sn, MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES,
-                                                        False, half, ROW_BLOCKS, MX, IN_FLIGHT)
+                                                        False, half, ROW_BLOCKS, MX)
         elif gl.load(wide_ptr + e) != 0:
             acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
                                                         k_steps, n_steps, loads_per_pair, n_loads, stride_se,
                                                         stride_sn, MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES,
-                                                        True, half, ROW_BLOCKS, MX, IN_FLIGHT)
+                                                        True, half, ROW_BLOCKS, MX)
         else:
             acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
                                                         k_steps, n_steps, loads_per_pair, n_loads, stride_se,
                                                         stride_sn, MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES,
-                                                        False, half, ROW_BLOCKS, MX, IN_FLIGHT)
+                                                        False, half, ROW_BLOCKS, MX)
         if BMT2 > 0:
             _tile_epilogue(acc1b, acc2b, m0 + BMT, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
                            MODE, HAS_LIMIT, BMT2)
@@ -347,8 +347,7 @@ def _acc_layout(BMT, FP8_MMA):
 def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_steps, n_steps, loads_per_pair,
                   n_loads, stride_se, stride_sn, MODE: gl.constexpr, B_KN: gl.constexpr, MMA_ORDER: gl.constexpr,
                   NB: gl.constexpr, BMT: gl.constexpr, BMT2: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-                  WIDE: gl.constexpr, half: gl.constexpr, ROW_BLOCKS: gl.constexpr, MX: gl.constexpr,
-                  IN_FLIGHT: gl.constexpr):
+                  WIDE: gl.constexpr, half: gl.constexpr, ROW_BLOCKS: gl.constexpr, MX: gl.constexpr):
     """The tile's accumulators (acc1, acc2 over the first BMT tokens; acc1b, acc2b over the next BMT2 where
     BMT2 > 0, else aliases) by bf16 MMAs on dequantized weights (not MX: on the bf16 weights in shared memory),
     and the ring position. WIDE: the expert has scales above 2^7 (mx_dequantize_bits_sm90's second multiply)."""
@@ -376,9 +375,6 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
         acc1b = gl.zeros([64, BMT2], gl.float32, _acc_layout(BMT2, False))
         if NB == 2:
             acc2b = gl.zeros([64, BMT2], gl.float32, _acc_layout(BMT2, False))
-    # IN_FLIGHT (bf16 only): a load's MMAs stay in flight while the next load's issue; the previous load's slot is
-    # handed back once they are done (G: the async MMA groups one load issues)
-    G: gl.constexpr = 4 * NB * (2 if BMT2 > 0 else 1) if IN_FLIGHT else 0
     for l in range(n_loads):
         s = c % STAGES
         if MX:  # the next load's scale bits: their global-load latency overlaps this load's conversions and MMAs
@@ -394,35 +390,21 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
             if BMT2 > 0:  # the same registers against the next BMT2 tokens
                 acc1b, acc2b = _mma_load(a_bufs, s, w1a, w2a, w1b, w2b, w1c, w2c, w1d, w2d, acc1b, acc2b, NB, BMT2,
                                          KB, BMT)
-                acc1, acc2, acc1b, acc2b = warpgroup_mma_wait(G, deps=(acc1, acc2, acc1b, acc2b))
+                acc1, acc2, acc1b, acc2b = warpgroup_mma_wait(0, deps=(acc1, acc2, acc1b, acc2b))
             else:
-                acc1, acc2 = warpgroup_mma_wait(G, deps=(acc1, acc2))
+                acc1, acc2 = warpgroup_mma_wait(0, deps=(acc1, acc2))
         else:  # no second accumulator carried through the loop
             acc1, _ = _mma_load(a_bufs, s, w1a, w1a, w1b, w1b, w1c, w1c, w1d, w1d, acc1, acc1, NB, BMT, KB)
             if BMT2 > 0:
                 acc1b, _ = _mma_load(a_bufs, s, w1a, w1a, w1b, w1b, w1c, w1c, w1d, w1d, acc1b, acc1b, NB, BMT2, KB,
                                      BMT)
-                acc1, acc1b = warpgroup_mma_wait(G, deps=(acc1, acc1b))
+                acc1, acc1b = warpgroup_mma_wait(0, deps=(acc1, acc1b))
             else:
-                acc1 = warpgroup_mma_wait(G, deps=(acc1,))
-        if not IN_FLIGHT:
-            mbarrier.arrive(empty.index(s), count=1)
-        elif l > 0:
-            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
+                acc1 = warpgroup_mma_wait(0, deps=(acc1,))
+        mbarrier.arrive(empty.index(s), count=1)
         c += 1
         if MX:
             bits = nxt
-    if IN_FLIGHT:  # the last load's MMAs
-        if BMT2 > 0:
-            if NB == 2:
-                acc1, acc2, acc1b, acc2b = warpgroup_mma_wait(0, deps=(acc1, acc2, acc1b, acc2b))
-            else:
-                acc1, acc1b = warpgroup_mma_wait(0, deps=(acc1, acc1b))
-        elif NB == 2:
-            acc1, acc2 = warpgroup_mma_wait(0, deps=(acc1, acc2))
-        else:
-            acc1 = warpgroup_mma_wait(0, deps=(acc1,))
-        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
     if NB == 1:
         acc2 = acc1  # unused outside SWIGLU
         if BMT2 > 0:
@@ -549,12 +531,10 @@ def _grouped_mm_mx_ws_kernel(
     BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, HALF_TILES: gl.constexpr, FP8_MMA: gl.constexpr, num_warps: gl.constexpr,
     SPLIT_TILES: gl.constexpr = False, ROW_BLOCKS: gl.constexpr = 1, MX: gl.constexpr = True,
-    IN_FLIGHT: gl.constexpr = False,
 ):
     gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 weight rows each")
     gl.static_assert(not (FP8_MMA and B_KN), "E4M3 wgmmas read both operands K-major: weights [E, N, K]")
     gl.static_assert(MX or not (FP8_MMA or MMA_ORDER), "bf16 weights (not MX) are bf16 MMAs' operands in index order")
-    gl.static_assert(not (MX and IN_FLIGHT), "IN_FLIGHT: bf16 weights only (MX consumers redefine register operands)")
     gl.static_assert(ROW_BLOCKS == 1 or (ROW_BLOCKS == 2 and MODE != 1 and not FP8_MMA and not B_KN),
                      "ROW_BLOCKS = 2: the one-weight kinds on the dequantizing path, weights [E, N, K]")
     NB: gl.constexpr = 2 if MODE == 1 or ROW_BLOCKS == 2 else 1  # weight tiles per load (SWIGLU: gate and up)
@@ -581,11 +561,11 @@ def _grouped_mm_mx_ws_kernel(
         (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                      u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 0, ROW_BLOCKS, MX, IN_FLIGHT)),
+                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 0, ROW_BLOCKS, MX)),
         (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
                      u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
                      stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 1, ROW_BLOCKS, MX, IN_FLIGHT)),
+                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 1, ROW_BLOCKS, MX)),
         (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_bufs, w_bufs, full, empty,
                    group_end_ptr, tile_end_ptr, N, K, E, stride_sak, loads_per_pair, n_loads, MODE, B_KN, NB, KB,
                    STAGES, LOG_E, BM, BN, GROUP_M, FP8_MMA, ROW_BLOCKS)),
