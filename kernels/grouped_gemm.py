@@ -797,8 +797,8 @@ def rows_tier(rows: int, num_experts: int) -> str:
 
 def _mm_config(key: str, tier: str) -> dict | None:
     """The kind's tile config (None: no warp-specialized config) in this rows tier: its "@<tier>"
-    config where there is one; else with few rows (but for HALF_TILES configs, whose half tiles are
-    those experts' tiles already) the same with at most _FEW_ROWS-token tiles."""
+    config where there is one (a None kind's too); else with few rows (but for HALF_TILES configs, whose
+    half tiles are those experts' tiles already) the same with at most _FEW_ROWS-token tiles."""
     if tier and f"{key}@{tier}" in _MM_CONFIGS:
         return _MM_CONFIGS[f"{key}@{tier}"]
     cfg = _MM_CONFIGS[key]

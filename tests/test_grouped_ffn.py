@@ -271,8 +271,9 @@ def _tile_runs(monkeypatch, tensors, group_end, tiers, **kw):
 
 
 def test_rows_tiers_pick_their_configs(monkeypatch):
-    """The experts' average rows pick the tier; a tier's "@<tier>" config where there is one, else the
-    kind's (with few rows capped at _FEW_ROWS-token tiles unless its half tiles cover them)."""
+    """The experts' average rows pick the tier; a tier's "@<tier>" config where there is one (also under a None
+    kind: that tier alone runs the warp-specialized kernel), else the kind's (with few rows capped at
+    _FEW_ROWS-token tiles unless its half tiles cover them)."""
     assert [gg.rows_tier(r, 4) for r in (0, 4 * 64, 4 * 64 + 1, 4 * 2048 - 1, 4 * 2048)] == \
         ["few_rows", "few_rows", "", "", "many_rows"]
     monkeypatch.setattr(gg, "_MM_CONFIGS", {"k": dict(BM=128), "k@many_rows": dict(BM=256),
@@ -281,7 +282,8 @@ def test_rows_tiers_pick_their_configs(monkeypatch):
     assert gg._mm_config("k", "") == dict(BM=128) and gg._mm_config("k", "many_rows") == dict(BM=256)
     assert gg._mm_config("k", "few_rows") == dict(BM=64)
     assert gg._mm_config("h", "few_rows") == dict(BM=128, HALF_TILES=True) == gg._mm_config("h", "many_rows")
-    assert gg._mm_config("none", "few_rows") is None
+    assert gg._mm_config("none", "few_rows") == dict(BM=64)
+    assert gg._mm_config("none", "") is None and gg._mm_config("none", "many_rows") is None
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
@@ -508,10 +510,11 @@ def test_wide_scale_experts_flags_scales_past_2_pow_7():
 
 
 def test_warp_specialized_without_config_is_refused(monkeypatch):
-    """A kind whose warp-specialized config is None runs the Triton kernel; forcing the other is refused by name."""
+    """A kind whose warp-specialized config is None runs the Triton kernel; forcing the other is refused by name
+    (70 rows per expert: the kind's own config, no rows tier's)."""
     monkeypatch.setitem(gg._MM_CONFIGS, "mxfp8_ws/plain", None)
-    (x, _, _, w_down, _), group_end = make_case(counts=[3, 5], dim_h=64, dim_i=64, device="cpu")
-    c = torch.zeros(8, 64, dtype=torch.bfloat16)
+    (x, _, _, w_down, _), group_end = make_case(counts=[70, 70], dim_h=64, dim_i=64, device="cpu")
+    c = torch.zeros(140, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="mxfp8_ws/plain has no config"):
         gg._launch_mm(gg.PLAIN, x, None, mxfp8_quantize(w_down, 2, "w"), None, group_end, [c], warp_specialized=True)
 

@@ -9,7 +9,8 @@
 
 Entries: ``_MM_CONFIGS``' keys (grouped_mm's kinds) and the weight gradient's loops as "wgrad/flat"
 and "wgrad/rows" (``_WGRAD_CONFIGS``). ``--set KEY=JSON`` merges a JSON object into the committed
-entry KEY (a new "@few_rows" or "@many_rows" key starts empty) or, with ``null``, makes a grouped_mm entry None;
+entry KEY (a new "@few_rows" or "@many_rows" key starts empty) or, with ``null``, makes a grouped_mm entry None
+(a None "<precision>_ws/<kind>" runs the Triton kernel, but in a rows tier with its own "@<tier>" entry);
 ``--unset KEY`` removes a grouped_mm entry. The GEMMs compared are those of the tables the variant
 changes (both for a run without ``--set``/``--unset``): grouped_mm's four kinds, and each weight's
 gradient (not with ``--fp8-mma``: the weight gradient has no E4M3-MMA path). Per shape and case (the
