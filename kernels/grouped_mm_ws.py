@@ -1,8 +1,10 @@
 """Warp-specialized MXFP8 grouped GEMM for Hopper (Gluon): ``grouped_mm``'s MXFP8 kinds on CUDA where
 ``_MM_CONFIGS["mxfp8_ws/<kind>"]`` gives it a config and K is a multiple of 32 * KB (NOTES.md,
-"MXFP8 with register-sourced weights, session 7", and "Session 8").
+"MXFP8 with register-sourced weights, session 7", and "Session 8"); bf16 kinds (``MX = False``: the
+wgmmas read the weights from shared memory, nothing to dequantize) where ``"bf16_ws/<kind>"`` does
+(session 23).
 
-Same contract and K order as ``grouped_gemm._grouped_mm_tma_kernel`` (MX=True), which stays the
+Same contract and K order as ``grouped_gemm._grouped_mm_tma_kernel`` (same MX), which stays the
 definition it must match bit for bit (GPU test) and the path Triton's CPU interpreter runs (Gluon has
 no interpreter). The product is computed transposed, C^T [BN weight rows, BM tokens] = W @ A^T, so
 the dequantized weights are the MMA's register operand and never go back to shared memory:

@@ -12,7 +12,7 @@ experts × 4096 rows at each shape's H and I. Phases, each timed as one callable
 Implementations: ``torch._grouped_mm`` bf16 (TorchTitan's sequence), ``torch._scaled_grouped_mm``
 fp8 rowwise (activations and weights pre-quantized: GEMMs only, plus the rowwise quantization of
 h and dgate/dup between the GEMMs), ours bf16 and ours mxfp8 (each kind of GEMM on the kernel its
-``"mxfp8_ws/<kind>"`` config picks, warp-specialized or Triton; weights pre-quantized in each
+``"bf16_ws/<kind>"`` or ``"mxfp8_ws/<kind>"`` config picks, warp-specialized or Triton; weights pre-quantized in each
 GEMM's layout: the cost of quantizing weights is reported separately; activations are quantized
 inside the kernels and so included). The torch baselines get groups padded to 16 rows (TorchTitan
 pads too); FLOPs count the real rows only.
