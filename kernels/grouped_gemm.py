@@ -727,8 +727,9 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
             *b1_data.stride(), *b1_s.stride(), limit, **common,
         )
         return
-    block_k = 32 if mx or warp_specialized else cfg["BK"]  # the MXFP8 path loads one scale block at a time...
-    block_kw = ws_k if warp_specialized else block_k  # ...but its Gluon kernel's weights KB at a time
+    # MXFP8 and the Gluon kernel load activations one 32-wide (scale) block at a time...
+    block_k = 32 if mx or warp_specialized else cfg["BK"]
+    block_kw = ws_k if warp_specialized else block_k  # ...the Gluon kernel's weights KB blocks at a time
     block_ka = block_kw if fp8_mma else block_k  # (and its E4M3 activations too)
     a_descs = [_tma_descriptor(a, [bm, block_ka], name, warp_specialized) for name, a in (("a1", a1), ("a2", a2))]
     b_kn, b_descs = _weight_descriptors(b1_data, b2_data, bn, block_kw, warp_specialized)

@@ -283,13 +283,12 @@ def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_p
                                   STAGES, half)
     else:
         # one branch per tile around two copies of the loop: a branch per block keeps ptxas from interleaving
-        # the HGMMA issue with the dequantization (NOTES.md, session 15)
-        if not MX:  # bf16 weights: no dequantization
-            acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
-                                                        k_steps, n_steps, loads_per_pair, n_loads, stride_se,
-                                                        stride_sn, MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES,
-                                                        False, half, ROW_BLOCKS, MX)
-        elif gl.load(wide_ptr + e) != 0:
+        # the HGMMA issue with the dequantization (NOTES.md, session 15); bf16 weights (not MX): one copy
+        if MX:
+            wide = gl.load(wide_ptr + e) != 0
+        else:
+            wide = False
+        if wide:
             acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
                                                         k_steps, n_steps, loads_per_pair, n_loads, stride_se,
                                                         stride_sn, MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES,
