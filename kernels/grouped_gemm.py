@@ -98,11 +98,15 @@ _MM_CONFIGS = {
     # bf16 on CUDA: the warp-specialized Gluon kernel (grouped_mm_ws, the wgmmas reading the bf16 weights from
     # shared memory) where a config is given, else (None) the Triton kernel above. Against the Triton kernel,
     # four shapes, EP=1 and EP=2 (balanced and skewed) and 8 x 4096 rows: plain and SwiGLU gate/up within -6% to
-    # +7%, dual 3-32% slower, the SwiGLU backward 9-14% faster at 8 x 4096 only (bits equal; NOTES.md, session
-    # 23): so that one tier (below).
+    # +7%, dual 3-32% slower (persistent, and one program per tile), the SwiGLU backward persistent 9-14% faster
+    # at 8 x 4096 only (bits equal; NOTES.md, session 23). The SwiGLU backward with one program per tile at EP=2
+    # (65-2047 rows per expert): 4-17% faster in 7 of 8 (shape, routing) cases, DeepSeek-V4-Pro skewed level
+    # (session 24); at few rows it stays on the Triton kernel (persistent: 8-12% slower at EP=1, session 23).
     "bf16_ws/plain": None,
     "bf16_ws/swiglu": None,
-    "bf16_ws/swiglu_bwd": None,
+    "bf16_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=3, CONSUMER_REGS=232, num_warps=4,
+                               HALF_TILES=True, SPLIT_TILES=True),
+    "bf16_ws/swiglu_bwd@few_rows": None,
     "bf16_ws/dual": None,
     "mxfp8/plain": dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
     "mxfp8/swiglu": dict(BM=128, BN=64, BK=32, GROUP_M=8, num_warps=4, num_stages=3),
@@ -148,8 +152,8 @@ _MM_CONFIGS = {
                               HALF_TILES=True),
     # At few rows per expert (below): 64-token tiles halve the accumulators, so two programs fit on an
     # SM (80 registers per thread, 104 for the consumers, two loads in flight) and hide each other's
-    # latencies: the dgrad kinds 1-13% faster per kind and case (the dgrad 6-9% at EP=1); plain was
-    # level and SwiGLU gate/up (two accumulators) spills (NOTES.md, session 11). Plain and SwiGLU gate/up
+    # latencies: the dgrad kinds 1-13% faster per kind and case (the dgrad 6-9% at EP=1; dual has since left
+    # it, below); plain was level and SwiGLU gate/up (two accumulators) spills (NOTES.md, session 11). Plain and SwiGLU gate/up
     # keep the 64-token tiles they had before their 128-token configs took HALF_TILES: those configs'
     # half tiles were 2-12% slower here with balanced routing, level to 11% slower with skewed (session 20).
     # Plain's two weight row blocks per 64-token tile (as at 128 tokens, above): 7.9-16% faster at EP=1 in
@@ -160,8 +164,11 @@ _MM_CONFIGS = {
                                      num_warps=4),
     "mxfp8_ws/swiglu_bwd@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=104,
                                          maxnreg=80, num_warps=4),
-    "mxfp8_ws/dual@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=104,
-                                   maxnreg=80, num_warps=4),
+    # Dual's two weight row blocks per 64-token tile, one program per SM (as plain's): 2-7.5% faster in all 10
+    # few-rows (shape, routing) cases, bits equal (A/As -3.0% to +2.7%; NOTES.md, session 24; session 22's shorter
+    # A/B: 3-6.5% in 4 of 4).
+    "mxfp8_ws/dual@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232,
+                                   num_warps=4, ROW_BLOCKS=2),
     # The bf16 SwiGLU backward at 128 tokens spills (255 registers); its 64-token tiles were 4.6-8%
     # faster than HALF_TILES' 64-row path in the 128-token kernel at EP=1, skewed routing (session 12).
     "bf16/swiglu_bwd@few_rows": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),

@@ -389,7 +389,7 @@ TUNE_VARIANTS = {
     "mxfp8_ws/swiglu@few_rows": [_ws(stages=2, persistent=False, bm=64), _ws(stages=2, bm=64)],
     "mxfp8_ws/swiglu_bwd@few_rows": [_ws(stages=3, regs=248, bm=64), _ws_two_per_sm(), _ws_two_per_sm(regs=112),
                                      _ws_two_per_sm(stages=3)],
-    "mxfp8_ws/dual@few_rows": [_ws(bm=64), _ws_two_per_sm(), _ws_two_per_sm(regs=112), _ws_two_per_sm(stages=3)],
+    "mxfp8_ws/dual@few_rows": [_ws(bm=64, ROW_BLOCKS=2), _ws(bm=64), _ws_two_per_sm(), _ws_two_per_sm(regs=112)],
     "mxfp8_ws/plain@many_rows": [_ws(stages=2, regs=240, bm=256), _ws(stages=2, regs=232, bm=256), _ws()],
     "mxfp8_ws/dual@many_rows": [_ws(stages=2, regs=240, bm=256, HALF_TILES=True),
                                 _ws(stages=2, regs=232, bm=256, HALF_TILES=True), _ws(HALF_TILES=True)],
