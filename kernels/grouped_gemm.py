@@ -87,7 +87,8 @@ PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 # four shapes (session 9).
 _MODE_NAMES = {PLAIN: "plain", SWIGLU: "swiglu", SWIGLU_BWD: "swiglu_bwd", DUAL: "dual"}
 _MM_CONFIGS = {
-    # HALF_TILES (BM >= 128): a tile holding at most BM / 2 of its expert's rows runs BM / 2-row MMAs
+    # HALF_TILES (BM >= 128; any BM on the warp-specialized kernel): a tile holding at most BM / 2 of its
+    # expert's rows runs BM / 2-row MMAs
     # (an expert's last tile; with skewed routing most light experts' only one): with skewed routing
     # 5-10% faster per kind at EP=2 (GLM-5.2's dual level) and up to 11% at EP=1; within +-4% with
     # balanced routing and at 8 x 4096 rows (NOTES.md, session 12).
@@ -153,22 +154,26 @@ _MM_CONFIGS = {
     # At few rows per expert (below): 64-token tiles halve the accumulators, so two programs fit on an
     # SM (80 registers per thread, 104 for the consumers, two loads in flight) and hide each other's
     # latencies: the dgrad kinds 1-13% faster per kind and case (the dgrad 6-9% at EP=1; dual has since left
-    # it, below); plain was level and SwiGLU gate/up (two accumulators) spills (NOTES.md, session 11). Plain and SwiGLU gate/up
-    # keep the 64-token tiles they had before their 128-token configs took HALF_TILES: those configs'
-    # half tiles were 2-12% slower here with balanced routing, level to 11% slower with skewed (session 20).
+    # it, below); plain was level and SwiGLU gate/up (two accumulators) spills (NOTES.md, session 11). Plain
+    # and SwiGLU gate/up keep the 64-token tiles they had before their 128-token configs took HALF_TILES: those
+    # configs' half tiles were 2-12% slower here with balanced routing, level to 11% slower with skewed (session
+    # 20).
     # Plain's two weight row blocks per 64-token tile (as at 128 tokens, above): 7.9-16% faster at EP=1 in
     # all four shapes, balanced and skewed, bits equal (A/As: -3.6% to +3.4%; session 22).
+    # HALF_TILES on these 64-token tiles (the Gluon kernel's tokens are its MMAs' N, so 32 is allowed): a tile
+    # holding at most 32 of its expert's rows runs 32-token MMAs. DeepSeek-V4-Pro at EP=1 (32 rows per expert):
+    # all four kinds 5-12% faster, balanced and skewed, bits equal (A/As -5.1% to +4.4%; NOTES.md, session 24).
     "mxfp8_ws/plain@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232,
-                                    num_warps=4, ROW_BLOCKS=2),
+                                    num_warps=4, ROW_BLOCKS=2, HALF_TILES=True),
     "mxfp8_ws/swiglu@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232,
-                                     num_warps=4),
+                                     num_warps=4, HALF_TILES=True),
     "mxfp8_ws/swiglu_bwd@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=104,
-                                         maxnreg=80, num_warps=4),
+                                         maxnreg=80, num_warps=4, HALF_TILES=True),
     # Dual's two weight row blocks per 64-token tile, one program per SM (as plain's): 2-7.5% faster in all 10
     # few-rows (shape, routing) cases, bits equal (A/As -3.0% to +2.7%; NOTES.md, session 24; session 22's shorter
     # A/B: 3-6.5% in 4 of 4).
     "mxfp8_ws/dual@few_rows": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232,
-                                   num_warps=4, ROW_BLOCKS=2),
+                                   num_warps=4, ROW_BLOCKS=2, HALF_TILES=True),
     # The bf16 SwiGLU backward at 128 tokens spills (255 registers); its 64-token tiles were 4.6-8%
     # faster than HALF_TILES' 64-row path in the 128-token kernel at EP=1, skewed routing (session 12).
     "bf16/swiglu_bwd@few_rows": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
@@ -744,7 +749,8 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         raise ValueError("a weight in MMA order (MXTensor.mma_order) must be a contiguous [E, N, K], not a transposed "
                          "view")
     outs_and_groups = (c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts)
-    half = common["HALF_TILES"] = common.get("HALF_TILES", False) and bm >= 128
+    # Triton's MMAs take at least 64 tokens (a warpgroup's M); the Gluon kernel's tokens are its MMAs' N
+    half = common["HALF_TILES"] = common.get("HALF_TILES", False) and (bm >= 128 or warp_specialized)
     if warp_specialized:
         persistent = common.pop("PERSISTENT")
         if b_kn and fp8_mma:

@@ -365,8 +365,8 @@ def _ws(stages=4, regs=232, persistent=True, bm=128, **kw):
 _SPLIT = dict(HALF_TILES=True, SPLIT_TILES=True)  # 65-96-row tiles on 64 + 32-token MMAs, <= 64 rows on 64
 
 
-def _ws_two_per_sm(stages=2, regs=104):  # 64-token tiles, registers capped so two programs share an SM
-    return _ws(stages=stages, regs=regs, persistent=False, bm=64, maxnreg=80)
+def _ws_two_per_sm(stages=2, regs=104, **kw):  # 64-token tiles, registers capped so two programs share an SM
+    return _ws(stages=stages, regs=regs, persistent=False, bm=64, maxnreg=80, **kw)
 
 
 # MXFP8 on CUDA: None runs the Triton kernel ("mxfp8/<kind>"), a dict the warp-specialized one; each
@@ -385,11 +385,15 @@ TUNE_VARIANTS = {
                             _ws(regs=248, **_SPLIT), _ws(**_SPLIT)],
     "mxfp8_ws/dual": [None, _ws(stages=3, ROW_BLOCKS=2, **_SPLIT), _ws(**_SPLIT), _ws(HALF_TILES=True),
                       _ws(stages=3, **_SPLIT)],
-    "mxfp8_ws/plain@few_rows": [_ws(bm=64, ROW_BLOCKS=2), _ws(stages=3, bm=64, ROW_BLOCKS=2), _ws(bm=64)],
-    "mxfp8_ws/swiglu@few_rows": [_ws(stages=2, persistent=False, bm=64), _ws(stages=2, bm=64)],
-    "mxfp8_ws/swiglu_bwd@few_rows": [_ws(stages=3, regs=248, bm=64), _ws_two_per_sm(), _ws_two_per_sm(regs=112),
-                                     _ws_two_per_sm(stages=3)],
-    "mxfp8_ws/dual@few_rows": [_ws(bm=64, ROW_BLOCKS=2), _ws(bm=64), _ws_two_per_sm(), _ws_two_per_sm(regs=112)],
+    "mxfp8_ws/plain@few_rows": [_ws(bm=64, ROW_BLOCKS=2, HALF_TILES=True), _ws(bm=64, ROW_BLOCKS=2),
+                                _ws(stages=3, bm=64, ROW_BLOCKS=2, HALF_TILES=True)],
+    "mxfp8_ws/swiglu@few_rows": [_ws(stages=2, persistent=False, bm=64, HALF_TILES=True),
+                                 _ws(stages=2, persistent=False, bm=64), _ws(stages=2, bm=64, HALF_TILES=True)],
+    "mxfp8_ws/swiglu_bwd@few_rows": [_ws_two_per_sm(HALF_TILES=True), _ws_two_per_sm(),
+                                     _ws(stages=3, regs=248, bm=64, HALF_TILES=True),
+                                     _ws_two_per_sm(regs=112, HALF_TILES=True)],
+    "mxfp8_ws/dual@few_rows": [_ws(bm=64, ROW_BLOCKS=2, HALF_TILES=True), _ws(bm=64, ROW_BLOCKS=2),
+                               _ws_two_per_sm(HALF_TILES=True)],
     "mxfp8_ws/plain@many_rows": [_ws(stages=2, regs=240, bm=256), _ws(stages=2, regs=232, bm=256), _ws()],
     "mxfp8_ws/dual@many_rows": [_ws(stages=2, regs=240, bm=256, HALF_TILES=True),
                                 _ws(stages=2, regs=232, bm=256, HALF_TILES=True), _ws(HALF_TILES=True)],
