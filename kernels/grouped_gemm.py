@@ -15,7 +15,8 @@ Two GEMM shapes cover the expert FFN's forward and backward:
   variants: gate/up with the SwiGLU epilogue, down-dgrad with the SwiGLU-backward epilogue,
   and a two-term sum (dx).
 - ``grouped_wgrad``: ``c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e]``, each expert's rows read
-  by TMA through descriptors the kernel makes over them (rows past the expert's end read as zeros);
+  by TMA through descriptors the kernel makes over them (rows past the expert's end read as zeros;
+  on CUDA from 64 rows per expert on, ``grouped_wgrad_ws``: the same bits, warp-specialized);
   ``grouped_wgrads``: several such pairs, an operand shared by two quantized once for MXFP8.
 
 Precision: bf16 operands, or MXFP8 (DESIGN §6). Weights arrive as ``MXTensor`` blocked along
@@ -59,8 +60,8 @@ import triton.language as tl
 from triton.runtime import _allocation as triton_allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from titan_mok.kernels import grouped_mm_ws
-from titan_mok.kernels.grouped_tiles import _bf16_rne, _epilogue, _group_of, _tile_of_program
+from titan_mok.kernels import grouped_mm_ws, grouped_wgrad_ws
+from titan_mok.kernels.grouped_tiles import _bf16_rne, _epilogue, _tile_of_program, _wgrad_job
 from titan_mok.kernels.mxfp8_quant import (
     _COLS_BQ,
     _COLS_WARPS,
@@ -217,7 +218,15 @@ _INTERPRETED_PROGRAMS = 1  # a PERSISTENT config's programs under Triton's inter
 _WGRAD_CONFIGS = {
     "flat": dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3),
     "rows": dict(BR=64, BN=128, BK=256, num_warps=8, num_stages=3, PERSISTENT=True),
+    # CUDA, flat loop, experts averaging >= _WGRAD_WS_MIN_ROWS rows: the warp-specialized Gluon kernel
+    # (grouped_wgrad_ws, one program per SM; BN fixed at 128, two warpgroups of 64 features) where a config is
+    # given, else (None) the Triton kernel's "flat" config. Against it at EP=2, the Triton kernel takes 1.02-1.24x
+    # the time in 23 of 24 (shape, routing, weight) lines, GLM-5.2 EP=1 (64 rows) level to 5% more; at 32-43 rows
+    # per expert the Gluon kernel took up to 12% more, hence the threshold; 64-row MMA steps were slower but at
+    # GLM-5.2 EP=2 (NOTES.md, session 25).
+    "flat_ws": dict(BR=32, BK=128, STAGES=8, CONSUMER_REGS=232, num_warps=4),
 }
+_WGRAD_WS_MIN_ROWS = 64
 _WGRAD_FLAT_MAX_ROWS = 512
 _WGRAD_MIN_PROGRAMS = 1024
 
@@ -559,17 +568,11 @@ def _wgrad_program(n_tile, p, a_ptr, b_ptr, c_ptr, group_end_ptr, prog_end_ptr, 
                    LOG_E: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FLAT: tl.constexpr,
                    DOT_F32: tl.constexpr):
     """The weight gradient's program (n_tile, p): its expert's K tiles for BN features."""
-    e = _group_of(p, prog_end_ptr, E, LOG_E)
-    chunk = p - tl.load(prog_end_ptr + e - 1, mask=e > 0, other=0)
-    k_tiles_per_prog = tl.load(k_tiles_per_prog_ptr + e)
-    first_k_tile = chunk * k_tiles_per_prog
-    k_tiles = tl.minimum(k_tiles_per_prog, tl.cdiv(K, BK) - first_k_tile)
+    e, first_k_tile, k_tiles, row_start, rows = _wgrad_job(p, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, K,
+                                                           E, LOG_E, BK)
     n0 = n_tile * BN
     offs_n = n0 + tl.arange(0, BN)
     n_ok = offs_n < N
-    row_start = tl.load(group_end_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
-    row_end = tl.load(group_end_ptr + e).to(tl.int32)
-    rows = row_end - row_start
     # A TMA box needs at least one row: an expert without rows gets a one-row descriptor and its
     # single row block starts past it (skip), so it too reads zeros and stores a zero gradient.
     skip = tl.where(rows == 0, BR, 0)
@@ -918,9 +921,12 @@ def _grouped_wgrad_values(a_RN, b_RK, group_end_E) -> torch.Tensor:
     num_experts, n, k = group_end_E.shape[0], a_RN.shape[1], b_RK.shape[1]
     c_ENK = torch.empty(num_experts, n, k, dtype=torch.bfloat16, device=a_RN.device)
     if num_experts:
-        loop = wgrad_loop(a_RN.shape[0], num_experts)
-        flat = loop == "flat"
+        loop = wgrad_loop(a_RN.shape[0], num_experts, _on_cuda(a_RN))
         cfg = _WGRAD_CONFIGS[loop]
+        if loop == "flat_ws":
+            _grouped_wgrad_ws(a_RN, b_RK, c_ENK, group_end_E, cfg)
+            return c_ENK
+        flat = loop == "flat"
         n_tiles, k_tiles = triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"])
         prog_end_E, k_tiles_per_prog_E, max_programs = _wgrad_programs(group_end_E, a_RN.shape[0], cfg["BR"], n_tiles,
                                                                        k_tiles, flat)
@@ -935,10 +941,29 @@ def _grouped_wgrad_values(a_RN, b_RK, group_end_E) -> torch.Tensor:
     return c_ENK
 
 
-def wgrad_loop(num_rows: int, num_experts: int) -> str:
+def _grouped_wgrad_ws(a_RN, b_RK, c_ENK, group_end_E, cfg: dict):
+    """The flat loop's programs on grouped_wgrad_ws, one program per SM looping over them (the same bits)."""
+    num_experts, n, k = group_end_E.shape[0], a_RN.shape[1], b_RK.shape[1]
+    n_tiles, k_tiles = triton.cdiv(n, 128), triton.cdiv(k, cfg["BK"])
+    prog_end_E, k_tiles_per_prog_E, max_programs = _wgrad_programs(group_end_E, a_RN.shape[0], cfg["BR"], n_tiles,
+                                                                   k_tiles, True)
+    _set_triton_allocator()  # the loader makes each program's TMA descriptors
+    grid = (min(n_tiles * max_programs, grouped_mm_ws.sm_count(torch.cuda.current_device())),)
+    grouped_wgrad_ws._grouped_wgrad_ws_kernel[grid](
+        a_RN, b_RK, c_ENK, group_end_E, prog_end_E, k_tiles_per_prog_E, n, k, num_experts,
+        LOG_E=num_experts.bit_length(), BN=128, **cfg,
+    )
+
+
+def wgrad_loop(num_rows: int, num_experts: int, on_cuda: bool = False) -> str:
     """The ``_WGRAD_CONFIGS`` entry grouped_wgrad runs: "flat" while experts average fewer than
-    _WGRAD_FLAT_MAX_ROWS rows (padding included: a static property of the shapes), else "rows"."""
-    return "flat" if num_rows < _WGRAD_FLAT_MAX_ROWS * num_experts else "rows"
+    _WGRAD_FLAT_MAX_ROWS rows (padding included: a static property of the shapes), else "rows"; on CUDA
+    "flat_ws" instead of "flat" where experts average at least _WGRAD_WS_MIN_ROWS rows and it has a config."""
+    if num_rows >= _WGRAD_FLAT_MAX_ROWS * num_experts:
+        return "rows"
+    if on_cuda and num_rows >= _WGRAD_WS_MIN_ROWS * num_experts and _WGRAD_CONFIGS["flat_ws"]:
+        return "flat_ws"
+    return "flat"
 
 
 def _wgrad_programs(group_end_E, num_rows: int, block_rows: int, n_tiles: int, k_tiles: int, flat: bool):

@@ -1,7 +1,7 @@
 """Tile enumeration and output epilogues shared by the grouped GEMM kernels (Triton and Gluon).
 
 ``_tile_of_program`` maps a program to its (expert, row tile, column tile) from device-side tile
-prefix sums; ``_epilogue`` rounds and stores one fp32 output tile for each kind of grouped_mm
+prefix sums, ``_wgrad_job`` a weight-gradient program to its expert's rows and K tiles; ``_epilogue`` rounds and stores one fp32 output tile for each kind of grouped_mm
 (plain, SwiGLU, SwiGLU backward, dual), in whatever register layout the kernel holds it.
 """
 
@@ -43,6 +43,20 @@ def _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E: tl.constexpr, 
     pid_m = first_m + (local % in_group) % group_m
     pid_n = (local % in_group) // group_m
     return e, row_start + pid_m * BM, row_end, pid_n * BN
+
+
+@triton.jit
+def _wgrad_job(p, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, K, E, LOG_E: tl.constexpr, BK: tl.constexpr):
+    """The weight gradient's program p (of one column of features) -> (expert, first K tile, K tiles, first row,
+    rows): the expert's K tiles from (p - prog_end[e - 1]) * k_tiles_per_prog[e] (grouped_gemm._wgrad_programs)."""
+    e = _group_of(p, prog_end_ptr, E, LOG_E)
+    chunk = p - tl.load(prog_end_ptr + e - 1, mask=e > 0, other=0)
+    k_tiles_per_prog = tl.load(k_tiles_per_prog_ptr + e)
+    first_k_tile = chunk * k_tiles_per_prog
+    k_tiles = tl.minimum(k_tiles_per_prog, tl.cdiv(K, BK) - first_k_tile)
+    row_start = tl.load(group_end_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
+    rows = tl.load(group_end_ptr + e).to(tl.int32) - row_start
+    return e, first_k_tile, k_tiles, row_start, rows
 
 
 @triton.jit

@@ -25,6 +25,10 @@ def test_variant_reaches_the_weight_gradient():
     v = variant_configs(committed, ['wgrad/flat={"BN": 64, "num_warps": 4}'], [])
     assert v["wgrad/flat"] == {**gg._WGRAD_CONFIGS["flat"], "BN": 64, "num_warps": 4}
     assert v["wgrad/rows"] == gg._WGRAD_CONFIGS["rows"] and v["bf16/plain"] == gg._MM_CONFIGS["bf16/plain"]
+    # the warp-specialized flat loop: a config over a None entry, or None (the Triton kernel)
+    assert variant_configs(committed, ['wgrad/flat_ws={"STAGES": 3}'], [])["wgrad/flat_ws"] == {
+        **(gg._WGRAD_CONFIGS["flat_ws"] or {}), "STAGES": 3}
+    assert variant_configs(committed, ["wgrad/flat_ws=null"], [])["wgrad/flat_ws"] is None
 
 
 @pytest.mark.parametrize("sets, unsets, match", [
@@ -33,7 +37,8 @@ def test_variant_reaches_the_weight_gradient():
     (["bf16/plain@slow={}"], [], r"--set bf16/plain@slow: not a config key"),
     (["wgrad/flat@few_rows={}"], [], r"--set wgrad/flat@few_rows: not a config key"),
     (["wgrad/flat=null"], [], r"--set wgrad/flat: the value must be a JSON object, got 'null'"),
-    ([], ["wgrad/rows"], r"--unset wgrad/rows: the weight gradient's loops always need a config"),
+    ([], ["wgrad/rows"], r"--unset wgrad/rows: the weight gradient's entries stay"),
+    ([], ["wgrad/flat_ws"], r"--unset wgrad/flat_ws: the weight gradient's entries stay"),
     (["bf16/plain={BM: 64}"], [], r"--set bf16/plain: '\{BM: 64\}' is not JSON"),
     (["bf16/plain=64"], [], r"--set bf16/plain: the value must be a JSON object or null"),
     ([], ["bf16/plain@few_rows"], r"--unset bf16/plain@few_rows: no such entry"),

@@ -204,6 +204,53 @@ def test_wgrad_row_blocks_keep_bits_on_gpu(monkeypatch):
     assert rel_err(outs[0], gg.ref_grouped_wgrad(a, b, group_end, "bf16")) < 1e-2
 
 
+def test_wgrad_loop_follows_rows_per_expert(monkeypatch):
+    """The weight gradient's entry: the warp-specialized kernel on CUDA from _WGRAD_WS_MIN_ROWS rows per expert
+    on (and only with a config), the Triton flat loop below it and off CUDA, the row loop from
+    _WGRAD_FLAT_MAX_ROWS on."""
+    ws_min, flat_max, experts = gg._WGRAD_WS_MIN_ROWS, gg._WGRAD_FLAT_MAX_ROWS, 4
+    assert gg._WGRAD_CONFIGS["flat_ws"] is not None
+    rows = [r * experts for r in (ws_min - 1, ws_min, flat_max - 1, flat_max)]
+    assert [gg.wgrad_loop(r, experts, True) for r in rows] == ["flat", "flat_ws", "flat_ws", "rows"]
+    assert [gg.wgrad_loop(r, experts) for r in rows] == ["flat", "flat", "flat", "rows"]
+    monkeypatch.setitem(gg._WGRAD_CONFIGS, "flat_ws", None)
+    assert gg.wgrad_loop(ws_min * experts, experts, True) == "flat"
+
+
+# warp-specialized weight-gradient configs the GPU test holds to the Triton kernel's bits (and the committed
+# one): 64-row MMA steps, 32-row steps on a two-slot ring
+WGRAD_WS_RINGS = {"br64": dict(BR=64, BK=128, STAGES=4, CONSUMER_REGS=232, num_warps=4),
+                  "br32_2": dict(BR=32, BK=128, STAGES=2, CONSUMER_REGS=232, num_warps=4)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("programs", ["per_sm", 3])
+@pytest.mark.parametrize("ring", list(WGRAD_WS_RINGS) + ["committed"])
+def test_warp_specialized_wgrad_matches_triton_bits(monkeypatch, ring, programs):
+    """grouped_wgrad_ws gives the Triton flat loop's bits (each of its wgmmas adds rows 16 at a time, in order,
+    whatever the row block): an empty expert, one-row and 129-row experts, partial feature and K tiles, a heavy
+    expert whose K tiles the launcher splits among more programs; with a program
+    per SM and with 3 programs looping over every job (the ring's phases carried across jobs and experts)."""
+    cfg = gg._WGRAD_CONFIGS["flat_ws"] if ring == "committed" else WGRAD_WS_RINGS[ring]
+    if cfg is None:
+        pytest.skip("no committed flat_ws config: the flat loop runs the Triton kernel")
+    if programs != "per_sm":
+        monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
+    monkeypatch.setattr(gg, "_WGRAD_FLAT_MAX_ROWS", 10**6)  # every case on the flat loop,
+    monkeypatch.setattr(gg, "_WGRAD_WS_MIN_ROWS", 0)  # and on the warp-specialized kernel
+    monkeypatch.setitem(gg._WGRAD_CONFIGS, "flat_ws", cfg)
+    g = torch.Generator().manual_seed(11)
+    for n, k, counts in ((192, 200, [1, 129, 0, 64]), (384, 1088, [300, 0, 711, 1089]), (2048, 1024, [85] * 20),
+                         (256, 512, [3] * 30 + [700])):
+        a, b = (torch.randn(sum(counts), d, generator=g).to(torch.bfloat16).cuda() for d in (n, k))
+        group_end = torch.tensor(counts).cumsum(0).cuda()
+        with monkeypatch.context() as m:
+            m.setitem(gg._WGRAD_CONFIGS, "flat_ws", None)
+            ref = gg.grouped_wgrad(a, b, group_end, "bf16")
+        assert torch.equal(gg.grouped_wgrad(a, b, group_end, "bf16"), ref), (n, k, counts)
+
+
 def test_wgrad_needs_aligned_rows():
     """Each expert's rows are read through a TMA descriptor: features must fill 16-byte rows."""
     a, b = torch.zeros(6, 12, dtype=torch.bfloat16), torch.zeros(6, 16, dtype=torch.bfloat16)

@@ -1,6 +1,6 @@
 """The offline sm_90 report (titan_mok.bench.sass): the kernels of an MXFP8 pass compiled on a
-CPU-only machine, the two-programs-per-SM promise of the register-capped few-rows configs kept, and the
-many-rows configs free of spills."""
+CPU-only machine, the two-programs-per-SM promise of the register-capped few-rows configs kept, the
+many-rows configs free of spills, and the weight gradient's kernel choice."""
 
 import json
 import os
@@ -51,6 +51,19 @@ def test_many_rows_kernels_do_not_spill():
         cfg = sass.gg._MM_CONFIGS[f"mxfp8_ws/{kind}@many_rows"]
         assert cfg["CONSUMER_REGS"] in ws[step]["setmaxnreg"], f"{step}: not its many-rows config: {ws[step]}"
         assert ws[step]["stack_bytes"] == 0, f"{step}: {ws[step]['stack_bytes']} bytes of spill stack"
+
+
+@pytest.mark.parametrize("rows_per_expert, kernel", [(40, "_grouped_wgrad_kernel"), (80, "_grouped_wgrad_ws_kernel")])
+def test_weight_gradient_kernel_follows_rows_per_expert(rows_per_expert, kernel):
+    """The weight gradients run the warp-specialized kernel from _WGRAD_WS_MIN_ROWS rows per expert on (Qwen3.5
+    EP=2: 80), the Triton kernel below (EP=1: 40); the warp-specialized one with wgmmas, no spill stack, one
+    program per SM."""
+    wgrads = [r for r in _report("--shape", "qwen", "--rows-per-expert", str(rows_per_expert), "--precision", "bf16")
+              if r["step"] == "wgrad"]
+    assert [r["kernel"] for r in wgrads] == [kernel], wgrads
+    if kernel == "_grouped_wgrad_ws_kernel":
+        r = wgrads[0]
+        assert r["opcodes"].get("HGMMA", 0) > 0 and r["stack_bytes"] == 0 and r["programs_per_sm"] == 1, r
 
 
 def test_compiling_context_restores_what_it_replaced():

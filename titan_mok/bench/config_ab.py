@@ -7,10 +7,11 @@
 
     python3 -m titan_mok.bench.config_ab --precision bf16 --set 'wgrad/flat={"BN": 64, "num_warps": 4}'
 
-Entries: ``_MM_CONFIGS``' keys (grouped_mm's kinds) and the weight gradient's loops as "wgrad/flat"
-and "wgrad/rows" (``_WGRAD_CONFIGS``). ``--set KEY=JSON`` merges a JSON object into the committed
-entry KEY (a new "@few_rows" or "@many_rows" key starts empty) or, with ``null``, makes a grouped_mm entry None
-(a None "<precision>_ws/<kind>" runs the Triton kernel, but in a rows tier with its own "@<tier>" entry);
+Entries: ``_MM_CONFIGS``' keys (grouped_mm's kinds) and the weight gradient's as "wgrad/flat",
+"wgrad/rows" (its loops) and "wgrad/flat_ws" (``_WGRAD_CONFIGS``). ``--set KEY=JSON`` merges a JSON object into
+the committed entry KEY (a new "@few_rows" or "@many_rows" key, or a None entry, starts empty) or, with ``null``,
+makes a grouped_mm entry or "wgrad/flat_ws" None (a None "<precision>_ws/<kind>" runs the Triton kernel, but in a
+rows tier with its own "@<tier>" entry; a None "wgrad/flat_ws" the Triton kernel's flat loop);
 ``--unset KEY`` removes a grouped_mm entry. The GEMMs compared are those of the tables the variant
 changes (both for a run without ``--set``/``--unset``): grouped_mm's four kinds, and each weight's
 gradient (not with ``--fp8-mma``: the weight gradient has no E4M3-MMA path). Per shape and case (the
@@ -34,6 +35,7 @@ from titan_mok.kernels import grouped_gemm as gg
 
 CASES = ("EP=1 balanced", "EP=1 skewed", "EP=2 balanced", "EP=2 skewed", "8x4096")
 WGRAD = "wgrad/"  # the weight gradient's entries: "wgrad/" + a _WGRAD_CONFIGS key
+WGRAD_LOOPS = (WGRAD + "flat", WGRAD + "rows")  # always a config; "wgrad/flat_ws" may be null (the Triton kernel)
 
 
 def committed_configs() -> dict:
@@ -61,16 +63,16 @@ def variant_configs(committed: dict, sets: list[str], unsets: list[str]) -> dict
             value = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"--set {key}: {text!r} is not JSON ({e})") from None
-        if value is None and not key.startswith(WGRAD):
+        if value is None and key not in WGRAD_LOOPS:
             configs[key] = None
         elif isinstance(value, dict):
             configs[key] = {**(configs.get(key) or {}), **value}
         else:
-            allowed = "a JSON object" if key.startswith(WGRAD) else "a JSON object or null"
+            allowed = "a JSON object" if key in WGRAD_LOOPS else "a JSON object or null"
             raise ValueError(f"--set {key}: the value must be {allowed}, got {text!r}")
     for key in unsets:
         if key.startswith(WGRAD):
-            raise ValueError(f"--unset {key}: the weight gradient's loops always need a config; --set it instead")
+            raise ValueError(f"--unset {key}: the weight gradient's entries stay; --set it instead")
         if key not in configs:
             raise ValueError(f"--unset {key}: no such entry; entries: {', '.join(sorted(configs))}")
         del configs[key]

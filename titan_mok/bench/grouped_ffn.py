@@ -424,7 +424,7 @@ def wgrads_by_weight(c, precision):
     """Each weight's gradient as one callable, keyed "wgrad/<loop>:<weight>" by the ``_WGRAD_CONFIGS``
     entry that runs it (grouped_gemm.wgrad_loop)."""
     _, (_, _, h, dg, du) = ffn_operands(c, precision)
-    loop = gg.wgrad_loop(c.R, c.E)
+    loop = gg.wgrad_loop(c.R, c.E, c.x.is_cuda)
     return {f"wgrad/{loop}:{name}": (lambda a=a, b=b: gg.grouped_wgrad(a, b, c.group_end, precision))
             for name, (a, b) in wgrad_operands(c.x, h, c.dy, dg, du).items()}
 

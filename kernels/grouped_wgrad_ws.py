@@ -1,0 +1,138 @@
+"""Warp-specialized bf16 weight gradient for Hopper (Gluon): ``grouped_wgrad``'s flat loop (few rows per
+expert, the MoE regime) on CUDA where ``_WGRAD_CONFIGS["flat_ws"]`` gives it a config.
+
+Same programs, K tiles and row order as ``grouped_gemm._grouped_wgrad_kernel`` (FLAT), which stays the
+definition it must match bit for bit (GPU test) and the path Triton's CPU interpreter runs. That kernel's
+loads and MMAs, not its writes, keep it from the write floor: each row block is one short MMA step behind
+its own loads, and its epilogue waits for the tile's last step (NOTES.md, session 14). Here:
+
+- loader (1 warp): per program (BN features, an expert, a run of its K tiles) two TMA descriptors over
+  the expert's rows, made on the device (rows past its end read as zeros), then per (K tile, row block)
+  TMA copies of a [BR, BN] and b [BR, BK] into a ring slot, as far ahead as the ring allows;
+- two consumer warpgroups, each owning 64 of the BN features: per K tile an accumulator [64, BK] from one
+  async wgmma per row block (a^T read from shared memory, MN-major), one step kept in flight while the
+  previous step's slot goes back to the loader. The previous K tile's accumulator is rounded and stored
+  while this one's last step runs (two accumulators live), so the stores hide under the MMAs.
+
+Each wgmma sums a feature pair's rows 16 at a time in ascending order, whatever BR: the bits of the
+Triton kernel's 32-row steps. Programs past the last get no work (a program that returned before
+``warp_specialize`` would leave its partitions waiting).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from titan_mok.kernels.grouped_tiles import _bf16_rne, _wgrad_job
+
+
+@gluon.jit
+def _loader(a_ptr, b_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, N, K, E,
+            LOG_E: gl.constexpr, BR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+            A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr):
+    n_tiles = gl.cdiv(N, BN)
+    c = 0  # loads issued by this program, over all its jobs: the ring position
+    for t in range(gl.program_id(0), n_tiles * gl.load(prog_end_ptr + E - 1), gl.num_programs(0)):
+        e, first_k_tile, k_tiles, row_start, rows = _wgrad_job(t // n_tiles, group_end_ptr, prog_end_ptr,
+                                                               k_tiles_per_prog_ptr, K, E, LOG_E, BK)
+        # a TMA box needs at least one row: an expert without rows gets a one-row descriptor and its single row
+        # block starts past it, so it reads zeros and stores a zero gradient (as the Triton kernel)
+        a_desc = tma.make_tensor_descriptor(a_ptr + row_start.to(gl.int64) * N, [gl.maximum(rows, 1), N], [N, 1],
+                                            [BR, BN], A_LAYOUT)
+        b_desc = tma.make_tensor_descriptor(b_ptr + row_start.to(gl.int64) * K, [gl.maximum(rows, 1), K], [K, 1],
+                                            [BR, BK], B_LAYOUT)
+        skip = gl.where(rows == 0, BR, 0)
+        row_blocks = gl.maximum(gl.cdiv(rows, BR), 1)
+        n0 = (t % n_tiles) * BN
+        for i in range(row_blocks * k_tiles):
+            s = c % STAGES
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+            mbarrier.expect(full.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            r = (i % row_blocks) * BR + skip
+            tma.async_copy_global_to_shared(a_desc, [r, n0], full.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [r, (first_k_tile + i // row_blocks) * BK], full.index(s),
+                                            b_bufs.index(s))
+            c += 1
+
+
+@gluon.jit
+def _store_tile(c_ptr, acc, e, f0, k0, N, K, ok, BK: gl.constexpr):
+    """c[e, f0:f0+64, k0:k0+BK] = acc rounded to bf16 (where ok), turned through shared memory so that each
+    thread stores 8 adjacent K features (16 bytes)."""
+    ST: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    f = f0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ST))
+    k = k0 + gl.arange(0, BK, layout=gl.SliceLayout(0, ST))
+    off = e.to(gl.int64) * N * K + gl.expand_dims(f.to(gl.int64) * K, 1) + gl.expand_dims(k, 0)
+    mask = gl.expand_dims(f < N, 1) & gl.expand_dims(k < K, 0) & ok
+    gl.store(c_ptr + off, gl.convert_layout(_bf16_rne(acc), ST), mask=mask)
+
+
+@gluon.jit
+def _consumer(c_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, N, K, E,
+              LOG_E: gl.constexpr, BR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              half: gl.constexpr):
+    """One warpgroup: features [n0 + 64 * half, +64) of each of the program's K tiles."""
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
+    n_tiles = gl.cdiv(N, BN)
+    c = 0  # loads consumed by this program: the ring position
+    # the previous K tile, stored while the next one's last MMA step runs
+    prev = gl.zeros([64, BK], gl.float32, ACC)
+    prev_e = 0
+    prev_f0 = 0
+    prev_k0 = 0
+    prev_ok = False
+    for t in range(gl.program_id(0), n_tiles * gl.load(prog_end_ptr + E - 1), gl.num_programs(0)):
+        e, first_k_tile, k_tiles, row_start, rows = _wgrad_job(t // n_tiles, group_end_ptr, prog_end_ptr,
+                                                               k_tiles_per_prog_ptr, K, E, LOG_E, BK)
+        row_blocks = gl.maximum(gl.cdiv(rows, BR), 1)
+        f0 = (t % n_tiles) * BN + 64 * half
+        for kt in range(k_tiles):
+            acc = gl.zeros([64, BK], gl.float32, ACC)
+            for blk in range(row_blocks):
+                s = c % STAGES
+                mbarrier.wait(full.index(s), (c // STAGES) & 1)
+                a_t = a_bufs.index(s).slice(64 * half, 64, dim=1).permute((1, 0))  # a^T [64 features, BR rows]
+                acc = warpgroup_mma(a_t, b_bufs.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous step is done: its slot goes back
+                if blk > 0:
+                    mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+                c += 1
+            _store_tile(c_ptr, prev, prev_e, prev_f0, prev_k0, N, K, prev_ok, BK)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+            prev = acc
+            prev_e = e
+            prev_f0 = f0
+            prev_k0 = (first_k_tile + kt) * BK
+            prev_ok = True
+    _store_tile(c_ptr, prev, prev_e, prev_f0, prev_k0, N, K, prev_ok, BK)
+
+
+@gluon.jit
+def _grouped_wgrad_ws_kernel(
+    a_ptr, b_ptr, c_ptr,  # a [R, N], b [R, K] row-major bf16; c [E, N, K] contiguous bf16
+    group_end_ptr,
+    prog_end_ptr, k_tiles_per_prog_ptr,  # [E]: cumulative programs per expert (per BN features); K tiles each
+    N, K, E,
+    LOG_E: gl.constexpr, BR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 features each")
+    A_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BR, BN], gl.bfloat16)
+    B_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BR, BK], gl.bfloat16)
+    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BR, BN], A_LAYOUT)
+    b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BR, BK], B_LAYOUT)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(full.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups
+
+    gl.warp_specialize([
+        (_consumer, (c_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, N, K, E,
+                     LOG_E, BR, BN, BK, STAGES, 0)),
+        (_consumer, (c_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, N, K, E,
+                     LOG_E, BR, BN, BK, STAGES, 1)),
+        (_loader, (a_ptr, b_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, N, K,
+                   E, LOG_E, BR, BN, BK, STAGES, A_LAYOUT, B_LAYOUT)),
+    ], [4, 1], [CONSUMER_REGS, 48])
