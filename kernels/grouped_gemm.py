@@ -948,8 +948,7 @@ def _grouped_wgrad_ws(a_RN, b_RK, c_ENK, group_end_E, cfg: dict):
     prog_end_E, k_tiles_per_prog_E, max_programs = _wgrad_programs(group_end_E, a_RN.shape[0], cfg["BR"], n_tiles,
                                                                    k_tiles, True)
     _set_triton_allocator()  # the loader makes each program's TMA descriptors
-    grid = (min(n_tiles * max_programs, grouped_mm_ws.sm_count(torch.cuda.current_device())),)
-    grouped_wgrad_ws._grouped_wgrad_ws_kernel[grid](
+    grouped_wgrad_ws._grouped_wgrad_ws_kernel[(_persistent_programs(a_RN, n_tiles * max_programs),)](
         a_RN, b_RK, c_ENK, group_end_E, prog_end_E, k_tiles_per_prog_E, n, k, num_experts,
         LOG_E=num_experts.bit_length(), BN=128, **cfg,
     )
