@@ -219,12 +219,12 @@ _WGRAD_CONFIGS = {
     "flat": dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3),
     "rows": dict(BR=64, BN=128, BK=256, num_warps=8, num_stages=3, PERSISTENT=True),
     # CUDA, flat loop, experts averaging >= _WGRAD_WS_MIN_ROWS rows: the warp-specialized Gluon kernel
-    # (grouped_wgrad_ws, one program per SM; BN fixed at 128, two warpgroups of 64 features) where a config is
+    # (grouped_wgrad_ws, one program per SM; BN must be 128, two warpgroups of 64 features) where a config is
     # given, else (None) the Triton kernel's "flat" config. Against it at EP=2, the Triton kernel takes 1.02-1.24x
     # the time in 23 of 24 (shape, routing, weight) lines, GLM-5.2 EP=1 (64 rows) level to 5% more; at 32-43 rows
     # per expert the Gluon kernel took up to 12% more, hence the threshold; 64-row MMA steps were slower but at
     # GLM-5.2 EP=2 (NOTES.md, session 25).
-    "flat_ws": dict(BR=32, BK=128, STAGES=8, CONSUMER_REGS=232, num_warps=4),
+    "flat_ws": dict(BR=32, BN=128, BK=128, STAGES=8, CONSUMER_REGS=232, num_warps=4),
 }
 _WGRAD_WS_MIN_ROWS = 64
 _WGRAD_FLAT_MAX_ROWS = 512
@@ -923,35 +923,21 @@ def _grouped_wgrad_values(a_RN, b_RK, group_end_E) -> torch.Tensor:
     if num_experts:
         loop = wgrad_loop(a_RN.shape[0], num_experts, _on_cuda(a_RN))
         cfg = _WGRAD_CONFIGS[loop]
-        if loop == "flat_ws":
-            _grouped_wgrad_ws(a_RN, b_RK, c_ENK, group_end_E, cfg)
-            return c_ENK
-        flat = loop == "flat"
+        flat = loop != "rows"  # "flat_ws" runs the flat loop's programs
         n_tiles, k_tiles = triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"])
         prog_end_E, k_tiles_per_prog_E, max_programs = _wgrad_programs(group_end_E, a_RN.shape[0], cfg["BR"], n_tiles,
                                                                        k_tiles, flat)
-        grid = (n_tiles, max_programs)
-        if cfg.get("PERSISTENT"):
-            grid = (_persistent_programs(a_RN, n_tiles * max_programs),)
-        _set_triton_allocator()
-        _grouped_wgrad_kernel[grid](
-            a_RN, b_RK, c_ENK, group_end_E, prog_end_E, k_tiles_per_prog_E, n, k, num_experts,
-            LOG_E=num_experts.bit_length(), FLAT=flat, DOT_F32=_DOT_F32, **cfg,
-        )
+        args = (a_RN, b_RK, c_ENK, group_end_E, prog_end_E, k_tiles_per_prog_E, n, k, num_experts)
+        _set_triton_allocator()  # the kernels make each program's TMA descriptors
+        if loop == "flat_ws":  # one program per SM looping over the flat loop's programs: the same bits
+            grouped_wgrad_ws._grouped_wgrad_ws_kernel[(_persistent_programs(a_RN, n_tiles * max_programs),)](
+                *args, LOG_E=num_experts.bit_length(), **cfg)
+        else:
+            grid = (n_tiles, max_programs)
+            if cfg.get("PERSISTENT"):
+                grid = (_persistent_programs(a_RN, n_tiles * max_programs),)
+            _grouped_wgrad_kernel[grid](*args, LOG_E=num_experts.bit_length(), FLAT=flat, DOT_F32=_DOT_F32, **cfg)
     return c_ENK
-
-
-def _grouped_wgrad_ws(a_RN, b_RK, c_ENK, group_end_E, cfg: dict):
-    """The flat loop's programs on grouped_wgrad_ws, one program per SM looping over them (the same bits)."""
-    num_experts, n, k = group_end_E.shape[0], a_RN.shape[1], b_RK.shape[1]
-    n_tiles, k_tiles = triton.cdiv(n, 128), triton.cdiv(k, cfg["BK"])
-    prog_end_E, k_tiles_per_prog_E, max_programs = _wgrad_programs(group_end_E, a_RN.shape[0], cfg["BR"], n_tiles,
-                                                                   k_tiles, True)
-    _set_triton_allocator()  # the loader makes each program's TMA descriptors
-    grouped_wgrad_ws._grouped_wgrad_ws_kernel[(_persistent_programs(a_RN, n_tiles * max_programs),)](
-        a_RN, b_RK, c_ENK, group_end_E, prog_end_E, k_tiles_per_prog_E, n, k, num_experts,
-        LOG_E=num_experts.bit_length(), BN=128, **cfg,
-    )
 
 
 def wgrad_loop(num_rows: int, num_experts: int, on_cuda: bool = False) -> str:

@@ -1,8 +1,9 @@
 """Tile enumeration and output epilogues shared by the grouped GEMM kernels (Triton and Gluon).
 
 ``_tile_of_program`` maps a program to its (expert, row tile, column tile) from device-side tile
-prefix sums, ``_wgrad_job`` a weight-gradient program to its expert's rows and K tiles; ``_epilogue`` rounds and stores one fp32 output tile for each kind of grouped_mm
-(plain, SwiGLU, SwiGLU backward, dual), in whatever register layout the kernel holds it.
+prefix sums, ``_wgrad_job`` a weight-gradient program to its expert's rows and K tiles;
+``_epilogue`` rounds and stores one fp32 output tile for each kind of grouped_mm (plain, SwiGLU,
+SwiGLU backward, dual), in whatever register layout the kernel holds it.
 """
 
 import triton
