@@ -11,8 +11,10 @@ its own loads, and its epilogue waits for the tile's last step (NOTES.md, sessio
   TMA copies of a [BR, BN] and b [BR, BK] into a ring slot, as far ahead as the ring allows;
 - two consumer warpgroups, each owning 64 of the BN features: per K tile an accumulator [64, BK] from one
   async wgmma per row block (a^T read from shared memory, MN-major), one step kept in flight while the
-  previous step's slot goes back to the loader. The previous K tile's accumulator is rounded and stored
-  while this one's last step runs (two accumulators live), so the stores hide under the MMAs.
+  previous step's slot goes back to the loader, then rounded and stored. One accumulator lives at a time,
+  so BK can be 256: half the tiles of 128, and a [BR, BN] block of a loaded once per 256 features. That
+  was 1-8% faster at EP=2 than 128-wide tiles that stored each tile under the next one's last step (two
+  accumulators live; NOTES.md, session 26).
 
 Each wgmma sums a feature pair's rows 16 at a time in ascending order, whatever BR: the bits of the
 Triton kernel's 32-row steps. Programs past the last get no work (a program that returned before
@@ -56,14 +58,14 @@ def _loader(a_ptr, b_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_p
 
 
 @gluon.jit
-def _store_tile(c_ptr, acc, e, f0, k0, N, K, ok, BK: gl.constexpr):
-    """c[e, f0:f0+64, k0:k0+BK] = acc rounded to bf16 (where ok), turned through shared memory so that each
+def _store_tile(c_ptr, acc, e, f0, k0, N, K, BK: gl.constexpr):
+    """c[e, f0:f0+64, k0:k0+BK] = acc rounded to bf16, turned through shared memory so that each
     thread stores 8 adjacent K features (16 bytes)."""
     ST: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     f = f0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ST))
     k = k0 + gl.arange(0, BK, layout=gl.SliceLayout(0, ST))
     off = e.to(gl.int64) * N * K + gl.expand_dims(f.to(gl.int64) * K, 1) + gl.expand_dims(k, 0)
-    mask = gl.expand_dims(f < N, 1) & gl.expand_dims(k < K, 0) & ok
+    mask = gl.expand_dims(f < N, 1) & gl.expand_dims(k < K, 0)
     gl.store(c_ptr + off, gl.convert_layout(_bf16_rne(acc), ST), mask=mask)
 
 
@@ -75,12 +77,6 @@ def _consumer(c_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_ptr, k
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
     n_tiles = gl.cdiv(N, BN)
     c = 0  # loads consumed by this program: the ring position
-    # the previous K tile, stored while the next one's last MMA step runs
-    prev = gl.zeros([64, BK], gl.float32, ACC)
-    prev_e = 0
-    prev_f0 = 0
-    prev_k0 = 0
-    prev_ok = False
     for t in range(gl.program_id(0), n_tiles * gl.load(prog_end_ptr + E - 1), gl.num_programs(0)):
         e, first_k_tile, k_tiles, row_start, rows = _wgrad_job(t // n_tiles, group_end_ptr, prog_end_ptr,
                                                                k_tiles_per_prog_ptr, K, E, LOG_E, BK)
@@ -97,15 +93,9 @@ def _consumer(c_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_ptr, k
                 if blk > 0:
                     mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
                 c += 1
-            _store_tile(c_ptr, prev, prev_e, prev_f0, prev_k0, N, K, prev_ok, BK)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
-            prev = acc
-            prev_e = e
-            prev_f0 = f0
-            prev_k0 = (first_k_tile + kt) * BK
-            prev_ok = True
-    _store_tile(c_ptr, prev, prev_e, prev_f0, prev_k0, N, K, prev_ok, BK)
+            _store_tile(c_ptr, acc, e, f0, (first_k_tile + kt) * BK, N, K, BK)
 
 
 @gluon.jit
