@@ -223,7 +223,7 @@ _WGRAD_CONFIGS = {
     # given, else (None) the Triton kernel's "flat" config. Against it at EP=2, the Triton kernel takes 1.02-1.24x
     # the time in 23 of 24 (shape, routing, weight) lines, GLM-5.2 EP=1 (64 rows) level to 5% more; at 32-43 rows
     # per expert the Gluon kernel took up to 12% more, hence the threshold (NOTES.md, session 25). 256-wide K
-    # tiles: 1-8% faster than 128 at EP=2 in 22 of 24 lines (session 26).
+    # tiles: up to 8% faster than 128 at EP=2 in 21 of 24 lines, the other 3 within 1.3% (session 26).
     "flat_ws": dict(BR=32, BN=128, BK=256, STAGES=6, CONSUMER_REGS=232, num_warps=4),
 }
 _WGRAD_WS_MIN_ROWS = 64
