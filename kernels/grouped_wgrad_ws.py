@@ -13,8 +13,8 @@ its own loads, and its epilogue waits for the tile's last step (NOTES.md, sessio
   async wgmma per row block (a^T read from shared memory, MN-major), one step kept in flight while the
   previous step's slot goes back to the loader, then rounded and stored. One accumulator lives at a time,
   so BK can be 256: half the tiles of 128, and a [BR, BN] block of a loaded once per 256 features. That
-  was up to 8% faster at EP=2 (21 of 24 lines) than 128-wide tiles that stored each tile under the next one's last step (two
-  accumulators live; NOTES.md, session 26).
+  was up to 8% faster at EP=2 (21 of 24 lines) than 128-wide tiles that stored each tile under the next
+  one's last step (two accumulators live; NOTES.md, session 26).
 
 Each wgmma sums a feature pair's rows 16 at a time in ascending order, whatever BR: the bits of the
 Triton kernel's 32-row steps. Programs past the last get no work (a program that returned before
