@@ -6,10 +6,11 @@ imports one: doing it per module breaks as soon as another module imported
 Triton first ("0 active drivers").
 
 The top-level folders kernels/ and models/ install as titan_mok.kernels and
-titan_mok.models (DESIGN §2). With the repo root on sys.path, kernels/ would
-also shadow the PyPI package `kernels`, which transformers >= 5.25 imports.
-`python -m pytest` puts the working directory there, so it is taken out here;
-pytest's importlib import mode (pyproject.toml) keeps pytest from adding it.
+titan_mok.models (DESIGN §2). With the repo root first on sys.path, kernels/
+would also shadow the PyPI package `kernels`, which transformers >= 5.25
+imports. `python -m pytest` puts the working directory first, so the root is
+moved to the end here; pytest's append import mode (pyproject.toml) puts it
+there too. It stays on the path: mp.spawn children import test modules by name.
 """
 
 import os
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != REPO]
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != REPO] + [REPO]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
