@@ -1,6 +1,7 @@
 """titan_mok.compare on real runs: three short trainings (2 ranks, gloo, W&B offline),
 their W&B transaction logs read back with W&B's own reader, checked against the
-JSONL twin; then the comparison report, its JSON, its plot and its errors."""
+JSONL twin; then the comparison report, its JSON, its plot and its errors. The
+same runs' final weights: same seed, same bits."""
 
 import json
 import math
@@ -12,7 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests import torchrun
 from titan_mok import compare
@@ -30,6 +33,8 @@ def _train(folder: Path, tag: str) -> None:
         "--debug.seed", str(SEEDS[tag]), "--job.dump_folder", str(folder), "--metrics.enable_wandb",
         "--metrics.wandb_run_name", f"seed{SEEDS[tag]}-{tag}", "--metrics.wandb_group", "test-compare",
         "--metrics.wandb_tags", "ci,compare", "--metrics.wandb_notes", "a short CPU run",
+        "--checkpoint.enable", "--checkpoint.interval", str(STEPS), "--checkpoint.last_save_model_only",
+        "--checkpoint.export_dtype", "float32",
     )
 
 
@@ -41,7 +46,7 @@ def _one(folder: Path, pattern: str) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
-    """tag → {"jsonl": metrics.jsonl, "wandb": the offline W&B run directory}."""
+    """tag → {"jsonl": metrics.jsonl, "wandb": the offline W&B run directory, "checkpoint": the last step's}."""
     root = tmp_path_factory.mktemp("runs")
     with pytest.MonkeyPatch.context() as env:
         for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_NAME", "WANDB_RUN_NAME", "WANDB_TAGS", "WANDB_RUN_TAGS",
@@ -52,7 +57,8 @@ def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
         with ThreadPoolExecutor(len(SEEDS)) as pool:
             list(pool.map(lambda tag: _train(root / tag, tag), SEEDS))
     return {
-        tag: {"jsonl": _one(root / tag, "tb/*/metrics.jsonl"), "wandb": _one(root / tag, "tb/*/wandb/offline-run-*")}
+        tag: {"jsonl": _one(root / tag, "tb/*/metrics.jsonl"), "wandb": _one(root / tag, "tb/*/wandb/offline-run-*"),
+              "checkpoint": root / tag / "checkpoint" / f"step-{STEPS}"}
         for tag in SEEDS
     }
 
@@ -138,6 +144,18 @@ def test_moe_series_and_loss_checksum(runs):
 def test_same_seed_curves_are_identical(report):
     same = report["curves"][LOSS][0]
     assert same == {"run": 1, "identical": True, "steps_compared": STEPS}
+
+
+def test_same_seed_runs_end_with_bitwise_equal_weights(runs, tmp_path):
+    weights = {}
+    for tag in SEEDS:
+        dcp_to_torch_save(runs[tag]["checkpoint"], tmp_path / f"{tag}.pt")
+        weights[tag] = torch.load(tmp_path / f"{tag}.pt", weights_only=True)
+    a, b, c = (weights[t] for t in SEEDS)
+    assert a.keys() == b.keys() and len(a) > 10
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"weights differ between same-seed runs: {different[:5]}"
+    assert any(not torch.equal(a[k], c[k]) for k in a), "a different seed gave the same weights"
 
 
 def test_different_seed_reports_the_first_divergent_step(report, runs):
