@@ -19,8 +19,9 @@ import sys
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != REPO] + [REPO]
+from tests.torchrun import REPO
+
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != str(REPO)] + [str(REPO)]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -147,11 +147,9 @@ def test_same_seed_curves_are_identical(report):
 
 
 def test_same_seed_runs_end_with_bitwise_equal_weights(runs, tmp_path):
-    weights = {}
     for tag in SEEDS:
         dcp_to_torch_save(runs[tag]["checkpoint"], tmp_path / f"{tag}.pt")
-        weights[tag] = torch.load(tmp_path / f"{tag}.pt", weights_only=True)
-    a, b, c = (weights[t] for t in SEEDS)
+    a, b, c = (torch.load(tmp_path / f"{tag}.pt", weights_only=True) for tag in SEEDS)
     assert a.keys() == b.keys() and len(a) > 10
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"weights differ between same-seed runs: {different[:5]}"

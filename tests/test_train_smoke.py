@@ -48,4 +48,3 @@ def test_compiled_training(tmp_path, eager_run):
     compiled = torchrun.losses(out)
     assert sorted(compiled) == [1, 2] and all(math.isfinite(v) for v in compiled.values()), out[-3000:]
     assert compiled[1] == pytest.approx(eager[1], rel=1e-4), (compiled, eager)
-
