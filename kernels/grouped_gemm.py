@@ -220,10 +220,11 @@ _WGRAD_CONFIGS = {
     "rows": dict(BR=64, BN=128, BK=256, num_warps=8, num_stages=3, PERSISTENT=True),
     # CUDA, flat loop, experts averaging >= _WGRAD_WS_MIN_ROWS rows: the warp-specialized Gluon kernel
     # (grouped_wgrad_ws, one program per SM; BN must be 128, two warpgroups of 64 features) where a config is
-    # given, else (None) the Triton kernel's "flat" config. Against it at EP=2, the Triton kernel takes 1.02-1.24x
-    # the time in 23 of 24 (shape, routing, weight) lines, GLM-5.2 EP=1 (64 rows) level to 5% more; at 32-43 rows
-    # per expert the Gluon kernel took up to 12% more, hence the threshold (NOTES.md, session 25). 256-wide K
-    # tiles: up to 8% faster than 128 at EP=2 in 21 of 24 lines, the other 3 within 1.3% (session 26).
+    # given, else (None) the Triton kernel's "flat" config. 256-wide K tiles: up to 8% faster than 128 at EP=2 in
+    # 21 of 24 (shape, routing, weight) lines, the other 3 within 1.3%. Against this config at EP=2 the Triton kernel
+    # takes 1.05-1.32x the time, DeepSeek-V4-Pro balanced 0.97-1.05x, GLM-5.2 EP=1 (64 rows) 0.98-1.04x; at 32-43
+    # rows per expert (EP=1) the Triton kernel was faster in 14 of 18 lines, hence the threshold (NOTES.md,
+    # session 26; session 25 for BK 128).
     "flat_ws": dict(BR=32, BN=128, BK=256, STAGES=6, CONSUMER_REGS=232, num_warps=4),
 }
 _WGRAD_WS_MIN_ROWS = 64
