@@ -26,7 +26,11 @@ run() {  # run NAME COMMAND...: output to $LOGS/NAME.log, a one-line summary her
     echo "$name: exit $rc in $((SECONDS - start)) s; $(tail -n 1 "$LOGS/$name.log")"
     [ $status -eq 0 ] && status=$rc
 }
-run gpu_tests python3 -m pytest -q -m gpu tests  # the two-GPU tests skip on a one-GPU machine
+# The suite compiles well over a hundred kernel configs: one process takes ~25 min, more than a device call
+# may run; pytest-xdist (on the GPU image) spreads the tests over GPU_TEST_WORKERS processes sharing the GPUs.
+workers=()
+python3 -c "import xdist" 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-8}")
+run gpu_tests python3 -m pytest -q -m gpu "${workers[@]}" --durations=15 tests  # two-GPU tests skip on one GPU
 run router python3 -m titan_mok.bench.router --iters 50
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     run layer_ep2 torchrun --standalone --nproc_per_node 2 -m titan_mok.bench.mok_fused --precision bf16 \
