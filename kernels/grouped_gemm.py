@@ -590,8 +590,11 @@ def _wgrad_program(n_tile, p, a_ptr, b_ptr, c_ptr, group_end_ptr, prog_end_ptr, 
             block = i % row_blocks
             acc = _wgrad_block(acc, a_desc, b_desc, block * BR + skip, n0, k0, DOT_F32)
             if block == row_blocks - 1:
+                # c is written once, never read here: evicted first, L2 is left to a's and b's re-reads (faster in
+                # 16 of 18 MoE lines at EP=1, by up to 4.6%; in the row loop, 8 x 4096 rows, 0.99-1.02x: not there)
                 offs_k = k0 + tl.arange(0, BK)
-                tl.store(c_rows + offs_k[None, :], _bf16_rne(acc), mask=n_ok[:, None] & (offs_k < K)[None, :])
+                tl.store(c_rows + offs_k[None, :], _bf16_rne(acc), mask=n_ok[:, None] & (offs_k < K)[None, :],
+                         eviction_policy="evict_first")
                 acc = tl.zeros((BN, BK), dtype=tl.float32)
     else:  # one K tile per program
         k0 = first_k_tile * BK
