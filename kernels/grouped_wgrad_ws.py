@@ -16,6 +16,9 @@ its own loads, and its epilogue waits for the tile's last step (NOTES.md, sessio
   was up to 8% faster at EP=2 (21 of 24 lines) than 128-wide tiles that stored each tile under the next
   one's last step (two accumulators live; NOTES.md, session 26).
 
+Tried and slower (NOTES.md, session 29): a ping-pong split, each warpgroup all 128 features of every other K
+tile from its own ring (one stores while the other multiplies), 1.005-1.11x the time; stores by TMA.
+
 Each wgmma sums a feature pair's rows 16 at a time in ascending order, whatever BR: the bits of the
 Triton kernel's 32-row steps. Programs past the last get no work (a program that returned before
 ``warp_specialize`` would leave its partitions waiting).
