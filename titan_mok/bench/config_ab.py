@@ -111,16 +111,23 @@ def compare(fn, configs: dict[str, dict], rounds: int, rep_ms: float, bench) -> 
     use("variant")
     bits_equal = all(torch.equal(a, b) for a, b in zip(ref, _outputs(fn)))
     del ref
-    times = {name: [] for name in configs}
-    for r in range(rounds):
-        for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
-            use(name)
-            times[name].append(bench(fn, rep_ms))
+    times = timed_rounds({name: fn for name in configs}, rounds, rep_ms, bench, before=use)
     use("committed")
-    # each config's fastest and slowest round beside its median: the same config's rounds spread by up to
-    # ~10% on the H200 (NOTES.md, session 18), which bounds the differences a run can show
-    return {"bits_equal": bits_equal,
-            **{f"{name}_ms": round(statistics.median(t), 4) for name, t in times.items()},
+    return {"bits_equal": bits_equal, **times}
+
+
+def timed_rounds(fns: dict, rounds: int, rep_ms: float, bench, before=lambda name: None) -> dict:
+    """Each of fns timed in ``rounds`` rounds of ``bench(fn, rep_ms)`` (``before(name)`` first), their order
+    alternating between rounds so that clock and thermal drift meet all alike: "<name>_ms" the median round,
+    "<name>_range_ms" [fastest, slowest]."""
+    times = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            before(name)
+            times[name].append(bench(fns[name], rep_ms))
+    # the fastest and slowest round beside the median: the same code's rounds spread by up to ~10% on the
+    # H200 (NOTES.md, session 18), which bounds the differences a run can show
+    return {**{f"{name}_ms": round(statistics.median(t), 4) for name, t in times.items()},
             **{f"{name}_range_ms": [round(min(t), 4), round(max(t), 4)] for name, t in times.items()}}
 
 

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from titan_mok.kernels import grouped_ffn as ffn_kernels
 from titan_mok.kernels import grouped_gemm as gg
-from titan_mok.kernels.grouped_ffn import weight_operand, wgrad_operands
 
 # name: (H, I, E, top-k)
 SHAPES = {
@@ -123,15 +123,18 @@ class Case:
         return 3 * self.E * self.H * self.I
 
 
-def ffn_operands(c, precision, fp8_mma=False):
+def ffn_operands(c, precision, fp8_mma=False, kernels=(gg, ffn_kernels)):
     """Our GEMMs' operands for case c: the weights as each GEMM reads them (forward [E, N, K],
     dgrad the transposed views; MXFP8 pre-quantized in that layout) and the saved activations
-    g, u, h and dgate, dup."""
+    g, u, h and dgate, dup. kernels: the grouped_gemm and grouped_ffn modules that make them (a
+    baseline revision's in bench.kernel_ab)."""
+    mm, ffn = kernels
     weights = {"w_gate": c.w_gate, "w_up": c.w_up, "w_down": c.w_down}
-    wg, wu, wd = (weight_operand(w, precision, 2, name, mma_order=not fp8_mma) for name, w in weights.items())
-    wg_t, wu_t, wd_t = (weight_operand(w, precision, 1, name, mma_order=not fp8_mma) for name, w in weights.items())
-    g, u, h = gg.grouped_gate_up_swiglu(c.x, c.group_end, wg, wu, None, fp8_mma=fp8_mma)
-    dg, du = gg.grouped_down_dgrad_swiglu(c.dy, c.group_end, wd_t, g, u, None)
+    wg, wu, wd = (ffn.weight_operand(w, precision, 2, name, mma_order=not fp8_mma) for name, w in weights.items())
+    wg_t, wu_t, wd_t = (ffn.weight_operand(w, precision, 1, name, mma_order=not fp8_mma)
+                        for name, w in weights.items())
+    g, u, h = mm.grouped_gate_up_swiglu(c.x, c.group_end, wg, wu, None, fp8_mma=fp8_mma)
+    dg, du = mm.grouped_down_dgrad_swiglu(c.dy, c.group_end, wd_t, g, u, None)
     return (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du)
 
 
@@ -140,8 +143,8 @@ def phases_ours(c, precision, fp8_mma=False):
     if precision == "mxfp8":
         def wquant():  # both layouts of all three weights, as the FFN quantizes them each pass
             for w in (c.w_gate, c.w_up, c.w_down):
-                weight_operand(w, "mxfp8", 2, "w")
-                weight_operand(w, "mxfp8", 1, "w")
+                ffn_kernels.weight_operand(w, "mxfp8", 2, "w")
+                ffn_kernels.weight_operand(w, "mxfp8", 1, "w")
 
         phases["wquant"] = wquant
     (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision, fp8_mma)
@@ -156,7 +159,7 @@ def phases_ours(c, precision, fp8_mma=False):
         return gg.grouped_mm_sum(dg_, du_, ge, wg_t, wu_t, fp8_mma=fp8_mma)
 
     def wgrad():  # as the FFN's backward, but one gradient alive at a time (memory)
-        for _ in gg.grouped_wgrads(wgrad_operands(c.x, h, c.dy, dg, du).values(), ge, precision):
+        for _ in gg.grouped_wgrads(ffn_kernels.wgrad_operands(c.x, h, c.dy, dg, du).values(), ge, precision):
             pass
 
     if fp8_mma:  # wgrad has no fp8-MMA variant (its operands are token-axis MXFP8 values in bf16)
@@ -405,28 +408,30 @@ TUNE_VARIANTS = {
 }
 
 
-def gemms_by_kind(c, precision, fp8_mma=False):
+def gemms_by_kind(c, precision, fp8_mma=False, kernels=(gg, ffn_kernels)):
     """One grouped GEMM of each kind in this precision, keyed by the ``_MM_CONFIGS`` entry that picks
     its kernel on CUDA: "bf16/<kind>", for MXFP8 "mxfp8_ws/<kind>", with fp8_mma "mxfp8_fp8_ws/<kind>"."""
-    (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision, fp8_mma)
+    mm = kernels[0]
+    (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision, fp8_mma, kernels)
     ge = c.group_end
     key = ("mxfp8_fp8_ws" if fp8_mma else "mxfp8_ws") if precision == "mxfp8" else precision
     f8 = dict(fp8_mma=fp8_mma)
     return {
-        f"{key}/swiglu": lambda: gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None, **f8),
-        f"{key}/plain": lambda: gg.grouped_mm(h, ge, wd, **f8),
-        f"{key}/swiglu_bwd": lambda: gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None, **f8),
-        f"{key}/dual": lambda: gg.grouped_mm_sum(dg, du, ge, wg_t, wu_t, **f8),
+        f"{key}/swiglu": lambda: mm.grouped_gate_up_swiglu(c.x, ge, wg, wu, None, **f8),
+        f"{key}/plain": lambda: mm.grouped_mm(h, ge, wd, **f8),
+        f"{key}/swiglu_bwd": lambda: mm.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None, **f8),
+        f"{key}/dual": lambda: mm.grouped_mm_sum(dg, du, ge, wg_t, wu_t, **f8),
     }
 
 
-def wgrads_by_weight(c, precision):
+def wgrads_by_weight(c, precision, kernels=(gg, ffn_kernels)):
     """Each weight's gradient as one callable, keyed "wgrad/<loop>:<weight>" by the ``_WGRAD_CONFIGS``
     entry that runs it (grouped_gemm.wgrad_loop)."""
-    _, (_, _, h, dg, du) = ffn_operands(c, precision)
-    loop = gg.wgrad_loop(c.R, c.E, c.x.is_cuda)
-    return {f"wgrad/{loop}:{name}": (lambda a=a, b=b: gg.grouped_wgrad(a, b, c.group_end, precision))
-            for name, (a, b) in wgrad_operands(c.x, h, c.dy, dg, du).items()}
+    mm, ffn = kernels
+    _, (_, _, h, dg, du) = ffn_operands(c, precision, kernels=kernels)
+    loop = mm.wgrad_loop(c.R, c.E, c.x.is_cuda)
+    return {f"wgrad/{loop}:{name}": (lambda a=a, b=b: mm.grouped_wgrad(a, b, c.group_end, precision))
+            for name, (a, b) in ffn.wgrad_operands(c.x, h, c.dy, dg, du).items()}
 
 
 def tune(log, kernels):

@@ -1,0 +1,86 @@
+"""bench.kernel_ab: a baseline revision's kernels imported beside the working tree's, their bits compared (the
+timing needs a GPU and is stubbed; the kernels run on Triton's interpreter at a tiny shape)."""
+
+import json
+import shutil
+import sys
+
+import pytest
+
+from titan_mok import kernels as kernels_package
+from titan_mok.bench import config_ab, kernel_ab
+from titan_mok.bench.grouped_ffn import Case
+from titan_mok.kernels import grouped_gemm as gg
+
+# the flat loop's store of a weight-gradient tile (both of its lines open this way)
+WGRAD_STORE = "tl.store(c_rows + offs_k[None, :], _bf16_rne(acc),"
+
+
+def _baseline_copy(tmp_path, edit=None):
+    """A copy of the working tree's kernels/ folder, its grouped_gemm.py passed through edit."""
+    folder = tmp_path / "base" / "kernels"
+    shutil.copytree(kernels_package.__path__[0], folder, ignore=shutil.ignore_patterns("__pycache__"))
+    if edit:
+        path = folder / "grouped_gemm.py"
+        path.write_text(edit(path.read_text()))
+    return folder
+
+
+def _run_tiny(monkeypatch, tmp_path, baseline, *flags):
+    """The whole tool at a tiny shape on the interpreter, timing stubbed; its JSON lines."""
+    monkeypatch.setattr(config_ab, "SHAPES", {"tiny": (128, 64, 8, 2)})
+    monkeypatch.setattr(config_ab, "TOKENS_PER_GPU", 48)
+    monkeypatch.setattr(kernel_ab, "SHAPES", {"tiny": (128, 64, 8, 2)})
+    monkeypatch.setattr(kernel_ab, "Case", lambda h, i, counts: Case(h, i, counts, dev="cpu"))
+    monkeypatch.setattr(kernel_ab, "bench", lambda fn, rep_ms: (fn(), 1.0)[1])
+    monkeypatch.setattr(kernel_ab.torch.cuda, "empty_cache", lambda: None)
+    argv = ["kernel_ab", "--baseline", str(baseline), "--shapes", "tiny", "--cases", "EP=2 skewed", "--rounds", "1",
+            "--out", str(tmp_path), *flags]
+    monkeypatch.setattr(sys, "argv", argv)
+    kernel_ab.main()
+    return [json.loads(line) for line in (tmp_path / "kernel_ab.jsonl").read_text().splitlines()[1:]]
+
+
+def test_an_unchanged_baseline_keeps_the_bits(monkeypatch, tmp_path):
+    """Every kind of grouped_mm and each weight's gradient, from the baseline's own modules (not the working
+    tree's), bit for bit the working tree's; the baseline forgotten afterwards."""
+    seen = []
+    real = kernel_ab.gemms
+    monkeypatch.setattr(kernel_ab, "gemms", lambda c, args, kernels: (seen.append(kernels), real(c, args, kernels))[1])
+    rows = _run_tiny(monkeypatch, tmp_path, _baseline_copy(tmp_path), "--precision", "bf16")
+    kinds = [f"bf16/{k}" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
+    kinds += [f"wgrad/flat:{w}" for w in ("w_gate", "w_up", "w_down")]
+    assert [r["kind"] for r in rows] == [r["baseline_kind"] for r in rows] == kinds
+    assert all(r["bits_equal"] and r["working_ms"] == r["baseline_ms"] == 1.0 for r in rows)
+    assert all(r["working/baseline"] == 1.0 for r in rows)
+    (working_gg, _), (baseline_gg, baseline_ffn) = seen
+    assert working_gg is gg and baseline_gg.__name__ == f"{kernel_ab.BASELINE_PACKAGE}.grouped_gemm"
+    assert baseline_gg._grouped_wgrad_kernel is not gg._grouped_wgrad_kernel
+    assert baseline_ffn.weight_operand.__module__ == f"{kernel_ab.BASELINE_PACKAGE}.grouped_ffn"
+    assert not any(m.startswith(kernel_ab.BASELINE_PACKAGE) for m in sys.modules)
+
+
+def test_a_changed_baseline_kernel_shows_in_the_bits(monkeypatch, tmp_path):
+    """A baseline whose weight-gradient kernel stores twice the tile: its three gradients differ, grouped_mm's
+    kinds (the same kernels) do not."""
+    def doubled(source):
+        assert source.count(WGRAD_STORE) == 2, "the flat and row loops' stores moved: update WGRAD_STORE"
+        return source.replace(WGRAD_STORE, "tl.store(c_rows + offs_k[None, :], _bf16_rne(acc * 2),")
+
+    rows = _run_tiny(monkeypatch, tmp_path, _baseline_copy(tmp_path, doubled), "--precision", "bf16")
+    assert [r["bits_equal"] for r in rows] == [True] * 4 + [False] * 3
+
+
+def test_gemms_pick_the_weight_gradients_only(monkeypatch, tmp_path):
+    rows = _run_tiny(monkeypatch, tmp_path, _baseline_copy(tmp_path), "--precision", "mxfp8", "--gemms", "wgrad")
+    assert [r["kind"] for r in rows] == [f"wgrad/flat:{w}" for w in ("w_gate", "w_up", "w_down")]
+    assert all(r["bits_equal"] for r in rows)
+
+
+def test_a_baseline_that_is_not_a_kernels_folder(monkeypatch, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(sys, "argv", ["kernel_ab", "--baseline", str(tmp_path / "empty"), "--precision", "bf16"])
+    with pytest.raises(SystemExit):
+        kernel_ab.main()
+    err = capsys.readouterr().err
+    assert "not a kernels/ folder (no __init__.py, grouped_gemm.py, grouped_ffn.py)" in err, err

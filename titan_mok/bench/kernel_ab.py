@@ -1,0 +1,139 @@
+"""A/B of the grouped-GEMM kernels' code on a GPU: each kind of grouped_mm and each weight's gradient run by the
+working tree's kernels and by a baseline's (an earlier revision's ``kernels/`` folder), in one process, bits
+compared.
+
+    mkdir -p _scratch/base && git archive 0ba1787 kernels | tar -x -C _scratch/base
+    python3 -m titan_mok.bench.kernel_ab --baseline _scratch/base/kernels --precision bf16 --gemms wgrad
+
+(The GPU machine has no git: make the baseline folder here and pass it with the device tool's carry.)
+
+The baseline's ``.py`` files are copied into a temporary package, ``titan_mok_baseline_kernels``, with their
+imports of ``titan_mok.kernels`` pointed at it, and imported beside the working tree's (Triton reads a kernel's
+source from its file, so the copies are real files). The rest of titan_mok, ``titan_mok.mxfp8`` included, is the
+working tree's for both. Each side makes its own operands (the weights in the layouts its kernels read), from
+the same case. Per shape and case (the grouped_ffn benchmark's MoE-regime cases and 8 × 4096 rows), each
+GEMM's outputs are compared with ``torch.equal``, then both sides are timed in ``--rounds`` rounds of
+``bench(fn, --rep-ms)``, their order alternating; the median round is reported, with the fastest and slowest,
+and "working/baseline", the ratio of the medians. ``--gemms`` picks grouped_mm's four kinds ("mm"), the three
+weight gradients ("wgrad"; not with ``--fp8-mma``) or both. One JSON line per (shape, case, GEMM) goes to stdout
+and ``$OUT/kernel_ab.jsonl`` (or ``--out``).
+"""
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+from titan_mok.bench.config_ab import CASES, _outputs, case_counts, timed_rounds
+from titan_mok.bench.grouped_ffn import SHAPES, Case, bench, comma_choices, gemms_by_kind, wgrads_by_weight
+from titan_mok.kernels import grouped_ffn as ffn_kernels
+from titan_mok.kernels import grouped_gemm as gg
+
+BASELINE_PACKAGE = "titan_mok_baseline_kernels"
+WORKING = (gg, ffn_kernels)
+
+
+def check_baseline(folder: str):
+    """A clear error for a --baseline that is not a kernels/ folder."""
+    missing = [f for f in ("__init__.py", "grouped_gemm.py", "grouped_ffn.py")
+               if not os.path.isfile(os.path.join(folder, f))]
+    if missing:
+        raise ValueError(f"--baseline {folder!r}: not a kernels/ folder (no {', '.join(missing)}); give an earlier "
+                         f"revision's, e.g. from `git archive REV kernels | tar -x -C DIR`: DIR/kernels")
+
+
+@contextlib.contextmanager
+def baseline_kernels(folder: str):
+    """(grouped_gemm, grouped_ffn) of the kernels in folder, imported as the package BASELINE_PACKAGE in a
+    temporary folder for the duration (Triton reads the kernels' source files), then forgotten."""
+    check_baseline(folder)
+    with tempfile.TemporaryDirectory() as workdir:
+        package = os.path.join(workdir, BASELINE_PACKAGE)
+        os.makedirs(package)
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name)) as f:
+                    source = f.read().replace("titan_mok.kernels", BASELINE_PACKAGE)
+                with open(os.path.join(package, name), "w") as f:
+                    f.write(source)
+        sys.path.insert(0, workdir)
+        importlib.invalidate_caches()
+        try:
+            yield (importlib.import_module(f"{BASELINE_PACKAGE}.grouped_gemm"),
+                   importlib.import_module(f"{BASELINE_PACKAGE}.grouped_ffn"))
+        finally:
+            sys.path.remove(workdir)
+            for name in [m for m in sys.modules if m == BASELINE_PACKAGE or m.startswith(BASELINE_PACKAGE + ".")]:
+                del sys.modules[name]
+
+
+def gemms(c, args, kernels) -> dict:
+    """The GEMMs of case c that ``--gemms`` picks, made by kernels (the working tree's or the baseline's)."""
+    out = {}
+    if args.gemms in ("mm", "all"):
+        out.update(gemms_by_kind(c, args.precision, args.fp8_mma, kernels))
+    if args.gemms in ("wgrad", "all") and not args.fp8_mma:
+        out.update(wgrads_by_weight(c, args.precision, kernels))
+    return out
+
+
+def compare(working_fn, baseline_fn, rounds: int, rep_ms: float, bench) -> dict:
+    """Bits of the two sides' outputs, then their times (config_ab.timed_rounds) and the ratio of the medians."""
+    ref = _outputs(baseline_fn)
+    bits_equal = all(torch.equal(a, b) for a, b in zip(ref, _outputs(working_fn)))
+    del ref
+    times = timed_rounds({"working": working_fn, "baseline": baseline_fn}, rounds, rep_ms, bench)
+    return {"bits_equal": bits_equal, **times,
+            "working/baseline": round(times["working_ms"] / times["baseline_ms"], 4)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline", required=True, help="an earlier revision's kernels/ folder")
+    p.add_argument("--precision", choices=["bf16", "mxfp8"], required=True)
+    p.add_argument("--fp8-mma", action="store_true", help="the MXFP8 kinds on E4M3 MMAs")
+    p.add_argument("--gemms", choices=["mm", "wgrad", "all"], default="all")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rep-ms", type=float, default=20)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    if args.fp8_mma and args.precision != "mxfp8":
+        p.error("--fp8-mma runs the MXFP8 kinds: it needs --precision mxfp8")
+    if args.fp8_mma and args.gemms == "wgrad":
+        p.error("--fp8-mma: the weight gradient has no E4M3-MMA path; A/B it without --fp8-mma")
+    shapes = comma_choices(p, "--shapes", args.shapes, SHAPES)
+    cases = comma_choices(p, "--cases", args.cases, CASES)
+    try:
+        check_baseline(args.baseline)
+    except ValueError as e:
+        p.error(str(e))
+    os.makedirs(args.out, exist_ok=True)
+    # line-buffered: a run cut short by a time limit keeps the lines it measured
+    with baseline_kernels(args.baseline) as kernels, open(os.path.join(args.out, "kernel_ab.jsonl"), "a",
+                                                           buffering=1) as log:
+        log.write(json.dumps({"baseline": os.path.abspath(args.baseline), "precision": args.precision,
+                              "fp8_mma": args.fp8_mma, "gemms": args.gemms}) + "\n")
+        for shape in shapes:
+            dim_h, dim_i, _, _ = SHAPES[shape]
+            for case in cases:
+                c = Case(dim_h, dim_i, case_counts(shape, case))
+                ours, theirs = gemms(c, args, WORKING), gemms(c, args, kernels)
+                # the same GEMMs in the same order; a weight gradient's key names its loop on that side
+                for (key, fn), (base_key, base_fn) in zip(ours.items(), theirs.items(), strict=True):
+                    rec = {"shape": shape, "case": case, "kind": key, "baseline_kind": base_key,
+                           **compare(fn, base_fn, args.rounds, args.rep_ms, bench)}
+                    print(json.dumps(rec), flush=True)
+                    log.write(json.dumps(rec) + "\n")
+                del c, ours, theirs
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
