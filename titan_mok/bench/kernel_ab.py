@@ -13,9 +13,9 @@ its file, so the copies are real files). The rest of titan_mok, ``titan_mok.mxfp
 for both. Each side makes its own operands (the weights in the layouts its kernels read), from the same case: in
 MXFP8 both sides' quantized weights are held at once (DeepSeek-V4-Pro at EP=1, ~50 GB of bf16 weights and ~100 GB of
 MXFP8 copies, does not fit one H200; bf16 operands are views). Per shape and case (the grouped_ffn benchmark's
-MoE-regime cases and 8 × 4096 rows), each GEMM's outputs are compared with ``torch.equal``, then both sides are timed in
-``--rounds`` rounds of ``bench(fn, --rep-ms)``, their order alternating; the median round is reported, with the
-fastest and slowest, and "working/baseline", the ratio of the medians. ``--gemms`` picks grouped_mm's four kinds
+MoE-regime cases and 8 × 4096 rows), each GEMM's outputs are compared with ``torch.equal``, then both sides are
+timed in ``--rounds`` rounds of ``bench(fn, --rep-ms)``, their order alternating; the median round is reported, with
+the fastest and slowest, and "working/baseline", the ratio of the medians. ``--gemms`` picks grouped_mm's four kinds
 ("mm"), the three weight gradients ("wgrad"; not with ``--fp8-mma``) or both. One JSON line per (shape, case, GEMM)
 goes to stdout and ``$OUT/kernel_ab.jsonl`` (or ``--out``).
 """
