@@ -4,7 +4,8 @@
 # 1. every GPU test (`pytest -m gpu`: grouped FFN, MXFP8 quantization, fused path at EP=2,
 #    shared expert on the Triton FFN, the four models' cached RL rollouts in bf16);
 # 2. the router's one-call vs 64-row-tile timing (bench.router);
-# 3. with two GPUs, the MoE layer at EP=2, bf16, balanced: fused (triton) and auto vs the
+# 3. the weight gradient's output stores alone vs contiguous writes (bench.write_tiles, NOTES.md session 29);
+# 4. with two GPUs, the MoE layer at EP=2, bf16, balanced: fused (triton) and auto vs the
 #    torchtitan backend.
 # Each stage runs even if an earlier one failed; the exit status is the first failure's.
 # Needs the wheels in .whl/ (README, "GPU machine"): pass them with the device tool's carry.
@@ -32,6 +33,7 @@ workers=()
 python3 -c "import xdist" 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-8}")
 run gpu_tests python3 -m pytest -q -m gpu "${workers[@]}" --durations=15 tests  # two-GPU tests skip on one GPU
 run router python3 -m titan_mok.bench.router --iters 50
+run write_tiles python3 -m titan_mok.bench.write_tiles
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     run layer_ep2 torchrun --standalone --nproc_per_node 2 -m titan_mok.bench.mok_fused --precision bf16 \
         --impl triton,auto,torchtitan --iters 20 --warmup 3
