@@ -31,7 +31,9 @@ run() {  # run NAME COMMAND...: output to $LOGS/NAME.log, a one-line summary her
 # may run; pytest-xdist (on the GPU image) spreads the tests over GPU_TEST_WORKERS processes sharing the GPUs.
 workers=()
 python3 -c "import xdist" 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-8}")
-run gpu_tests python3 -m pytest -q -m gpu "${workers[@]}" --durations=15 tests  # two-GPU tests skip on one GPU
+run gpu_tests python3 -m pytest -q -m "gpu and not two_gpus" "${workers[@]}" --durations=15 tests
+# alone, so that no worker's test shares its GPUs (they skip on one GPU)
+run gpu_tests_two python3 -m pytest -q -m two_gpus tests
 run router python3 -m titan_mok.bench.router --iters 50
 run write_tiles python3 -m titan_mok.bench.write_tiles
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then

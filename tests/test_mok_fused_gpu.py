@@ -25,7 +25,6 @@ from titan_mok.moe.fused import build_fused_handle, fused_combine, fused_dispatc
 
 pytestmark = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 H, I, E, T = 256, 128, 8, 96
 
@@ -175,7 +174,8 @@ def _worker(rank: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
-@needs_two
+@pytest.mark.two_gpus  # benchmarks/gpu_checks.sh runs it alone, after the other GPU tests' parallel workers
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_two_gpus_fused_equals_reference_and_is_ep_invariant(tmp_path):
     for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                        ("NVSHMEM_DISABLE_NVLS", "1")):
