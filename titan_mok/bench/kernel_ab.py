@@ -5,7 +5,9 @@ compared.
     mkdir -p _scratch/base && git archive 0ba1787 kernels | tar -x -C _scratch/base
     python3 -m titan_mok.bench.kernel_ab --baseline _scratch/base/kernels --precision bf16 --gemms wgrad
 
-(The GPU machine has no git: make the baseline folder here and pass it with the device tool's carry.)
+(The GPU machine has no git: make the baseline folder here and pass it with the device tool's carry. The
+baseline's grouped_gemm and grouped_ffn functions are called as the working tree's are: a revision whose
+signatures differ cannot be compared this way.)
 
 The baseline's ``.py`` files are copied into a temporary package, ``titan_mok_baseline_kernels``, with their imports
 of ``titan_mok.kernels`` pointed at it, and imported beside the working tree's (Triton reads a kernel's source from
