@@ -2,14 +2,14 @@
 
     python3 -m titan_mok.bench.write_tiles [--shapes kimi,...] [--tiles 128x256,64x256,32x512,16x1024] [--iters 20]
 
-grouped_wgrad's flat loop writes each expert's gradient c [E, N, K] (bf16) in [BN, BK] tiles. One program per
-SM loops over jobs (an expert's BN features and a run of its K tiles, consecutive jobs on the same expert's
+grouped_wgrad's flat loop writes each expert's gradient c [E, N, K] (bf16) in [BN, BK] tiles. One program per SM
+loops over jobs (an expert's BN features and a run of its K tiles, consecutive jobs on the same expert's
 neighbouring features) and stores the run's tiles in K order: rows of BK * 2 bytes, K * 2 bytes apart. Here a
-Triton kernel makes the same stores with nothing to compute (each element holds its expert's index + 1, so a
-test can check every byte) for each shape's largest gradient at EP=2 (w_gate [E, I, H] and w_down [E, H, I]),
-for several tile shapes, and against a contiguous write of as many bytes (64 KB tiles). The question it answers: whether that
-pattern, not the kernel around it, caps the weight gradient below its HBM floor (benchmarks/NOTES.md, session
-29). TB/s = bytes written / median CUDA-event time of ``--iters`` runs after warm-up.
+Triton kernel makes the same stores with nothing to compute (each element holds its expert's index + 1, so a test
+can check every byte) for each shape's largest gradient at EP=2 (w_gate [E, I, H] and w_down [E, H, I]), for
+several tile shapes, and against a contiguous write of as many bytes (64 KB tiles). The question it answers:
+whether that pattern, not the kernel around it, caps the weight gradient below its HBM floor (benchmarks/NOTES.md,
+session 29). TB/s = bytes written / median CUDA-event time of ``--iters`` runs after warm-up.
 """
 
 import argparse
@@ -20,13 +20,14 @@ import triton
 import triton.language as tl
 
 from titan_mok.bench.grouped_ffn import SHAPES, comma_choices
+from titan_mok.bench.mok_fused import _median_ms  # one timing loop for the benches
 
 CONTIGUOUS_ROW = 2048  # elements: every shape's expert gradient is a multiple of it
 
 
 @triton.jit
 def _write_tiles_kernel(c_ptr, E, N, K, K_TILES_PER_JOB, BN: tl.constexpr, BK: tl.constexpr,
-                        EVICT_FIRST: tl.constexpr):
+                        EVICTION: tl.constexpr):
     """c[e, f, k] = e + 1, in [BN, BK] tiles: job j = (expert, run of K_TILES_PER_JOB K tiles) times
     cdiv(N, BN) feature blocks, the feature block fastest (the flat loop's order); programs stride over jobs."""
     n_tiles = tl.cdiv(N, BN)
@@ -41,10 +42,7 @@ def _write_tiles_kernel(c_ptr, E, N, K, K_TILES_PER_JOB, BN: tl.constexpr, BK: t
         for i in range(K_TILES_PER_JOB):
             k = k_first + i * BK + tl.arange(0, BK)
             mask = (f < N)[:, None] & (k < K)[None, :]
-            if EVICT_FIRST:
-                tl.store(rows + k[None, :], value.to(tl.bfloat16), mask=mask, eviction_policy="evict_first")
-            else:
-                tl.store(rows + k[None, :], value.to(tl.bfloat16), mask=mask)
+            tl.store(rows + k[None, :], value.to(tl.bfloat16), mask=mask, eviction_policy=EVICTION)
 
 
 def write_tiles(c_ENK: torch.Tensor, block_n: int, block_k: int, k_tiles_per_job: int, programs: int,
@@ -55,7 +53,7 @@ def write_tiles(c_ENK: torch.Tensor, block_n: int, block_k: int, k_tiles_per_job
                          f"{tuple(c_ENK.shape)}")
     E, N, K = c_ENK.shape
     _write_tiles_kernel[(programs,)](c_ENK, E, N, K, k_tiles_per_job, BN=block_n, BK=block_k,
-                                     EVICT_FIRST=evict_first, num_warps=num_warps)
+                                     EVICTION="evict_first" if evict_first else "", num_warps=num_warps)
     return c_ENK
 
 
@@ -63,20 +61,6 @@ def written_reference(E: int, N: int, K: int, device="cpu") -> torch.Tensor:
     """What write_tiles leaves in c [E, N, K]: the definition the kernel must match."""
     return (torch.arange(1, E + 1, device=device, dtype=torch.float32)[:, None, None]
             .expand(E, N, K).to(torch.bfloat16))
-
-
-def _median_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _tile(text: str) -> tuple[int, int]:
@@ -108,13 +92,13 @@ def main():
             c = torch.empty(num_experts // 2, n, k, dtype=torch.bfloat16, device="cuda")
             # the same bytes as 64 KB contiguous tiles (torch's fill_ is slower: 3.4 TB/s, NOTES.md session 29)
             rows = c.view(1, -1, CONTIGUOUS_ROW)
-            ms = _median_ms(lambda: write_tiles(rows, 16, CONTIGUOUS_ROW, 1, programs), args.iters)
+            ms = _median_ms(lambda: write_tiles(rows, 16, CONTIGUOUS_ROW, 1, programs), args.iters, 3)
             rec = {"shape": shape, "weight": weight, "E": c.shape[0], "N": n, "K": k, "GB": c.numel() * 2 / 1e9,
                    "contiguous_tbps": c.numel() * 2 / ms / 1e9}
             for bn, bk in tiles:
                 k_tiles = triton.cdiv(k, bk)  # the flat loop's jobs at EP=2: each expert's K tiles in one run
                 for ef in (False, True):
-                    ms = _median_ms(lambda: write_tiles(c, bn, bk, k_tiles, programs, ef), args.iters)
+                    ms = _median_ms(lambda: write_tiles(c, bn, bk, k_tiles, programs, ef), args.iters, 3)
                     rec[f"{bn}x{bk}{'_evict_first' if ef else ''}_tbps"] = c.numel() * 2 / ms / 1e9
             assert torch.equal(c, written_reference(*c.shape, device="cuda")), "write_tiles missed elements"
             print(json.dumps({key: round(v, 3) if isinstance(v, float) else v for key, v in rec.items()}), flush=True)
