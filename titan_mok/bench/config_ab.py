@@ -144,24 +144,34 @@ def _changed_keys(args) -> list[str]:
     return [item.partition("=")[0] for item in args.sets] + args.unsets
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_ab_args(p: argparse.ArgumentParser, rounds: int, rep_ms: float):
+    """The flags of the GEMM A/B tools (this one and kernel_ab): precision, E4M3 MMAs, shapes, cases, rounds,
+    output folder."""
     p.add_argument("--precision", choices=["bf16", "mxfp8"], required=True)
     p.add_argument("--fp8-mma", action="store_true", help="the MXFP8 kinds on E4M3 MMAs (mxfp8_fp8_ws/<kind>)")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=JSON")
-    p.add_argument("--unset", dest="unsets", action="append", default=[], metavar="KEY")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--rep-ms", type=float, default=25)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--rep-ms", type=float, default=rep_ms)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = p.parse_args()
+
+
+def ab_shapes_and_cases(p: argparse.ArgumentParser, args) -> tuple[list[str], list[str]]:
+    """add_ab_args' flags checked: (shapes, cases)."""
     if args.fp8_mma and args.precision != "mxfp8":
         p.error("--fp8-mma runs the MXFP8 kinds: it needs --precision mxfp8")
+    return comma_choices(p, "--shapes", args.shapes, SHAPES), comma_choices(p, "--cases", args.cases, CASES)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_ab_args(p, rounds=3, rep_ms=25)
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=JSON")
+    p.add_argument("--unset", dest="unsets", action="append", default=[], metavar="KEY")
+    args = p.parse_args()
+    shapes, cases = ab_shapes_and_cases(p, args)
     if args.fp8_mma and _changed_keys(args) and all(k.startswith(WGRAD) for k in _changed_keys(args)):
         p.error("--fp8-mma: the weight gradient has no E4M3-MMA path; A/B its loops without --fp8-mma")
-    shapes = comma_choices(p, "--shapes", args.shapes, SHAPES)
-    cases = comma_choices(p, "--cases", args.cases, CASES)
     committed = committed_configs()
     try:
         configs = {"committed": committed, "variant": variant_configs(committed, args.sets, args.unsets)}

@@ -38,6 +38,8 @@ import triton
 from titan_mok.kernels import grouped_ffn as ffn_kernels
 from titan_mok.kernels import grouped_gemm as gg
 
+OUR_KERNELS = (gg, ffn_kernels)  # the working tree's grouped_gemm and grouped_ffn (bench.kernel_ab adds a baseline's)
+
 # name: (H, I, E, top-k)
 SHAPES = {
     "kimi": (7168, 2048, 384, 8),
@@ -123,7 +125,7 @@ class Case:
         return 3 * self.E * self.H * self.I
 
 
-def ffn_operands(c, precision, fp8_mma=False, kernels=(gg, ffn_kernels)):
+def ffn_operands(c, precision, fp8_mma=False, kernels=OUR_KERNELS):
     """Our GEMMs' operands for case c: the weights as each GEMM reads them (forward [E, N, K],
     dgrad the transposed views; MXFP8 pre-quantized in that layout) and the saved activations
     g, u, h and dgate, dup. kernels: the grouped_gemm and grouped_ffn modules that make them (a
@@ -408,7 +410,7 @@ TUNE_VARIANTS = {
 }
 
 
-def gemms_by_kind(c, precision, fp8_mma=False, kernels=(gg, ffn_kernels)):
+def gemms_by_kind(c, precision, fp8_mma=False, kernels=OUR_KERNELS):
     """One grouped GEMM of each kind in this precision, keyed by the ``_MM_CONFIGS`` entry that picks
     its kernel on CUDA: "bf16/<kind>", for MXFP8 "mxfp8_ws/<kind>", with fp8_mma "mxfp8_fp8_ws/<kind>"."""
     mm = kernels[0]
@@ -424,7 +426,7 @@ def gemms_by_kind(c, precision, fp8_mma=False, kernels=(gg, ffn_kernels)):
     }
 
 
-def wgrads_by_weight(c, precision, kernels=(gg, ffn_kernels)):
+def wgrads_by_weight(c, precision, kernels=OUR_KERNELS):
     """Each weight's gradient as one callable, keyed "wgrad/<loop>:<weight>" by the ``_WGRAD_CONFIGS``
     entry that runs it (grouped_gemm.wgrad_loop)."""
     mm, ffn = kernels

@@ -32,13 +32,10 @@ import tempfile
 
 import torch
 
-from titan_mok.bench.config_ab import CASES, _outputs, case_counts, timed_rounds
-from titan_mok.bench.grouped_ffn import SHAPES, Case, bench, comma_choices, gemms_by_kind, wgrads_by_weight
-from titan_mok.kernels import grouped_ffn as ffn_kernels
-from titan_mok.kernels import grouped_gemm as gg
+from titan_mok.bench.config_ab import _outputs, ab_shapes_and_cases, add_ab_args, case_counts, timed_rounds
+from titan_mok.bench.grouped_ffn import OUR_KERNELS, SHAPES, Case, bench, gemms_by_kind, wgrads_by_weight
 
 BASELINE_PACKAGE = "titan_mok_baseline_kernels"
-WORKING = (gg, ffn_kernels)
 
 
 def check_baseline(folder: str):
@@ -98,21 +95,12 @@ def compare(working_fn, baseline_fn, rounds: int, rep_ms: float, bench) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", required=True, help="an earlier revision's kernels/ folder")
-    p.add_argument("--precision", choices=["bf16", "mxfp8"], required=True)
-    p.add_argument("--fp8-mma", action="store_true", help="the MXFP8 kinds on E4M3 MMAs")
+    add_ab_args(p, rounds=5, rep_ms=20)
     p.add_argument("--gemms", choices=["mm", "wgrad", "all"], default="all")
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--rep-ms", type=float, default=20)
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
-    if args.fp8_mma and args.precision != "mxfp8":
-        p.error("--fp8-mma runs the MXFP8 kinds: it needs --precision mxfp8")
+    shapes, cases = ab_shapes_and_cases(p, args)
     if args.fp8_mma and args.gemms == "wgrad":
         p.error("--fp8-mma: the weight gradient has no E4M3-MMA path; A/B it without --fp8-mma")
-    shapes = comma_choices(p, "--shapes", args.shapes, SHAPES)
-    cases = comma_choices(p, "--cases", args.cases, CASES)
     try:
         check_baseline(args.baseline)
     except ValueError as e:
@@ -127,7 +115,7 @@ def main():
             dim_h, dim_i, _, _ = SHAPES[shape]
             for case in cases:
                 c = Case(dim_h, dim_i, case_counts(shape, case))
-                ours, theirs = gemms(c, args, WORKING), gemms(c, args, kernels)
+                ours, theirs = gemms(c, args, OUR_KERNELS), gemms(c, args, kernels)
                 # the same GEMMs in the same order; a weight gradient's key names its loop on that side
                 if len(ours) != len(theirs):
                     raise ValueError(f"the baseline's GEMMs {list(theirs)} do not pair with the working tree's "
