@@ -224,8 +224,9 @@ _WGRAD_CONFIGS = {
     # 21 of 24 (shape, routing, weight) lines, the other 3 within 1.3%. Against this config at EP=2 the Triton kernel
     # takes 1.05-1.32x the time, DeepSeek-V4-Pro balanced 0.97-1.05x, GLM-5.2 EP=1 (64 rows) 0.98-1.04x; at 32-43
     # rows per expert (EP=1) the Triton kernel was faster in 14 of 18 lines, hence the threshold (NOTES.md,
-    # session 26; session 25 for BK 128).
-    "flat_ws": dict(BR=32, BN=128, BK=256, STAGES=6, CONSUMER_REGS=232, num_warps=4),
+    # session 26; session 25 for BK 128). STORER_WARPS warps store the tiles (STORER_REGS registers each): two
+    # were 0.935-0.953x the time of the consumers storing their own tiles in 7 of 8 EP=2 cases (session 30).
+    "flat_ws": dict(BR=32, BN=128, BK=256, STAGES=6, CONSUMER_REGS=232, STORER_WARPS=2, STORER_REGS=64, num_warps=4),
 }
 _WGRAD_WS_MIN_ROWS = 64
 _WGRAD_FLAT_MAX_ROWS = 512

@@ -11,13 +11,20 @@ its own loads, and its epilogue waits for the tile's last step (NOTES.md, sessio
   TMA copies of a [BR, BN] and b [BR, BK] into a ring slot, as far ahead as the ring allows;
 - two consumer warpgroups, each owning 64 of the BN features: per K tile an accumulator [64, BK] from one
   async wgmma per row block (a^T read from shared memory, MN-major), one step kept in flight while the
-  previous step's slot goes back to the loader, then rounded and stored. One accumulator lives at a time,
-  so BK can be 256: half the tiles of 128, and a [BR, BN] block of a loaded once per 256 features. That
-  was up to 8% faster at EP=2 (21 of 24 lines) than 128-wide tiles that stored each tile under the next
-  one's last step (two accumulators live; NOTES.md, session 26).
+  previous step's slot goes back to the loader, then rounded into the warpgroup's tile buffer in shared
+  memory. One accumulator lives at a time, so BK can be 256: half the tiles of 128, and a [BR, BN] block of a
+  loaded once per 256 features. That was up to 8% faster at EP=2 (21 of 24 lines) than 128-wide tiles that
+  stored each tile under the next one's last step (two accumulators live; NOTES.md, session 26);
+- a storer (STORER_WARPS warps): each tile buffer to global memory, 16 bytes a thread, evicted first from L2
+  (written once, never read here; up to 4.6% faster, session 29), so that the consumers' next MMAs run while
+  the stores drain. With the MMAs and loads alone taking about the write floor's time, stores made by the
+  consumers themselves added 18-62% to them (NOTES.md, session 30). The storer took 0.935-0.953x the time at
+  EP=2 in 7 of 8 (shape, routing) cases, DeepSeek-V4-Pro balanced 1.007x (session 30).
 
-Tried and slower (NOTES.md, session 29): a ping-pong split, each warpgroup all 128 features of every other K
-tile from its own ring (one stores while the other multiplies), 1.005-1.11x the time; stores by TMA.
+Tried and slower (NOTES.md, sessions 29-30): a ping-pong split, each warpgroup all 128 features of every other K
+tile from its own ring (one stores while the other multiplies), 1.005-1.11x the time; stores by TMA; a's row
+blocks held in shared memory for a job's K tiles (the ring then b only), 1.0-1.14x; two tile buffers per
+warpgroup (with a 3-slot ring, to fit), or a one-warp storer.
 
 Each wgmma sums a feature pair's rows 16 at a time in ascending order, whatever BR: the bits of the
 Triton kernel's 32-row steps. Programs past the last get no work (a program that returned before
@@ -61,32 +68,43 @@ def _loader(a_ptr, b_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_p
 
 
 @gluon.jit
-def _store_tile(c_ptr, acc, e, f0, k0, N, K, BK: gl.constexpr):
-    """c[e, f0:f0+64, k0:k0+BK] = acc rounded to bf16, turned through shared memory so that each
-    thread stores 8 adjacent K features (16 bytes), evicted first from L2 (written once, never read here):
-    faster in 9 of 10 MoE cases at 64+ rows per expert, by up to 4.6%, GLM-5.2 EP=2 balanced 0.9% slower
-    (NOTES.md, session 29). Stores by TMA from shared memory took 1.02-1.14x the time in 26 of 30 lines (session 29)."""
-    ST: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    f = f0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ST))
-    k = k0 + gl.arange(0, BK, layout=gl.SliceLayout(0, ST))
-    off = e.to(gl.int64) * N * K + gl.expand_dims(f.to(gl.int64) * K, 1) + gl.expand_dims(k, 0)
-    mask = gl.expand_dims(f < N, 1) & gl.expand_dims(k < K, 0)
-    gl.store(c_ptr + off, gl.convert_layout(_bf16_rne(acc), ST), mask=mask, eviction_policy="evict_first")
+def _storer(c_ptr, tiles, tile_full, tile_empty, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, N, K, E,
+            LOG_E: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STORER_WARPS: gl.constexpr):
+    """c[e, f0:f0+BN, k0:k0+BK] = the two consumers' tile buffers, 8 features at a time."""
+    ST: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [STORER_WARPS, 1], [1, 0])
+    n_tiles = gl.cdiv(N, BN)
+    q = 0  # tiles stored by this program: the buffers' phase
+    for t in range(gl.program_id(0), n_tiles * gl.load(prog_end_ptr + E - 1), gl.num_programs(0)):
+        e, first_k_tile, k_tiles, row_start, rows = _wgrad_job(t // n_tiles, group_end_ptr, prog_end_ptr,
+                                                               k_tiles_per_prog_ptr, K, E, LOG_E, BK)
+        for kt in range(k_tiles):
+            k = (first_k_tile + kt) * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, ST))
+            for half in gl.static_range(2):
+                mbarrier.wait(tile_full.index(half), q & 1)
+                for r in gl.static_range(0, 64, 8):
+                    f = (t % n_tiles) * BN + 64 * half + r + gl.arange(0, 8, layout=gl.SliceLayout(1, ST))
+                    off = e.to(gl.int64) * N * K + gl.expand_dims(f.to(gl.int64) * K, 1) + gl.expand_dims(k, 0)
+                    mask = gl.expand_dims(f < N, 1) & gl.expand_dims(k < K, 0)
+                    gl.store(c_ptr + off, tiles.index(half).slice(r, 8, dim=0).load(ST), mask=mask,
+                             eviction_policy="evict_first")
+                gl.thread_barrier()  # every warp's loads of the buffer are done before it goes back
+                mbarrier.arrive(tile_empty.index(half), count=1)
+            q += 1
 
 
 @gluon.jit
-def _consumer(c_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, N, K, E,
-              LOG_E: gl.constexpr, BR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              half: gl.constexpr):
+def _consumer(a_bufs, b_bufs, full, empty, tiles, tile_full, tile_empty, group_end_ptr, prog_end_ptr,
+              k_tiles_per_prog_ptr, N, K, E, LOG_E: gl.constexpr, BR: gl.constexpr, BN: gl.constexpr,
+              BK: gl.constexpr, STAGES: gl.constexpr, half: gl.constexpr):
     """One warpgroup: features [n0 + 64 * half, +64) of each of the program's K tiles."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
     n_tiles = gl.cdiv(N, BN)
     c = 0  # loads consumed by this program: the ring position
+    q = 0  # tiles handed to the storer
     for t in range(gl.program_id(0), n_tiles * gl.load(prog_end_ptr + E - 1), gl.num_programs(0)):
         e, first_k_tile, k_tiles, row_start, rows = _wgrad_job(t // n_tiles, group_end_ptr, prog_end_ptr,
                                                                k_tiles_per_prog_ptr, K, E, LOG_E, BK)
         row_blocks = gl.maximum(gl.cdiv(rows, BR), 1)
-        f0 = (t % n_tiles) * BN + 64 * half
         for kt in range(k_tiles):
             acc = gl.zeros([64, BK], gl.float32, ACC)
             for blk in range(row_blocks):
@@ -100,7 +118,11 @@ def _consumer(c_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_ptr, k
                 c += 1
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
-            _store_tile(c_ptr, acc, e, f0, (first_k_tile + kt) * BK, N, K, BK)
+            mbarrier.wait(tile_empty.index(half), (q & 1) ^ 1)  # the storer has read the previous tile
+            tiles.index(half).store(_bf16_rne(acc))
+            gl.thread_barrier()  # the whole warpgroup's tile is in the buffer before the storer reads it
+            mbarrier.arrive(tile_full.index(half), count=1)
+            q += 1
 
 
 @gluon.jit
@@ -110,7 +132,7 @@ def _grouped_wgrad_ws_kernel(
     prog_end_ptr, k_tiles_per_prog_ptr,  # [E]: cumulative programs per expert (per BN features); K tiles each
     N, K, E,
     LOG_E: gl.constexpr, BR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, STORER_WARPS: gl.constexpr, STORER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 features each")
     A_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BR, BN], gl.bfloat16)
@@ -122,12 +144,22 @@ def _grouped_wgrad_ws_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups
+    # one rounded [64, BK] tile per consumer warpgroup, between it and the storer
+    TILE_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BK], gl.bfloat16)
+    tiles = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BK], TILE_LAYOUT)
+    tile_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for h in gl.static_range(2):
+        mbarrier.init(tile_full.index(h), count=1)
+        mbarrier.init(tile_empty.index(h), count=1)
 
     gl.warp_specialize([
-        (_consumer, (c_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, N, K, E,
-                     LOG_E, BR, BN, BK, STAGES, 0)),
-        (_consumer, (c_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, N, K, E,
-                     LOG_E, BR, BN, BK, STAGES, 1)),
+        (_consumer, (a_bufs, b_bufs, full, empty, tiles, tile_full, tile_empty, group_end_ptr, prog_end_ptr,
+                     k_tiles_per_prog_ptr, N, K, E, LOG_E, BR, BN, BK, STAGES, 0)),
+        (_consumer, (a_bufs, b_bufs, full, empty, tiles, tile_full, tile_empty, group_end_ptr, prog_end_ptr,
+                     k_tiles_per_prog_ptr, N, K, E, LOG_E, BR, BN, BK, STAGES, 1)),
         (_loader, (a_ptr, b_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, N, K,
                    E, LOG_E, BR, BN, BK, STAGES, A_LAYOUT, B_LAYOUT)),
-    ], [4, 1], [CONSUMER_REGS, 48])
+        (_storer, (c_ptr, tiles, tile_full, tile_empty, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, N, K, E,
+                   LOG_E, BN, BK, STORER_WARPS)),
+    ], [4, 1, STORER_WARPS], [CONSUMER_REGS, 48, STORER_REGS])

@@ -218,9 +218,11 @@ def test_wgrad_loop_follows_rows_per_expert(monkeypatch):
 
 
 # warp-specialized weight-gradient configs the GPU test holds to the Triton kernel's bits (and the committed
-# one): 64-row MMA steps, 32-row steps on a two-slot ring
-WGRAD_WS_RINGS = {"br64": dict(BR=64, BN=128, BK=128, STAGES=4, CONSUMER_REGS=232, num_warps=4),
-                  "br32_2": dict(BR=32, BN=128, BK=128, STAGES=2, CONSUMER_REGS=232, num_warps=4)}
+# one): 64-row MMA steps, 32-row steps on a two-slot ring with a one-warp storer
+WGRAD_WS_RINGS = {"br64": dict(BR=64, BN=128, BK=128, STAGES=4, CONSUMER_REGS=232, STORER_WARPS=2, STORER_REGS=64,
+                               num_warps=4),
+                  "br32_2": dict(BR=32, BN=128, BK=128, STAGES=2, CONSUMER_REGS=232, STORER_WARPS=1, STORER_REGS=80,
+                                 num_warps=4)}
 
 
 @pytest.mark.gpu
