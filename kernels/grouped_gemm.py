@@ -218,14 +218,17 @@ _INTERPRETED_PROGRAMS = 1  # a PERSISTENT config's programs under Triton's inter
 _WGRAD_CONFIGS = {
     "flat": dict(BR=32, BN=128, BK=128, num_warps=8, num_stages=3),
     "rows": dict(BR=64, BN=128, BK=256, num_warps=8, num_stages=3, PERSISTENT=True),
-    # CUDA, flat loop, experts averaging >= _WGRAD_WS_MIN_ROWS rows: the warp-specialized Gluon kernel
+    # CUDA, flat loop, experts averaging >= _WGRAD_WS_MIN_ROWS rows, or fewer for a gradient with more features
+    # than K columns (N > K: w_down's [E, H, I]): the warp-specialized Gluon kernel
     # (grouped_wgrad_ws, one program per SM; BN must be 128, two warpgroups of 64 features) where a config is
     # given, else (None) the Triton kernel's "flat" config. 256-wide K tiles: up to 8% faster than 128 at EP=2 in
     # 21 of 24 (shape, routing, weight) lines, the other 3 within 1.3%. Against this config at EP=2 the Triton kernel
     # takes 1.05-1.32x the time, DeepSeek-V4-Pro balanced 0.97-1.05x, GLM-5.2 EP=1 (64 rows) 0.98-1.04x; at 32-43
     # rows per expert (EP=1) the Triton kernel was faster in 14 of 18 lines, hence the threshold (NOTES.md,
     # session 26; session 25 for BK 128). STORER_WARPS warps store the tiles (STORER_REGS registers each): two
-    # were 0.935-0.953x the time of the consumers storing their own tiles in 7 of 8 EP=2 cases (session 30).
+    # were 0.935-0.953x the time of the consumers storing their own tiles in 7 of 8 EP=2 cases. With them, at
+    # 32-43 rows the Gluon kernel took 0.84-1.00x the Triton kernel's time for w_down's gradient in all 6 (shape,
+    # routing) cases (session 26, without them: 4 of 6), 0.98-1.05x for w_gate's and w_up's (session 30).
     "flat_ws": dict(BR=32, BN=128, BK=256, STAGES=6, CONSUMER_REGS=232, STORER_WARPS=2, STORER_REGS=64, num_warps=4),
 }
 _WGRAD_WS_MIN_ROWS = 64
@@ -926,7 +929,7 @@ def _grouped_wgrad_values(a_RN, b_RK, group_end_E) -> torch.Tensor:
     num_experts, n, k = group_end_E.shape[0], a_RN.shape[1], b_RK.shape[1]
     c_ENK = torch.empty(num_experts, n, k, dtype=torch.bfloat16, device=a_RN.device)
     if num_experts:
-        loop = wgrad_loop(a_RN.shape[0], num_experts, _on_cuda(a_RN))
+        loop = wgrad_loop(a_RN.shape[0], num_experts, n, k, _on_cuda(a_RN))
         cfg = _WGRAD_CONFIGS[loop]
         flat = loop != "rows"  # "flat_ws" runs the flat loop's programs
         n_tiles, k_tiles = triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"])
@@ -945,13 +948,14 @@ def _grouped_wgrad_values(a_RN, b_RK, group_end_E) -> torch.Tensor:
     return c_ENK
 
 
-def wgrad_loop(num_rows: int, num_experts: int, on_cuda: bool = False) -> str:
-    """The ``_WGRAD_CONFIGS`` entry grouped_wgrad runs: "flat" while experts average fewer than
-    _WGRAD_FLAT_MAX_ROWS rows (padding included: a static property of the shapes), else "rows"; on CUDA
-    "flat_ws" instead of "flat" where experts average at least _WGRAD_WS_MIN_ROWS rows and it has a config."""
+def wgrad_loop(num_rows: int, num_experts: int, n: int, k: int, on_cuda: bool = False) -> str:
+    """The ``_WGRAD_CONFIGS`` entry grouped_wgrad runs for a gradient [E, n, k]: "flat" while experts average
+    fewer than _WGRAD_FLAT_MAX_ROWS rows (padding included: a static property of the shapes), else "rows"; on
+    CUDA "flat_ws" instead of "flat" where it has a config and experts average at least _WGRAD_WS_MIN_ROWS rows,
+    or the gradient has more features than K columns (n > k)."""
     if num_rows >= _WGRAD_FLAT_MAX_ROWS * num_experts:
         return "rows"
-    if on_cuda and num_rows >= _WGRAD_WS_MIN_ROWS * num_experts and _WGRAD_CONFIGS["flat_ws"]:
+    if on_cuda and (num_rows >= _WGRAD_WS_MIN_ROWS * num_experts or n > k) and _WGRAD_CONFIGS["flat_ws"]:
         return "flat_ws"
     return "flat"
 

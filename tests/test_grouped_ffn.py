@@ -178,7 +178,7 @@ def test_wgrad_loop_shapes_keep_bits(monkeypatch):
         monkeypatch.setattr(gg, "_WGRAD_MIN_PROGRAMS", min_programs)
         outs.append(gg.grouped_wgrad(a, b, group_end, "bf16"))
         # persistent: interpreted, one program looping over every (n, p) pair
-        loop = gg.wgrad_loop(a.shape[0], group_end.numel())
+        loop = gg.wgrad_loop(a.shape[0], group_end.numel(), a.shape[1], b.shape[1])
         with monkeypatch.context() as m:
             m.setitem(gg._WGRAD_CONFIGS, loop, {**gg._WGRAD_CONFIGS[loop], "PERSISTENT": True})
             outs.append(gg.grouped_wgrad(a, b, group_end, "bf16"))
@@ -206,15 +206,19 @@ def test_wgrad_row_blocks_keep_bits_on_gpu(monkeypatch):
 
 def test_wgrad_loop_follows_rows_per_expert(monkeypatch):
     """The weight gradient's entry: the warp-specialized kernel on CUDA from _WGRAD_WS_MIN_ROWS rows per expert
-    on (and only with a config), the Triton flat loop below it and off CUDA, the row loop from
-    _WGRAD_FLAT_MAX_ROWS on."""
+    on, and below it for a gradient with more features than K columns (w_down's), only with a config; the Triton
+    flat loop otherwise and off CUDA; the row loop from _WGRAD_FLAT_MAX_ROWS on."""
     ws_min, flat_max, experts = gg._WGRAD_WS_MIN_ROWS, gg._WGRAD_FLAT_MAX_ROWS, 4
     assert gg._WGRAD_CONFIGS["flat_ws"] is not None
     rows = [r * experts for r in (ws_min - 1, ws_min, flat_max - 1, flat_max)]
-    assert [gg.wgrad_loop(r, experts, True) for r in rows] == ["flat", "flat_ws", "flat_ws", "rows"]
-    assert [gg.wgrad_loop(r, experts) for r in rows] == ["flat", "flat", "flat", "rows"]
+    w_gate, w_down = (2048, 7168), (7168, 2048)  # (n, k) of Kimi K2.7's [E, I, H] and [E, H, I] gradients
+    assert [gg.wgrad_loop(r, experts, *w_gate, True) for r in rows] == ["flat", "flat_ws", "flat_ws", "rows"]
+    assert [gg.wgrad_loop(r, experts, *w_down, True) for r in rows] == ["flat_ws", "flat_ws", "flat_ws", "rows"]
+    for n_k in (w_gate, w_down):
+        assert [gg.wgrad_loop(r, experts, *n_k) for r in rows] == ["flat", "flat", "flat", "rows"]
     monkeypatch.setitem(gg._WGRAD_CONFIGS, "flat_ws", None)
-    assert gg.wgrad_loop(ws_min * experts, experts, True) == "flat"
+    assert gg.wgrad_loop(ws_min * experts, experts, *w_gate, True) == "flat"
+    assert gg.wgrad_loop(experts, experts, *w_down, True) == "flat"
 
 
 # warp-specialized weight-gradient configs the GPU test holds to the Triton kernel's bits (and the committed

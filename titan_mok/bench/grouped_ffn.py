@@ -431,8 +431,8 @@ def wgrads_by_weight(c, precision, kernels=OUR_KERNELS):
     entry that runs it (grouped_gemm.wgrad_loop)."""
     mm, ffn = kernels
     _, (_, _, h, dg, du) = ffn_operands(c, precision, kernels=kernels)
-    loop = mm.wgrad_loop(c.R, c.E, c.x.is_cuda)
-    return {f"wgrad/{loop}:{name}": (lambda a=a, b=b: mm.grouped_wgrad(a, b, c.group_end, precision))
+    return {f"wgrad/{mm.wgrad_loop(c.R, c.E, a.shape[1], b.shape[1], c.x.is_cuda)}:{name}":
+            (lambda a=a, b=b: mm.grouped_wgrad(a, b, c.group_end, precision))
             for name, (a, b) in ffn.wgrad_operands(c.x, h, c.dy, dg, du).items()}
 
 
