@@ -16,7 +16,8 @@ Two GEMM shapes cover the expert FFN's forward and backward:
   and a two-term sum (dx).
 - ``grouped_wgrad``: ``c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e]``, each expert's rows read
   by TMA through descriptors the kernel makes over them (rows past the expert's end read as zeros;
-  on CUDA from 64 rows per expert on, ``grouped_wgrad_ws``: the same bits, warp-specialized);
+  on CUDA from 64 rows per expert on, and below for a gradient with N > K, ``grouped_wgrad_ws``: the same bits,
+  warp-specialized);
   ``grouped_wgrads``: several such pairs, an operand shared by two quantized once for MXFP8.
 
 Precision: bf16 operands, or MXFP8 (DESIGN §6). Weights arrive as ``MXTensor`` blocked along
