@@ -17,8 +17,8 @@ its own loads, and its epilogue waits for the tile's last step (NOTES.md, sessio
   stored each tile under the next one's last step (two accumulators live; NOTES.md, session 26);
 - a storer (STORER_WARPS warps): each tile buffer to global memory, 16 bytes a thread, evicted first from L2
   (written once, never read here; up to 4.6% faster, session 29), so that the consumers' next MMAs run while
-  the stores drain. With the MMAs and loads alone taking about the write floor's time, stores made by the
-  consumers themselves added 18-62% to them (NOTES.md, session 30). The storer took 0.935-0.953x the time at
+  the stores drain. With the MMAs and loads alone taking 0.76-1.32x the floor's time at EP=2, stores made by
+  the consumers themselves added 18-62% to them (NOTES.md, session 30). The storer took 0.935-0.953x the time at
   EP=2 in 7 of 8 (shape, routing) cases, DeepSeek-V4-Pro balanced 1.007x (session 30).
 
 Tried and slower (NOTES.md, sessions 29-30): a ping-pong split, each warpgroup all 128 features of every other K
