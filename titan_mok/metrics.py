@@ -51,10 +51,14 @@ from torchtitan.tools.logging import logger
 from titan_mok.attached_loss import take_tally
 from titan_mok.moe_stats import MoEStats
 
-H200_BF16_PEAK_FLOPS = 800e12
-"""Per-GPU MFU denominator on H200: the BF16 dense-matmul ceiling measured on the
-project's 2×H200 machine (8192³ bf16 matmul, 800 TFLOP/s, 2026-11-30; the
-DESIGN §9 machine table). TorchTitan uses the 989 TFLOP/s datasheet figure."""
+MEASURED_BF16_PEAKS = {
+    "H200": (800e12, "H200 bf16 dense matmul 8192^3, measured 800 TFLOP/s (2026-11-30, DESIGN §9 machine table)"),
+    "H100 80GB HBM3": (775e12, "H100 SXM bf16 dense matmul 8192^3, measured 775 TFLOP/s (2026-12-05, "
+                               "benchmarks/NOTES.md session 31)"),
+}
+"""Per-GPU MFU denominators on the project's machines, by a fragment of the device name: the BF16 dense-matmul
+ceiling measured there, so that MFU means the same on both (TorchTitan's table gives the 989 TFLOP/s datasheet
+figure for both). Other GPUs take TorchTitan's table."""
 
 _WANDB_ENV = {
     "project": ("WANDB_PROJECT",),
@@ -77,8 +81,9 @@ def mfu_peak(job_config, device_type: str, device_name: str) -> tuple[float, str
         return configured * 1e12, "[metrics] mfu_peak_tflops"
     if device_type == "cpu":
         return float("nan"), "CPU run: MFU is not meaningful (logged as NaN)"
-    if "H200" in device_name:
-        return H200_BF16_PEAK_FLOPS, "H200 bf16 dense matmul 8192^3, measured 800 TFLOP/s (DESIGN §9 machine table)"
+    for fragment, (peak, source) in MEASURED_BF16_PEAKS.items():
+        if fragment in device_name:
+            return peak, source
     return utils.get_peak_flops(device_name), f"torchtitan.tools.utils.get_peak_flops({device_name!r})"
 
 
