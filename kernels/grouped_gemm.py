@@ -231,8 +231,17 @@ _WGRAD_CONFIGS = {
     # 32-43 rows the Gluon kernel took 0.84-1.00x the Triton kernel's time for w_down's gradient in all 6 (shape,
     # routing) cases (session 26, without them: 4 of 6), 0.98-1.05x for w_gate's and w_up's (session 30).
     "flat_ws": dict(BR=32, BN=128, BK=256, STAGES=6, CONSUMER_REGS=232, STORER_WARPS=2, STORER_REGS=64, num_warps=4),
+    # The same kernel where experts average >= _WGRAD_WS_LONG_STEPS_MIN_ROWS rows (None: "flat_ws" there too): 64-row
+    # MMA steps, half as many as 32-row ones and, from 128 rows, padding the rows hardly more; 3 ring slots, to fit.
+    # GLM-5.2 EP=2 (128 rows per expert): 0.905 / 0.953 of the 32-row steps' time summed over the three weights on
+    # the H200 (balanced / skewed; NOTES.md session 30), 0.966-1.012 per weight on the H100 (session 31). At 80-85
+    # rows (Kimi, Qwen3.5 EP=2), where 64-row steps pad 128 / 96 times as many rows, they were 0.99-1.11x on the
+    # H200 while 0.96-0.995x on the H100; at 64 rows (DeepSeek-V4-Pro EP=2) 0.98-0.99x and 1.00-1.01x.
+    "flat_ws_long": dict(BR=64, BN=128, BK=256, STAGES=3, CONSUMER_REGS=232, STORER_WARPS=2, STORER_REGS=64,
+                         num_warps=4),
 }
 _WGRAD_WS_MIN_ROWS = 64
+_WGRAD_WS_LONG_STEPS_MIN_ROWS = 128
 _WGRAD_FLAT_MAX_ROWS = 512
 _WGRAD_MIN_PROGRAMS = 1024
 
@@ -932,13 +941,13 @@ def _grouped_wgrad_values(a_RN, b_RK, group_end_E) -> torch.Tensor:
     if num_experts:
         loop = wgrad_loop(a_RN.shape[0], num_experts, n, k, _on_cuda(a_RN))
         cfg = _WGRAD_CONFIGS[loop]
-        flat = loop != "rows"  # "flat_ws" runs the flat loop's programs
+        flat = loop != "rows"  # "flat_ws" and "flat_ws_long" run the flat loop's programs
         n_tiles, k_tiles = triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"])
         prog_end_E, k_tiles_per_prog_E, max_programs = _wgrad_programs(group_end_E, a_RN.shape[0], cfg["BR"], n_tiles,
                                                                        k_tiles, flat)
         args = (a_RN, b_RK, c_ENK, group_end_E, prog_end_E, k_tiles_per_prog_E, n, k, num_experts)
         _set_triton_allocator()  # the kernels make each program's TMA descriptors
-        if loop == "flat_ws":  # one program per SM looping over the flat loop's programs: the same bits
+        if loop.startswith("flat_ws"):  # one program per SM looping over the flat loop's programs: the same bits
             grouped_wgrad_ws._grouped_wgrad_ws_kernel[(_persistent_programs(a_RN, n_tiles * max_programs),)](
                 *args, LOG_E=num_experts.bit_length(), **cfg)
         else:
@@ -953,10 +962,13 @@ def wgrad_loop(num_rows: int, num_experts: int, n: int, k: int, on_cuda: bool = 
     """The ``_WGRAD_CONFIGS`` entry grouped_wgrad runs for a gradient [E, n, k]: "flat" while experts average
     fewer than _WGRAD_FLAT_MAX_ROWS rows (padding included: a static property of the shapes), else "rows"; on
     CUDA "flat_ws" instead of "flat" where it has a config and experts average at least _WGRAD_WS_MIN_ROWS rows,
-    or the gradient has more features than K columns (n > k)."""
+    or the gradient has more features than K columns (n > k); "flat_ws_long" instead of "flat_ws" where it has a
+    config and experts average at least _WGRAD_WS_LONG_STEPS_MIN_ROWS rows."""
     if num_rows >= _WGRAD_FLAT_MAX_ROWS * num_experts:
         return "rows"
     if on_cuda and (num_rows >= _WGRAD_WS_MIN_ROWS * num_experts or n > k) and _WGRAD_CONFIGS["flat_ws"]:
+        if num_rows >= _WGRAD_WS_LONG_STEPS_MIN_ROWS * num_experts and _WGRAD_CONFIGS["flat_ws_long"]:
+            return "flat_ws_long"
         return "flat_ws"
     return "flat"
 

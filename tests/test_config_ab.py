@@ -77,7 +77,23 @@ def test_compare_reports_median_and_range_per_config():
     assert rec["variant_ms"] == 5.0 and rec["variant_range_ms"] == [4.0, 6.0]
 
 
-def _run_tiny(monkeypatch, tmp_path, *flags):
+def tracked_cpu_cases(made: list):
+    """A Case factory on the CPU that keeps a weak reference to each case in made and fails if an earlier case is
+    still alive when the next one is built."""
+    import weakref
+
+    from titan_mok.bench.grouped_ffn import Case
+
+    def make(h, i, counts):
+        assert all(ref() is None for ref in made), "an earlier case's tensors are still held"
+        case = Case(h, i, counts, dev="cpu")
+        made.append(weakref.ref(case))
+        return case
+
+    return make
+
+
+def _run_tiny(monkeypatch, tmp_path, *flags, cases="EP=2 skewed", make_case=None):
     """The whole tool at a tiny shape on the interpreter, timing stubbed; its JSON lines."""
     import json
     import sys
@@ -87,11 +103,10 @@ def _run_tiny(monkeypatch, tmp_path, *flags):
 
     monkeypatch.setattr(config_ab, "SHAPES", {"tiny": (128, 64, 8, 2)})
     monkeypatch.setattr(config_ab, "TOKENS_PER_GPU", 48)
-    monkeypatch.setattr(config_ab, "Case", lambda h, i, counts: Case(h, i, counts, dev="cpu"))
+    monkeypatch.setattr(config_ab, "Case", make_case or (lambda h, i, counts: Case(h, i, counts, dev="cpu")))
     monkeypatch.setattr(config_ab, "bench", lambda fn, rep_ms: (fn(), 1.0)[1])
     monkeypatch.setattr(config_ab.torch.cuda, "empty_cache", lambda: None)
-    argv = ["config_ab", "--shapes", "tiny", "--cases", "EP=2 skewed", "--rounds", "1", "--out", str(tmp_path),
-            *flags]
+    argv = ["config_ab", "--shapes", "tiny", "--cases", cases, "--rounds", "1", "--out", str(tmp_path), *flags]
     monkeypatch.setattr(sys, "argv", argv)
     config_ab.main()
     return [json.loads(line) for line in (tmp_path / "config_ab.jsonl").read_text().splitlines()[1:]]
@@ -115,6 +130,15 @@ def test_config_ab_runs_the_weight_gradients(monkeypatch, tmp_path):
     assert [r["kind"] for r in rows] == [f"wgrad/flat:{w}" for w in ("w_gate", "w_up", "w_down")]
     assert all(r["bits_equal"] for r in rows)
     assert gg._WGRAD_CONFIGS["flat"] == committed, "the committed configs are restored"
+
+
+def test_each_case_is_released_before_the_next(monkeypatch, tmp_path):
+    """Nothing holds a case's tensors once its GEMMs are done: on an 80 GB H100 a case kept alive by a loop
+    variable bound to its last GEMM made the next case run out of memory."""
+    made = []
+    rows = _run_tiny(monkeypatch, tmp_path, "--precision", "bf16", "--set", 'wgrad/flat={"num_stages": 2}',
+                     cases="EP=2 skewed,EP=2 balanced", make_case=tracked_cpu_cases(made))
+    assert len(made) == 2 and len(rows) == 6
 
 
 def test_fp8_mma_has_no_weight_gradient(monkeypatch, capsys):

@@ -208,21 +208,26 @@ def test_wgrad_loop_follows_rows_per_expert(monkeypatch):
     """The weight gradient's entry: the warp-specialized kernel on CUDA from _WGRAD_WS_MIN_ROWS rows per expert
     on, and below it for a gradient with more features than K columns (w_down's), only with a config; the Triton
     flat loop otherwise and off CUDA; the row loop from _WGRAD_FLAT_MAX_ROWS on."""
-    ws_min, flat_max, experts = gg._WGRAD_WS_MIN_ROWS, gg._WGRAD_FLAT_MAX_ROWS, 4
-    assert gg._WGRAD_CONFIGS["flat_ws"] is not None
-    rows = [r * experts for r in (ws_min - 1, ws_min, flat_max - 1, flat_max)]
+    ws_min, long_min, flat_max, experts = (gg._WGRAD_WS_MIN_ROWS, gg._WGRAD_WS_LONG_STEPS_MIN_ROWS,
+                                           gg._WGRAD_FLAT_MAX_ROWS, 4)
+    assert gg._WGRAD_CONFIGS["flat_ws"] is not None and gg._WGRAD_CONFIGS["flat_ws_long"] is not None
+    rows = [r * experts for r in (ws_min - 1, ws_min, long_min - 1, long_min, flat_max - 1, flat_max)]
     w_gate, w_down = (2048, 7168), (7168, 2048)  # (n, k) of Kimi K2.7's [E, I, H] and [E, H, I] gradients
-    assert [gg.wgrad_loop(r, experts, *w_gate, True) for r in rows] == ["flat", "flat_ws", "flat_ws", "rows"]
-    assert [gg.wgrad_loop(r, experts, *w_down, True) for r in rows] == ["flat_ws", "flat_ws", "flat_ws", "rows"]
+    ws = ["flat_ws", "flat_ws_long", "flat_ws_long", "rows"]
+    assert [gg.wgrad_loop(r, experts, *w_gate, True) for r in rows] == ["flat", "flat_ws", *ws]
+    assert [gg.wgrad_loop(r, experts, *w_down, True) for r in rows] == ["flat_ws", "flat_ws", *ws]
     for n_k in (w_gate, w_down):
-        assert [gg.wgrad_loop(r, experts, *n_k) for r in rows] == ["flat", "flat", "flat", "rows"]
+        assert [gg.wgrad_loop(r, experts, *n_k) for r in rows] == ["flat"] * 5 + ["rows"]
+    monkeypatch.setitem(gg._WGRAD_CONFIGS, "flat_ws_long", None)
+    assert gg.wgrad_loop(long_min * experts, experts, *w_gate, True) == "flat_ws"
     monkeypatch.setitem(gg._WGRAD_CONFIGS, "flat_ws", None)
+    assert gg.wgrad_loop(long_min * experts, experts, *w_gate, True) == "flat"
     assert gg.wgrad_loop(ws_min * experts, experts, *w_gate, True) == "flat"
     assert gg.wgrad_loop(experts, experts, *w_down, True) == "flat"
 
 
-# warp-specialized weight-gradient configs the GPU test holds to the Triton kernel's bits (and the committed
-# one): 64-row MMA steps, 32-row steps on a two-slot ring with a one-warp storer
+# warp-specialized weight-gradient configs the GPU test holds to the Triton kernel's bits (besides the committed
+# ones): 64-row MMA steps on 128-wide K tiles, 32-row steps on a two-slot ring with a one-warp storer
 WGRAD_WS_RINGS = {"br64": dict(BR=64, BN=128, BK=128, STAGES=4, CONSUMER_REGS=232, STORER_WARPS=2, STORER_REGS=64,
                                num_warps=4),
                   "br32_2": dict(BR=32, BN=128, BK=128, STAGES=2, CONSUMER_REGS=232, STORER_WARPS=1, STORER_REGS=80,
@@ -232,19 +237,20 @@ WGRAD_WS_RINGS = {"br64": dict(BR=64, BN=128, BK=128, STAGES=4, CONSUMER_REGS=23
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("programs", ["per_sm", 3])
-@pytest.mark.parametrize("ring", list(WGRAD_WS_RINGS) + ["committed"])
+@pytest.mark.parametrize("ring", list(WGRAD_WS_RINGS) + ["flat_ws", "flat_ws_long"])
 def test_warp_specialized_wgrad_matches_triton_bits(monkeypatch, ring, programs):
     """grouped_wgrad_ws gives the Triton flat loop's bits (each of its wgmmas adds rows 16 at a time, in order,
     whatever the row block): an empty expert, one-row and 129-row experts, partial feature and K tiles, a heavy
     expert whose K tiles the launcher splits among more programs; with a program
     per SM and with 3 programs looping over every job (the ring's phases carried across jobs and experts)."""
-    cfg = gg._WGRAD_CONFIGS["flat_ws"] if ring == "committed" else WGRAD_WS_RINGS[ring]
-    assert cfg is not None, "no committed flat_ws config: nothing would run the Gluon kernel"
+    cfg = gg._WGRAD_CONFIGS[ring] if ring in gg._WGRAD_CONFIGS else WGRAD_WS_RINGS[ring]  # else: a committed one
+    assert cfg is not None, f"no committed {ring} config: nothing would run the Gluon kernel"
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
     monkeypatch.setattr(gg, "_WGRAD_FLAT_MAX_ROWS", 10**6)  # every case on the flat loop,
     monkeypatch.setattr(gg, "_WGRAD_WS_MIN_ROWS", 0)  # and on the warp-specialized kernel
-    monkeypatch.setitem(gg._WGRAD_CONFIGS, "flat_ws", cfg)
+    monkeypatch.setitem(gg._WGRAD_CONFIGS, "flat_ws", cfg)  # every case on this config
+    monkeypatch.setitem(gg._WGRAD_CONFIGS, "flat_ws_long", None)
     g = torch.Generator().manual_seed(11)
     for n, k, counts in ((192, 200, [1, 129, 0, 64]), (384, 1088, [300, 0, 711, 1089]), (2048, 1024, [85] * 20),
                          (256, 512, [3] * 30 + [700])):

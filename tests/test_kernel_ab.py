@@ -11,6 +11,7 @@ from titan_mok import kernels as kernels_package
 from titan_mok.bench import config_ab, kernel_ab
 from titan_mok.bench.grouped_ffn import Case
 from titan_mok.kernels import grouped_gemm as gg
+from tests.test_config_ab import tracked_cpu_cases
 
 # the flat loop's store of a weight-gradient tile (both of its lines open this way)
 WGRAD_STORE = "tl.store(c_rows + offs_k[None, :], _bf16_rne(acc),"
@@ -26,15 +27,15 @@ def _baseline_copy(tmp_path, edit=None):
     return folder
 
 
-def _run_tiny(monkeypatch, tmp_path, baseline, *flags):
+def _run_tiny(monkeypatch, tmp_path, baseline, *flags, cases="EP=2 skewed", make_case=None):
     """The whole tool at a tiny shape on the interpreter, timing stubbed; its JSON lines."""
     monkeypatch.setattr(config_ab, "SHAPES", {"tiny": (128, 64, 8, 2)})
     monkeypatch.setattr(config_ab, "TOKENS_PER_GPU", 48)
     monkeypatch.setattr(kernel_ab, "SHAPES", {"tiny": (128, 64, 8, 2)})
-    monkeypatch.setattr(kernel_ab, "Case", lambda h, i, counts: Case(h, i, counts, dev="cpu"))
+    monkeypatch.setattr(kernel_ab, "Case", make_case or (lambda h, i, counts: Case(h, i, counts, dev="cpu")))
     monkeypatch.setattr(kernel_ab, "bench", lambda fn, rep_ms: (fn(), 1.0)[1])
     monkeypatch.setattr(kernel_ab.torch.cuda, "empty_cache", lambda: None)
-    argv = ["kernel_ab", "--baseline", str(baseline), "--shapes", "tiny", "--cases", "EP=2 skewed", "--rounds", "1",
+    argv = ["kernel_ab", "--baseline", str(baseline), "--shapes", "tiny", "--cases", cases, "--rounds", "1",
             "--out", str(tmp_path), *flags]
     monkeypatch.setattr(sys, "argv", argv)
     kernel_ab.main()
@@ -58,6 +59,14 @@ def test_an_unchanged_baseline_keeps_the_bits(monkeypatch, tmp_path):
     assert baseline_gg._grouped_wgrad_kernel is not gg._grouped_wgrad_kernel
     assert baseline_ffn.weight_operand.__module__ == f"{kernel_ab.BASELINE_PACKAGE}.grouped_ffn"
     assert not any(m.startswith(kernel_ab.BASELINE_PACKAGE) for m in sys.modules)
+
+
+def test_each_case_is_released_before_the_next(monkeypatch, tmp_path):
+    """Neither side's GEMMs hold a case's tensors once they are done (config_ab's test, for this tool)."""
+    made = []
+    rows = _run_tiny(monkeypatch, tmp_path, _baseline_copy(tmp_path), "--precision", "bf16", "--gemms", "wgrad",
+                     cases="EP=2 skewed,EP=2 balanced", make_case=tracked_cpu_cases(made))
+    assert len(made) == 2 and len(rows) == 6
 
 
 def test_a_changed_baseline_kernel_shows_in_the_bits(monkeypatch, tmp_path):

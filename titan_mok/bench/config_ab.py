@@ -8,10 +8,11 @@
     python3 -m titan_mok.bench.config_ab --precision bf16 --set 'wgrad/flat={"BN": 64, "num_warps": 4}'
 
 Entries: ``_MM_CONFIGS``' keys (grouped_mm's kinds) and the weight gradient's as "wgrad/flat",
-"wgrad/rows" (its loops) and "wgrad/flat_ws" (``_WGRAD_CONFIGS``). ``--set KEY=JSON`` merges a JSON object into
-the committed entry KEY (a new "@few_rows" or "@many_rows" key, or a None entry, starts empty) or, with ``null``,
-makes a grouped_mm entry or "wgrad/flat_ws" None (a None "<precision>_ws/<kind>" runs the Triton kernel, but in a
-rows tier with its own "@<tier>" entry; a None "wgrad/flat_ws" the Triton kernel's flat loop);
+"wgrad/rows" (its loops), "wgrad/flat_ws" and "wgrad/flat_ws_long" (``_WGRAD_CONFIGS``). ``--set KEY=JSON`` merges a
+JSON object into the committed entry KEY (a new "@few_rows" or "@many_rows" key, or a None entry, starts empty) or,
+with ``null``, makes a grouped_mm entry or a "wgrad/flat_ws*" one None (a None "<precision>_ws/<kind>" runs the Triton
+kernel, but in a rows tier with its own "@<tier>" entry; a None "wgrad/flat_ws" the Triton kernel's flat loop, a None
+"wgrad/flat_ws_long" the "flat_ws" config);
 ``--unset KEY`` removes a grouped_mm entry. The GEMMs compared are those of the tables the variant
 changes (both for a run without ``--set``/``--unset``): grouped_mm's four kinds, and each weight's
 gradient (not with ``--fp8-mma``: the weight gradient has no E4M3-MMA path). Per shape and case (the
@@ -35,7 +36,7 @@ from titan_mok.kernels import grouped_gemm as gg
 
 CASES = ("EP=1 balanced", "EP=1 skewed", "EP=2 balanced", "EP=2 skewed", "8x4096")
 WGRAD = "wgrad/"  # the weight gradient's entries: "wgrad/" + a _WGRAD_CONFIGS key
-WGRAD_LOOPS = (WGRAD + "flat", WGRAD + "rows")  # always a config; "wgrad/flat_ws" may be null (the Triton kernel)
+WGRAD_LOOPS = (WGRAD + "flat", WGRAD + "rows")  # always a config; "wgrad/flat_ws*" may be null
 
 
 def committed_configs() -> dict:
@@ -183,16 +184,21 @@ def main():
         log.write(json.dumps({"sets": args.sets, "unsets": args.unsets, "precision": args.precision,
                               "fp8_mma": args.fp8_mma}) + "\n")
         for shape in shapes:
-            dim_h, dim_i, _, _ = SHAPES[shape]
             for case in cases:
-                c = Case(dim_h, dim_i, case_counts(shape, case))
-                for key, fn in gemms_to_compare(c, args).items():
-                    rec = {"shape": shape, "case": case, "kind": key,
-                           **compare(fn, configs, args.rounds, args.rep_ms, bench)}
-                    print(json.dumps(rec), flush=True)
-                    log.write(json.dumps(rec) + "\n")
-                del c
-                torch.cuda.empty_cache()
+                ab_case(shape, case, args, configs, log)
+                torch.cuda.empty_cache()  # the case's tensors went with ab_case's frame
+
+
+def ab_case(shape: str, case: str, args, configs: dict, log):
+    """One case's GEMMs compared and timed, a JSON line each. A function of its own so that nothing holds the
+    case's tensors (tens of GB at EP=1) once it returns: a loop variable left bound to its last GEMM did, and the
+    next case ran out of memory on an 80 GB H100 (NOTES.md, session 31)."""
+    dim_h, dim_i, _, _ = SHAPES[shape]
+    c = Case(dim_h, dim_i, case_counts(shape, case))
+    for key, fn in gemms_to_compare(c, args).items():
+        rec = {"shape": shape, "case": case, "kind": key, **compare(fn, configs, args.rounds, args.rep_ms, bench)}
+        print(json.dumps(rec), flush=True)
+        log.write(json.dumps(rec) + "\n")
 
 
 if __name__ == "__main__":

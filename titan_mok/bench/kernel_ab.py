@@ -112,21 +112,25 @@ def main():
         log.write(json.dumps({"baseline": os.path.abspath(args.baseline), "precision": args.precision,
                               "fp8_mma": args.fp8_mma, "gemms": args.gemms}) + "\n")
         for shape in shapes:
-            dim_h, dim_i, _, _ = SHAPES[shape]
             for case in cases:
-                c = Case(dim_h, dim_i, case_counts(shape, case))
-                ours, theirs = gemms(c, args, OUR_KERNELS), gemms(c, args, kernels)
-                # the same GEMMs in the same order; a weight gradient's key names its loop on that side
-                if len(ours) != len(theirs):
-                    raise ValueError(f"the baseline's GEMMs {list(theirs)} do not pair with the working tree's "
-                                     f"{list(ours)}")
-                for (key, fn), (base_key, base_fn) in zip(ours.items(), theirs.items()):
-                    rec = {"shape": shape, "case": case, "kind": key, "baseline_kind": base_key,
-                           **compare(fn, base_fn, args.rounds, args.rep_ms, bench)}
-                    print(json.dumps(rec), flush=True)
-                    log.write(json.dumps(rec) + "\n")
-                del c, ours, theirs
-                torch.cuda.empty_cache()
+                ab_case(shape, case, args, kernels, log)
+                torch.cuda.empty_cache()  # the case's tensors went with ab_case's frame
+
+
+def ab_case(shape: str, case: str, args, kernels, log):
+    """One case's GEMMs on both sides compared and timed, a JSON line each; nothing holds the case's tensors once it
+    returns (as config_ab.ab_case)."""
+    dim_h, dim_i, _, _ = SHAPES[shape]
+    c = Case(dim_h, dim_i, case_counts(shape, case))
+    ours, theirs = gemms(c, args, OUR_KERNELS), gemms(c, args, kernels)
+    # the same GEMMs in the same order; a weight gradient's key names its loop on that side
+    if len(ours) != len(theirs):
+        raise ValueError(f"the baseline's GEMMs {list(theirs)} do not pair with the working tree's {list(ours)}")
+    for (key, fn), (base_key, base_fn) in zip(ours.items(), theirs.items()):
+        rec = {"shape": shape, "case": case, "kind": key, "baseline_kind": base_key,
+               **compare(fn, base_fn, args.rounds, args.rep_ms, bench)}
+        print(json.dumps(rec), flush=True)
+        log.write(json.dumps(rec) + "\n")
 
 
 if __name__ == "__main__":
