@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first device call of a session (one or two H200s), from the repo root:
+# The first device call of a session (one or two H100s or H200s), from the repo root:
 #   bash benchmarks/gpu_checks.sh            (logs in $OUT, else outputs/gpu_checks)
 # 1. every GPU test (`pytest -m gpu`: grouped FFN, MXFP8 quantization, fused path at EP=2,
 #    shared expert on the Triton FFN, the four models' cached RL rollouts in bf16);

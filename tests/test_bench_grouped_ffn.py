@@ -91,3 +91,13 @@ def test_rowwise_fp8_of_an_empty_group():
     assert q.shape == (4, 0) and q.dtype == torch.float8_e4m3fn and torch.equal(s, torch.ones(4))
     q, s = grouped_ffn.rowwise_fp8(torch.tensor([[1.0, -448.0]], dtype=torch.bfloat16))
     assert torch.equal(s, torch.tensor([1.0])) and q.float().tolist() == [[1.0, -448.0]]
+
+
+def test_summary_names_what_did_not_fit():
+    """The summary table says "oom" for a phase that ran out of GPU memory (DeepSeek-V4-Pro EP=1 on an 80 GB H100),
+    "err" for another failure, of the phase or of the whole implementation, "-" for a phase not run."""
+    timed = {"fwd": {"ms": 1.5, "of_floor": 0.8}, "wgrad": {"error": "OutOfMemoryError('CUDA out of memory.')"},
+             "dgrad": {"error": "RuntimeError('bad shape')"}}
+    assert [grouped_ffn.summary_cell(timed, p) for p in ("fwd", "dgrad", "wgrad", "wquant")] == [
+        "1.50 (0.80)", "err", "oom", "-"]
+    assert grouped_ffn.summary_cell({"error": "OutOfMemoryError('...')"}, "fwd") == "oom"

@@ -541,12 +541,20 @@ def main():
     print("\ncase | impl | fwd ms (floor/time) | dgrad | wgrad | weight quantization")
     for r in results:
         for impl, ph in r["impls"].items():
-            cells = []
-            for phase in ("fwd", "dgrad", "wgrad", "wquant"):
-                v = ph.get(phase, {}) if isinstance(ph, dict) else {}
-                cells.append(f"{v['ms']:.2f} ({v['of_floor']:.2f})" if "ms" in v else ("err" if "error" in v or "error" in ph else "-"))
-            print(f"{r['case']} | {impl} | " + " | ".join(cells))
+            print(f"{r['case']} | {impl} | " + " | ".join(summary_cell(ph, p) for p in ("fwd", "dgrad", "wgrad", "wquant")))
     print(json.dumps({"ceilings": ceil}))
+
+
+def summary_cell(impl_result: dict, phase: str) -> str:
+    """A phase's cell of the summary table: "ms (fraction of the floor)", "oom" where it did not fit the GPU (the
+    largest EP=1 cases on an 80 GB H100), "err" for another failure (its text is in the JSON line), "-" if not run."""
+    v = impl_result.get(phase, {})
+    if "ms" in v:
+        return f"{v['ms']:.2f} ({v['of_floor']:.2f})"
+    error = v.get("error") or impl_result.get("error")
+    if error:
+        return "oom" if error.startswith("OutOfMemoryError") else "err"
+    return "-"
 
 
 if __name__ == "__main__":
