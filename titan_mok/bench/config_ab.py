@@ -31,7 +31,7 @@ import statistics
 import torch
 
 from titan_mok.bench.grouped_ffn import (SHAPES, TOKENS_PER_GPU, Case, bench, comma_choices, gemms_by_kind,
-                                        route_counts, wgrads_by_weight)
+                                        route_counts, use_growing_segments, wgrads_by_weight)
 from titan_mok.kernels import grouped_gemm as gg
 
 CASES = ("EP=1 balanced", "EP=1 skewed", "EP=2 balanced", "EP=2 skewed", "8x4096")
@@ -96,9 +96,12 @@ def case_counts(shape: str, case: str) -> torch.Tensor:
     return route_counts(TOKENS_PER_GPU * top_k, num_experts // int(ep.removeprefix("EP=")), routing == "skewed")
 
 
-def _outputs(fn) -> list[torch.Tensor]:
+def _outputs(fn, keep: bool = True) -> list[torch.Tensor]:
+    """fn's output tensors; keep: cloned, to be held while other code runs (the compared side is not: at Kimi EP=1
+    a weight gradient is 11 GB)."""
     out = fn()
-    return [out.clone()] if torch.is_tensor(out) else [t.clone() for t in out]
+    out = [out] if torch.is_tensor(out) else list(out)
+    return [t.clone() for t in out] if keep else out
 
 
 def compare(fn, configs: dict[str, dict], rounds: int, rep_ms: float, bench) -> dict:
@@ -110,7 +113,7 @@ def compare(fn, configs: dict[str, dict], rounds: int, rep_ms: float, bench) -> 
     use("committed")
     ref = _outputs(fn)
     use("variant")
-    bits_equal = all(torch.equal(a, b) for a, b in zip(ref, _outputs(fn)))
+    bits_equal = all(torch.equal(a, b) for a, b in zip(ref, _outputs(fn, keep=False)))
     del ref
     times = timed_rounds({name: fn for name in configs}, rounds, rep_ms, bench, before=use)
     use("committed")
@@ -165,6 +168,7 @@ def ab_shapes_and_cases(p: argparse.ArgumentParser, args) -> tuple[list[str], li
 
 
 def main():
+    use_growing_segments()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_ab_args(p, rounds=3, rep_ms=25)
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=JSON")

@@ -484,11 +484,15 @@ def comma_choices(parser: argparse.ArgumentParser, flag: str, text: str, allowed
     return given
 
 
-def main():
-    # DeepSeek-V4-Pro at EP=1 holds ~114 GB; its weight gradient's 15.75 GB output then found the free
-    # memory only in pieces (out of memory with 15.7 GB reserved but unallocated, session 20): segments
-    # that grow instead. Set before the first CUDA allocation, which reads it.
+def use_growing_segments():
+    """The CUDA allocator's segments grow instead of being carved once: DeepSeek-V4-Pro at EP=1 holds ~114 GB, and
+    its weight gradient's 15.75 GB output then found the free memory only in pieces (out of memory with 15.7 GB
+    reserved but unallocated, session 20). Call before the first CUDA allocation, which reads it."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
+def main():
+    use_growing_segments()
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--quick", action="store_true", help="the first of --shapes, balanced, EP=2 only")
