@@ -1,5 +1,6 @@
 """Warp-specialized bf16 weight gradient for Hopper (Gluon): ``grouped_wgrad``'s flat loop (few rows per
-expert, the MoE regime) on CUDA where ``_WGRAD_CONFIGS["flat_ws"]`` gives it a config.
+expert, the MoE regime) on CUDA where ``_WGRAD_CONFIGS["flat_ws"]`` gives it a config (from 128 rows per expert
+on average, ``"flat_ws_long"``'s: 64-row MMA steps).
 
 Same programs, K tiles and row order as ``grouped_gemm._grouped_wgrad_kernel`` (FLAT), which stays the
 definition it must match bit for bit (GPU test) and the path Triton's CPU interpreter runs. That kernel's
