@@ -545,7 +545,8 @@ def main():
     print("\ncase | impl | fwd ms (floor/time) | dgrad | wgrad | weight quantization")
     for r in results:
         for impl, ph in r["impls"].items():
-            print(f"{r['case']} | {impl} | " + " | ".join(summary_cell(ph, p) for p in ("fwd", "dgrad", "wgrad", "wquant")))
+            cells = (summary_cell(ph, phase) for phase in ("fwd", "dgrad", "wgrad", "wquant"))
+            print(f"{r['case']} | {impl} | " + " | ".join(cells))
     print(json.dumps({"ceilings": ceil}))
 
 
