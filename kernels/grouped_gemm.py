@@ -235,8 +235,8 @@ _WGRAD_CONFIGS = {
     # MMA steps, half as many as 32-row ones and, from 128 rows, padding the rows hardly more; 3 ring slots, to fit.
     # GLM-5.2 EP=2 (128 rows per expert): 0.905 / 0.953 of the 32-row steps' time summed over the three weights on
     # the H200 (balanced / skewed; NOTES.md session 30), 0.966-1.012 per weight on the H100 (session 31). At 80-85
-    # rows (Kimi, Qwen3.5 EP=2), where 64-row steps pad 128 / 96 times as many rows, they were 0.99-1.11x on the
-    # H200 while 0.96-0.995x on the H100; at 64 rows (DeepSeek-V4-Pro EP=2) 0.98-0.99x and 1.00-1.01x.
+    # rows (Kimi, Qwen3.5 EP=2), where 64-row steps pad an expert to 128 rows and 32-row steps to 96, they were
+    # 0.99-1.11x on the H200 while 0.96-0.995x on the H100; at 64 rows (DeepSeek-V4-Pro EP=2) 0.98-0.99x and 1.00-1.01x.
     "flat_ws_long": dict(BR=64, BN=128, BK=256, STAGES=3, CONSUMER_REGS=232, STORER_WARPS=2, STORER_REGS=64,
                          num_warps=4),
 }

@@ -243,7 +243,7 @@ def test_warp_specialized_wgrad_matches_triton_bits(monkeypatch, ring, programs)
     whatever the row block): an empty expert, one-row and 129-row experts, partial feature and K tiles, a heavy
     expert whose K tiles the launcher splits among more programs; with a program
     per SM and with 3 programs looping over every job (the ring's phases carried across jobs and experts)."""
-    cfg = gg._WGRAD_CONFIGS[ring] if ring in gg._WGRAD_CONFIGS else WGRAD_WS_RINGS[ring]  # else: a committed one
+    cfg = gg._WGRAD_CONFIGS[ring] if ring in gg._WGRAD_CONFIGS else WGRAD_WS_RINGS[ring]  # committed, or a variant
     assert cfg is not None, f"no committed {ring} config: nothing would run the Gluon kernel"
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
