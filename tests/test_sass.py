@@ -66,6 +66,21 @@ def test_weight_gradient_kernel_follows_rows_per_expert(rows_per_expert, kernels
     assert r["opcodes"].get("HGMMA", 0) > 0 and r["stack_bytes"] == 0 and r["programs_per_sm"] == 1, r
 
 
+def test_set_compiles_the_variant_and_names_a_bad_key():
+    """--set compiles a config variant (config_ab's syntax): the down projection's consumers ask for the variant's
+    registers, the other kinds keep theirs; a key that is no config entry is refused by name."""
+    cfg = sass.gg._MM_CONFIGS["mxfp8_ws/plain"]
+    regs = cfg["CONSUMER_REGS"] - 32
+    ws = {r["step"]: r for r in _report("--shape", "qwen", "--rows-per-expert", "80", "--set",
+                                        f'mxfp8_ws/plain={{"CONSUMER_REGS": {regs}}}')
+          if r["kernel"] == "_grouped_mm_mx_ws_kernel"}
+    assert regs in ws["fwd: down"]["setmaxnreg"], ws["fwd: down"]
+    assert regs not in ws["dgrad: gate/up (dual)"]["setmaxnreg"], ws["dgrad: gate/up (dual)"]
+    out = subprocess.run([sys.executable, "-m", "titan_mok.bench.sass", "--set", "mxfp8_ws/nope={}"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--set mxfp8_ws/nope: not a config key" in out.stderr, out.stderr[-2000:]
+
+
 def test_compiling_context_restores_what_it_replaced():
     """The stand-in driver, the compile-only launches, the SM count and the launchers' CUDA answer are
     undone on exit, even after an error inside."""

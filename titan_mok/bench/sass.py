@@ -2,12 +2,14 @@
 shared memory and SASS instruction mix of every kernel one MoE FFN pass would launch.
 
     python3 -m titan_mok.bench.sass [--shape kimi] [--rows-per-expert 43] [--precision mxfp8] [--sass-dir DIR] [--json]
+    python3 -m titan_mok.bench.sass --rows-per-expert 85 --set 'mxfp8_ws/plain={"CONSUMER_REGS": 200}'
 
 Why: device time is scarce. A tile config that spills, or that cannot fit two programs on an SM,
 shows here first (benchmarks/NOTES.md, session 11). Triton's wheel carries ptxas, nvdisasm and
 cuobjdump; a stand-in driver reports an sm_90 target, and every kernel the launchers would start
 is compiled instead (``JITFunction.run`` with ``warmup=True``), so nothing runs and the tensors are
-CPU tensors whose values do not matter. The launchers are told they run on CUDA, so they pick the
+CPU tensors whose values do not matter. ``--set``/``--unset`` compile a config variant, as
+``config_ab`` would time it: its registers, spills and shared memory before any device time is spent. The launchers are told they run on CUDA, so they pick the
 kernels and configs they would there (the Gluon kernel for MXFP8, the rows-per-expert configs).
 Registers and shared memory are per program; a warp-specialized kernel's partitions then move
 registers among themselves (``setmaxnreg``, listed).
@@ -27,6 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
+from titan_mok.bench.config_ab import committed_configs, install, variant_configs
 from titan_mok.bench.grouped_ffn import SHAPES
 from titan_mok.kernels import grouped_gemm as gg
 from titan_mok.kernels import grouped_mm_ws
@@ -164,7 +167,15 @@ def main() -> None:
     parser.add_argument("--fp8-mma", action="store_true", help="MXFP8 grouped_mm kinds on E4M3 MMAs")
     parser.add_argument("--sass-dir", help="also write each kernel's SASS here")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON (no SASS text)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=JSON",
+                        help="merge a JSON object into a config entry (config_ab's --set)")
+    parser.add_argument("--unset", dest="unsets", action="append", default=[], metavar="KEY",
+                        help="remove a grouped_mm config entry (config_ab's --unset)")
     opts = parser.parse_args()
+    try:
+        install(variant_configs(committed_configs(), opts.sets, opts.unsets))
+    except ValueError as e:
+        parser.error(str(e))
     if opts.rows_per_expert < 1:
         parser.error(f"--rows-per-expert must be >= 1, got {opts.rows_per_expert}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
