@@ -8,9 +8,10 @@ Why: device time is scarce. A tile config that spills, or that cannot fit two pr
 shows here first (benchmarks/NOTES.md, session 11). Triton's wheel carries ptxas, nvdisasm and
 cuobjdump; a stand-in driver reports an sm_90 target, and every kernel the launchers would start
 is compiled instead (``JITFunction.run`` with ``warmup=True``), so nothing runs and the tensors are
-CPU tensors whose values do not matter. ``--set``/``--unset`` compile a config variant, as
-``config_ab`` would time it: its registers, spills and shared memory before any device time is spent. The launchers are told they run on CUDA, so they pick the
-kernels and configs they would there (the Gluon kernel for MXFP8, the rows-per-expert configs).
+CPU tensors whose values do not matter. The launchers are told they run on CUDA, so they pick the
+kernels and configs they would there (the Gluon kernel for MXFP8, the rows-per-expert configs);
+``--set``/``--unset`` compile a config variant instead, as ``config_ab`` would time it, so that its
+registers, spills and shared memory show before any device time is spent.
 Registers and shared memory are per program; a warp-specialized kernel's partitions then move
 registers among themselves (``setmaxnreg``, listed).
 """
