@@ -160,6 +160,15 @@ def add_ab_args(p: argparse.ArgumentParser, rounds: int, rep_ms: float):
     p.add_argument("--out", default=os.environ.get("OUT", "."))
 
 
+def add_variant_args(p: argparse.ArgumentParser):
+    """The flags that make a config variant (variant_configs): --set KEY=JSON and --unset KEY, repeatable; this
+    tool's, and bench.sass's to compile the variant offline."""
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=JSON",
+                   help="merge a JSON object into a config entry (or null: make it None)")
+    p.add_argument("--unset", dest="unsets", action="append", default=[], metavar="KEY",
+                   help="remove a grouped_mm config entry")
+
+
 def ab_shapes_and_cases(p: argparse.ArgumentParser, args) -> tuple[list[str], list[str]]:
     """add_ab_args' flags checked: (shapes, cases)."""
     if args.fp8_mma and args.precision != "mxfp8":
@@ -171,8 +180,7 @@ def main():
     use_growing_segments()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_ab_args(p, rounds=3, rep_ms=25)
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=JSON")
-    p.add_argument("--unset", dest="unsets", action="append", default=[], metavar="KEY")
+    add_variant_args(p)
     args = p.parse_args()
     shapes, cases = ab_shapes_and_cases(p, args)
     if args.fp8_mma and _changed_keys(args) and all(k.startswith(WGRAD) for k in _changed_keys(args)):

@@ -30,7 +30,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
-from titan_mok.bench.config_ab import committed_configs, install, variant_configs
+from titan_mok.bench.config_ab import add_variant_args, committed_configs, install, variant_configs
 from titan_mok.bench.grouped_ffn import SHAPES
 from titan_mok.kernels import grouped_gemm as gg
 from titan_mok.kernels import grouped_mm_ws
@@ -168,10 +168,7 @@ def main() -> None:
     parser.add_argument("--fp8-mma", action="store_true", help="MXFP8 grouped_mm kinds on E4M3 MMAs")
     parser.add_argument("--sass-dir", help="also write each kernel's SASS here")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON (no SASS text)")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=JSON",
-                        help="merge a JSON object into a config entry (config_ab's --set)")
-    parser.add_argument("--unset", dest="unsets", action="append", default=[], metavar="KEY",
-                        help="remove a grouped_mm config entry (config_ab's --unset)")
+    add_variant_args(parser)
     opts = parser.parse_args()
     try:
         install(variant_configs(committed_configs(), opts.sets, opts.unsets))
