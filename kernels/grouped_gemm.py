@@ -133,6 +133,9 @@ _MM_CONFIGS = {
     # (same-run A/As of the unchanged kinds: -14% to +2%; NOTES.md, session 21). The dual kind the same way
     # (each of its two weights' load brings that weight's next 128 rows): 5.3-11% faster at EP=2, Kimi K2.7,
     # GLM-5.2 and Qwen3.5, balanced and skewed, bits equal (A/As: -3.8% to +3.4%; session 22).
+    # Three consumer warpgroups instead (BN = 192, one row block: each one's dequantization hidden behind the other
+    # two's MMAs) were 6-9% faster than two at one row block but level to 10% slower than two row blocks, and with
+    # both at 64-token tiles 1.5-12% slower (one H100, NOTES.md, session 33): not kept.
     "mxfp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=232, num_warps=4,
                            HALF_TILES=True, SPLIT_TILES=True, ROW_BLOCKS=2),
     "mxfp8_ws/swiglu": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=2, CONSUMER_REGS=232, num_warps=4,

@@ -93,3 +93,27 @@ def test_a_baseline_that_is_not_a_kernels_folder(monkeypatch, tmp_path, capsys):
         kernel_ab.main()
     err = capsys.readouterr().err
     assert "not a kernels/ folder (no __init__.py, grouped_gemm.py, grouped_ffn.py)" in err, err
+
+
+def test_a_case_out_of_gpu_memory_is_skipped_by_name(monkeypatch, tmp_path, capsys):
+    """A case whose operands do not fit the GPU (Kimi K2.7 EP=1 in MXFP8 on an 80 GB H100: both sides' quantized
+    weights) gets a "skipped" line naming it, its tensors are released, the next case still runs, and the exit
+    status says so."""
+    made = []
+    real = kernel_ab.gemms
+
+    def gemms(c, args, kernels):
+        out = real(c, args, kernels)
+        if len(made) == 1:
+            raise kernel_ab.torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 5.25 GiB. GPU 0 has ...")
+        return out
+
+    monkeypatch.setattr(kernel_ab, "gemms", gemms)
+    with pytest.raises(SystemExit, match=r"1 case\(s\) did not fit the GPU's memory"):
+        _run_tiny(monkeypatch, tmp_path, _baseline_copy(tmp_path), "--precision", "bf16", "--gemms", "wgrad",
+                  cases="EP=2 skewed,EP=2 balanced", make_case=tracked_cpu_cases(made))
+    rows = [json.loads(line) for line in (tmp_path / "kernel_ab.jsonl").read_text().splitlines()[1:]]
+    assert rows[0] == {"shape": "tiny", "case": "EP=2 skewed",
+                       "skipped": "CUDA out of memory. Tried to allocate 5.25 GiB"}
+    assert len(made) == 2 and [r["case"] for r in rows[1:]] == ["EP=2 balanced"] * 3
+    assert all(r["bits_equal"] for r in rows[1:])

@@ -14,12 +14,13 @@ of ``titan_mok.kernels`` pointed at it, and imported beside the working tree's (
 its file, so the copies are real files). The rest of titan_mok, ``titan_mok.mxfp8`` included, is the working tree's
 for both. Each side makes its own operands (the weights in the layouts its kernels read), from the same case: in
 MXFP8 both sides' quantized weights are held at once (DeepSeek-V4-Pro at EP=1, ~50 GB of bf16 weights and ~100 GB of
-MXFP8 copies, does not fit one H200; bf16 operands are views). Per shape and case (the grouped_ffn benchmark's
+MXFP8 copies, does not fit one H200, nor Kimi K2.7 at EP=1, 34 + 70 GB, an 80 GB H100; bf16 operands are views). Per shape and case (the grouped_ffn benchmark's
 MoE-regime cases and 8 × 4096 rows), each GEMM's outputs are compared with ``torch.equal``, then both sides are
 timed in ``--rounds`` rounds of ``bench(fn, --rep-ms)``, their order alternating; the median round is reported, with
 the fastest and slowest, and "working/baseline", the ratio of the medians. ``--gemms`` picks grouped_mm's four kinds
 ("mm"), the three weight gradients ("wgrad"; not with ``--fp8-mma``) or both. One JSON line per (shape, case, GEMM)
-goes to stdout and ``$OUT/kernel_ab.jsonl`` (or ``--out``).
+goes to stdout and ``$OUT/kernel_ab.jsonl`` (or ``--out``); a case that does not fit the GPU's memory gets a
+"skipped" line instead (config_ab.run_cases), the other cases still run, and the exit status is 1.
 """
 
 import argparse
@@ -32,7 +33,8 @@ import tempfile
 
 import torch
 
-from titan_mok.bench.config_ab import _outputs, ab_shapes_and_cases, add_ab_args, case_counts, timed_rounds
+from titan_mok.bench.config_ab import (_outputs, ab_shapes_and_cases, add_ab_args, case_counts, run_cases,
+                                      timed_rounds)
 from titan_mok.bench.grouped_ffn import (OUR_KERNELS, SHAPES, Case, bench, gemms_by_kind, use_growing_segments,
                                         wgrads_by_weight)
 
@@ -113,10 +115,9 @@ def main():
                                                            buffering=1) as log:
         log.write(json.dumps({"baseline": os.path.abspath(args.baseline), "precision": args.precision,
                               "fp8_mma": args.fp8_mma, "gemms": args.gemms}) + "\n")
-        for shape in shapes:
-            for case in cases:
-                ab_case(shape, case, args, kernels, log)
-                torch.cuda.empty_cache()  # the case's tensors went with ab_case's frame
+        skipped = run_cases(shapes, cases, lambda shape, case: ab_case(shape, case, args, kernels, log), log)
+    if skipped:
+        sys.exit(f"kernel_ab: {skipped} case(s) did not fit the GPU's memory (their \"skipped\" lines)")
 
 
 def ab_case(shape: str, case: str, args, kernels, log):
