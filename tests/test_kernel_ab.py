@@ -46,8 +46,9 @@ def test_an_unchanged_baseline_keeps_the_bits(monkeypatch, tmp_path):
     """Every kind of grouped_mm and each weight's gradient, from the baseline's own modules (not the working
     tree's), bit for bit the working tree's; the baseline forgotten afterwards."""
     seen = []
-    real = kernel_ab.gemms
-    monkeypatch.setattr(kernel_ab, "gemms", lambda c, args, kernels: (seen.append(kernels), real(c, args, kernels))[1])
+    real = kernel_ab.gemm_makers
+    monkeypatch.setattr(kernel_ab, "gemm_makers",
+                        lambda c, args, kernels: (seen.append(kernels), real(c, args, kernels))[1])
     rows = _run_tiny(monkeypatch, tmp_path, _baseline_copy(tmp_path), "--precision", "bf16")
     kinds = [f"bf16/{k}" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
     kinds += [f"wgrad/flat:{w}" for w in ("w_gate", "w_up", "w_down")]
@@ -100,15 +101,15 @@ def test_a_case_out_of_gpu_memory_is_skipped_by_name(monkeypatch, tmp_path, caps
     weights) gets a "skipped" line naming it, its tensors are released, the next case still runs, and the exit
     status says so."""
     made = []
-    real = kernel_ab.gemms
+    real = kernel_ab.gemm_makers
 
-    def gemms(c, args, kernels):
+    def gemm_makers(c, args, kernels):
         out = real(c, args, kernels)
         if len(made) == 1:
             raise kernel_ab.torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 5.25 GiB. GPU 0 has ...")
         return out
 
-    monkeypatch.setattr(kernel_ab, "gemms", gemms)
+    monkeypatch.setattr(kernel_ab, "gemm_makers", gemm_makers)
     with pytest.raises(SystemExit, match=r"1 case\(s\) did not fit the GPU's memory"):
         _run_tiny(monkeypatch, tmp_path, _baseline_copy(tmp_path), "--precision", "bf16", "--gemms", "wgrad",
                   cases="EP=2 skewed,EP=2 balanced", make_case=tracked_cpu_cases(made))
@@ -117,3 +118,26 @@ def test_a_case_out_of_gpu_memory_is_skipped_by_name(monkeypatch, tmp_path, caps
                        "skipped": "CUDA out of memory. Tried to allocate 5.25 GiB"}
     assert len(made) == 2 and [r["case"] for r in rows[1:]] == ["EP=2 balanced"] * 3
     assert all(r["bits_equal"] for r in rows[1:])
+
+
+def test_each_side_holds_one_gemms_weights_at_a_time(monkeypatch, tmp_path):
+    """MXFP8 weights are made per GEMM and dropped after it: at most a SwiGLU gate/up's two per side are alive (all
+    six per side did not fit an 80 GB H100 at Kimi K2.7 EP=1), and the bits still match."""
+    import weakref
+
+    from titan_mok.bench import grouped_ffn
+
+    made, most_alive = [], [0]
+    real = grouped_ffn.weight_as_read
+
+    def weight_as_read(*args, **kwargs):
+        most_alive[0] = max(most_alive[0], sum(ref() is not None for ref in made))
+        w = real(*args, **kwargs)
+        made.append(weakref.ref(w))
+        return w
+
+    monkeypatch.setattr(grouped_ffn, "weight_as_read", weight_as_read)
+    rows = _run_tiny(monkeypatch, tmp_path, _baseline_copy(tmp_path), "--precision", "mxfp8", "--gemms", "mm")
+    assert [r["kind"] for r in rows] == [f"mxfp8_ws/{k}" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
+    assert all(r["bits_equal"] for r in rows)
+    assert len(made) == 2 * (3 + 6) and most_alive[0] == 3  # per side: the activations' three, then each kind's

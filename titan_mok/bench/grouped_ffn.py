@@ -30,6 +30,7 @@ import json
 import os
 import statistics
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -125,19 +126,31 @@ class Case:
         return 3 * self.E * self.H * self.I
 
 
-def ffn_operands(c, precision, fp8_mma=False, kernels=OUR_KERNELS):
-    """Our GEMMs' operands for case c: the weights as each GEMM reads them (forward [E, N, K],
-    dgrad the transposed views; MXFP8 pre-quantized in that layout) and the saved activations
-    g, u, h and dgate, dup. kernels: the grouped_gemm and grouped_ffn modules that make them (a
-    baseline revision's in bench.kernel_ab)."""
-    mm, ffn = kernels
-    weights = {"w_gate": c.w_gate, "w_up": c.w_up, "w_down": c.w_down}
-    wg, wu, wd = (ffn.weight_operand(w, precision, 2, name, mma_order=not fp8_mma) for name, w in weights.items())
-    wg_t, wu_t, wd_t = (ffn.weight_operand(w, precision, 1, name, mma_order=not fp8_mma)
-                        for name, w in weights.items())
+def weight_as_read(c, name, along, precision, fp8_mma=False, kernels=OUR_KERNELS):
+    """Case c's weight ``name`` as our GEMMs read it, K = its dim ``along`` (2: the forward's [E, N, K]; 1: the
+    dgrad's transposed view), MXFP8 quantized in that layout. kernels: the grouped_gemm and grouped_ffn modules that
+    make it (a baseline revision's in bench.kernel_ab)."""
+    return kernels[1].weight_operand(getattr(c, name), precision, along, name, mma_order=not fp8_mma)
+
+
+def saved_activations(c, precision, fp8_mma=False, kernels=OUR_KERNELS):
+    """g, u, h and dgate, dup as the FFN's forward and backward save them, by kernels' GEMMs (the weights those
+    read made for them and dropped)."""
+    mm = kernels[0]
+    wg, wu = (weight_as_read(c, name, 2, precision, fp8_mma, kernels) for name in ("w_gate", "w_up"))
     g, u, h = mm.grouped_gate_up_swiglu(c.x, c.group_end, wg, wu, None, fp8_mma=fp8_mma)
-    dg, du = mm.grouped_down_dgrad_swiglu(c.dy, c.group_end, wd_t, g, u, None)
-    return (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du)
+    del wg, wu
+    dg, du = mm.grouped_down_dgrad_swiglu(c.dy, c.group_end, weight_as_read(c, "w_down", 1, precision, fp8_mma,
+                                                                            kernels), g, u, None)
+    return g, u, h, dg, du
+
+
+def ffn_operands(c, precision, fp8_mma=False):
+    """Our GEMMs' operands for case c: the six weights as the GEMMs read them (weight_as_read: w_gate, w_up,
+    w_down forward, then transposed) and the saved activations (saved_activations)."""
+    weights = tuple(weight_as_read(c, name, along, precision, fp8_mma) for along in (2, 1)
+                    for name in ("w_gate", "w_up", "w_down"))
+    return weights, saved_activations(c, precision, fp8_mma)
 
 
 def phases_ours(c, precision, fp8_mma=False):
@@ -410,27 +423,39 @@ TUNE_VARIANTS = {
 }
 
 
-def gemms_by_kind(c, precision, fp8_mma=False, kernels=OUR_KERNELS):
-    """One grouped GEMM of each kind in this precision, keyed by the ``_MM_CONFIGS`` entry that picks
-    its kernel on CUDA: "bf16/<kind>", for MXFP8 "mxfp8_ws/<kind>", with fp8_mma "mxfp8_fp8_ws/<kind>"."""
+def gemm_makers(c, precision, fp8_mma=False, kernels=OUR_KERNELS) -> dict:
+    """Per kind of grouped GEMM in this precision, keyed by the ``_MM_CONFIGS`` entry that picks its kernel on
+    CUDA ("bf16/<kind>", for MXFP8 "mxfp8_ws/<kind>", with fp8_mma "mxfp8_fp8_ws/<kind>"), a function that makes the
+    weights that kind reads and returns the GEMM as a callable: a caller holding one kind's GEMM at a time holds one
+    kind's weights (bench.kernel_ab: two revisions' MXFP8 copies of all six did not fit an 80 GB H100 at Kimi K2.7
+    EP=1, NOTES.md session 33)."""
     mm = kernels[0]
-    (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision, fp8_mma, kernels)
+
+    def w(name, along):
+        return weight_as_read(c, name, along, precision, fp8_mma, kernels)
+
+    g, u, h, dg, du = saved_activations(c, precision, fp8_mma, kernels)
     ge = c.group_end
     key = ("mxfp8_fp8_ws" if fp8_mma else "mxfp8_ws") if precision == "mxfp8" else precision
     f8 = dict(fp8_mma=fp8_mma)
     return {
-        f"{key}/swiglu": lambda: mm.grouped_gate_up_swiglu(c.x, ge, wg, wu, None, **f8),
-        f"{key}/plain": lambda: mm.grouped_mm(h, ge, wd, **f8),
-        f"{key}/swiglu_bwd": lambda: mm.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None, **f8),
-        f"{key}/dual": lambda: mm.grouped_mm_sum(dg, du, ge, wg_t, wu_t, **f8),
+        f"{key}/swiglu": lambda: partial(mm.grouped_gate_up_swiglu, c.x, ge, w("w_gate", 2), w("w_up", 2), None, **f8),
+        f"{key}/plain": lambda: partial(mm.grouped_mm, h, ge, w("w_down", 2), **f8),
+        f"{key}/swiglu_bwd": lambda: partial(mm.grouped_down_dgrad_swiglu, c.dy, ge, w("w_down", 1), g, u, None, **f8),
+        f"{key}/dual": lambda: partial(mm.grouped_mm_sum, dg, du, ge, w("w_gate", 1), w("w_up", 1), **f8),
     }
+
+
+def gemms_by_kind(c, precision, fp8_mma=False, kernels=OUR_KERNELS):
+    """One grouped GEMM of each kind (gemm_makers' keys), all made at once."""
+    return {key: make() for key, make in gemm_makers(c, precision, fp8_mma, kernels).items()}
 
 
 def wgrads_by_weight(c, precision, kernels=OUR_KERNELS):
     """Each weight's gradient as one callable, keyed "wgrad/<loop>:<weight>" by the ``_WGRAD_CONFIGS``
     entry that runs it (grouped_gemm.wgrad_loop)."""
     mm, ffn = kernels
-    _, (_, _, h, dg, du) = ffn_operands(c, precision, kernels=kernels)
+    _, _, h, dg, du = saved_activations(c, precision, kernels=kernels)
     return {f"wgrad/{mm.wgrad_loop(c.R, c.E, a.shape[1], b.shape[1], c.x.is_cuda)}:{name}":
             (lambda a=a, b=b: mm.grouped_wgrad(a, b, c.group_end, precision))
             for name, (a, b) in ffn.wgrad_operands(c.x, h, c.dy, dg, du).items()}

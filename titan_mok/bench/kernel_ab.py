@@ -12,10 +12,11 @@ signatures differ cannot be compared this way.)
 The baseline's ``.py`` files are copied into a temporary package, ``titan_mok_baseline_kernels``, with their imports
 of ``titan_mok.kernels`` pointed at it, and imported beside the working tree's (Triton reads a kernel's source from
 its file, so the copies are real files). The rest of titan_mok, ``titan_mok.mxfp8`` included, is the working tree's
-for both. Each side makes its own operands (the weights in the layouts its kernels read), from the same case: in
-MXFP8 both sides' quantized weights are held at once (DeepSeek-V4-Pro at EP=1, ~50 GB of bf16 weights and ~100 GB of
-MXFP8 copies, does not fit one H200, nor Kimi K2.7 at EP=1, 34 + 70 GB, an 80 GB H100; bf16 operands are views). Per shape and case (the grouped_ffn benchmark's
-MoE-regime cases and 8 × 4096 rows), each GEMM's outputs are compared with ``torch.equal``, then both sides are
+for both. Each side makes its own operands (the weights in the layouts its kernels read), from the same case, one
+GEMM's at a time: in MXFP8 both sides' copies of the weights that GEMM reads are held at once (Kimi K2.7 at EP=1:
+34 GB of bf16 weights and 2 x 11 GB of MXFP8 gate and up; bf16 operands are views). Per shape and case (the
+grouped_ffn benchmark's MoE-regime cases and 8 × 4096 rows), each GEMM's outputs are compared with ``torch.equal``,
+then both sides are
 timed in ``--rounds`` rounds of ``bench(fn, --rep-ms)``, their order alternating; the median round is reported, with
 the fastest and slowest, and "working/baseline", the ratio of the medians. ``--gemms`` picks grouped_mm's four kinds
 ("mm"), the three weight gradients ("wgrad"; not with ``--fp8-mma``) or both. One JSON line per (shape, case, GEMM)
@@ -35,8 +36,8 @@ import torch
 
 from titan_mok.bench.config_ab import (_outputs, ab_shapes_and_cases, add_ab_args, case_counts, run_cases,
                                       timed_rounds)
-from titan_mok.bench.grouped_ffn import (OUR_KERNELS, SHAPES, Case, bench, gemms_by_kind, use_growing_segments,
-                                        wgrads_by_weight)
+from titan_mok.bench import grouped_ffn
+from titan_mok.bench.grouped_ffn import OUR_KERNELS, SHAPES, Case, bench, use_growing_segments, wgrads_by_weight
 
 BASELINE_PACKAGE = "titan_mok_baseline_kernels"
 
@@ -75,13 +76,14 @@ def baseline_kernels(folder: str):
                 del sys.modules[name]
 
 
-def gemms(c, args, kernels) -> dict:
-    """The GEMMs of case c that ``--gemms`` picks, made by kernels (the working tree's or the baseline's)."""
+def gemm_makers(c, args, kernels) -> dict:
+    """The GEMMs of case c that ``--gemms`` picks, made by kernels (the working tree's or the baseline's): per GEMM a
+    function that makes its operands and returns it, so that each side holds one GEMM's weights at a time."""
     out = {}
     if args.gemms in ("mm", "all"):
-        out.update(gemms_by_kind(c, args.precision, args.fp8_mma, kernels))
-    if args.gemms in ("wgrad", "all") and not args.fp8_mma:
-        out.update(wgrads_by_weight(c, args.precision, kernels))
+        out.update(grouped_ffn.gemm_makers(c, args.precision, args.fp8_mma, kernels))
+    if args.gemms in ("wgrad", "all") and not args.fp8_mma:  # their operands are activations: made already
+        out.update({key: (lambda fn=fn: fn) for key, fn in wgrads_by_weight(c, args.precision, kernels).items()})
     return out
 
 
@@ -125,13 +127,14 @@ def ab_case(shape: str, case: str, args, kernels, log):
     returns (as config_ab.ab_case)."""
     dim_h, dim_i, _, _ = SHAPES[shape]
     c = Case(dim_h, dim_i, case_counts(shape, case))
-    ours, theirs = gemms(c, args, OUR_KERNELS), gemms(c, args, kernels)
+    ours, theirs = gemm_makers(c, args, OUR_KERNELS), gemm_makers(c, args, kernels)
     # the same GEMMs in the same order; a weight gradient's key names its loop on that side
     if len(ours) != len(theirs):
         raise ValueError(f"the baseline's GEMMs {list(theirs)} do not pair with the working tree's {list(ours)}")
-    for (key, fn), (base_key, base_fn) in zip(ours.items(), theirs.items()):
+    for (key, make), (base_key, base_make) in zip(ours.items(), theirs.items()):
+        # each GEMM (and its weights) made here and dropped when compare returns
         rec = {"shape": shape, "case": case, "kind": key, "baseline_kind": base_key,
-               **compare(fn, base_fn, args.rounds, args.rep_ms, bench)}
+               **compare(make(), base_make(), args.rounds, args.rep_ms, bench)}
         print(json.dumps(rec), flush=True)
         log.write(json.dumps(rec) + "\n")
 
