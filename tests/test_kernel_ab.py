@@ -97,9 +97,9 @@ def test_a_baseline_that_is_not_a_kernels_folder(monkeypatch, tmp_path, capsys):
 
 
 def test_a_case_out_of_gpu_memory_is_skipped_by_name(monkeypatch, tmp_path, capsys):
-    """A case whose operands do not fit the GPU (Kimi K2.7 EP=1 in MXFP8 on an 80 GB H100: both sides' quantized
-    weights) gets a "skipped" line naming it, its tensors are released, the next case still runs, and the exit
-    status says so."""
+    """A case whose operands do not fit the GPU (DeepSeek-V4-Pro EP=1 in MXFP8 on an 80 GB H100: 51 GB of bf16
+    weights beside both sides' quantized copies) gets a "skipped" line naming it, its tensors are released, the next
+    case still runs, and the exit status says so."""
     made = []
     real = kernel_ab.gemm_makers
 

@@ -16,12 +16,11 @@ for both. Each side makes its own operands (the weights in the layouts its kerne
 GEMM's at a time: in MXFP8 both sides' copies of the weights that GEMM reads are held at once (Kimi K2.7 at EP=1:
 34 GB of bf16 weights and 2 x 11 GB of MXFP8 gate and up; bf16 operands are views). Per shape and case (the
 grouped_ffn benchmark's MoE-regime cases and 8 × 4096 rows), each GEMM's outputs are compared with ``torch.equal``,
-then both sides are
-timed in ``--rounds`` rounds of ``bench(fn, --rep-ms)``, their order alternating; the median round is reported, with
-the fastest and slowest, and "working/baseline", the ratio of the medians. ``--gemms`` picks grouped_mm's four kinds
-("mm"), the three weight gradients ("wgrad"; not with ``--fp8-mma``) or both. One JSON line per (shape, case, GEMM)
-goes to stdout and ``$OUT/kernel_ab.jsonl`` (or ``--out``); a case that does not fit the GPU's memory gets a
-"skipped" line instead (config_ab.run_cases), the other cases still run, and the exit status is 1.
+then both sides are timed in ``--rounds`` rounds of ``bench(fn, --rep-ms)``, their order alternating; the median
+round is reported, with the fastest and slowest, and "working/baseline", the ratio of the medians. ``--gemms`` picks
+grouped_mm's four kinds ("mm"), the three weight gradients ("wgrad"; not with ``--fp8-mma``) or both. One JSON line
+per (shape, case, GEMM) goes to stdout and ``$OUT/kernel_ab.jsonl`` (or ``--out``); a case that does not fit the
+GPU's memory gets a "skipped" line instead (config_ab.run_cases), the other cases still run, and the exit status is 1.
 """
 
 import argparse
@@ -34,9 +33,9 @@ import tempfile
 
 import torch
 
+from titan_mok.bench import grouped_ffn
 from titan_mok.bench.config_ab import (_outputs, ab_shapes_and_cases, add_ab_args, case_counts, run_cases,
                                       timed_rounds)
-from titan_mok.bench import grouped_ffn
 from titan_mok.bench.grouped_ffn import OUR_KERNELS, SHAPES, Case, bench, use_growing_segments, wgrads_by_weight
 
 BASELINE_PACKAGE = "titan_mok_baseline_kernels"
