@@ -133,24 +133,27 @@ def weight_as_read(c, name, along, precision, fp8_mma=False, kernels=OUR_KERNELS
     return kernels[1].weight_operand(getattr(c, name), precision, along, name, mma_order=not fp8_mma)
 
 
-def saved_activations(c, precision, fp8_mma=False, kernels=OUR_KERNELS):
-    """g, u, h and dgate, dup as the FFN's forward and backward save them, by kernels' GEMMs (the weights those
-    read made for them and dropped)."""
-    mm = kernels[0]
-    wg, wu = (weight_as_read(c, name, 2, precision, fp8_mma, kernels) for name in ("w_gate", "w_up"))
+def _activations(c, wg, wu, wd_t, fp8_mma, mm):
+    """g, u, h and dgate, dup as the FFN's forward and backward save them, by mm's GEMMs on these weights."""
     g, u, h = mm.grouped_gate_up_swiglu(c.x, c.group_end, wg, wu, None, fp8_mma=fp8_mma)
-    del wg, wu  # before w_down's copy is made (MXFP8 at EP=1: ~6 GB each)
-    dg, du = mm.grouped_down_dgrad_swiglu(c.dy, c.group_end, weight_as_read(c, "w_down", 1, precision, fp8_mma,
-                                                                            kernels), g, u, None)
+    dg, du = mm.grouped_down_dgrad_swiglu(c.dy, c.group_end, wd_t, g, u, None)
     return g, u, h, dg, du
+
+
+def saved_activations(c, precision, fp8_mma=False, kernels=OUR_KERNELS):
+    """_activations by kernels' GEMMs, on weights made for them and dropped on return."""
+    wg, wu, wd_t = (weight_as_read(c, name, along, precision, fp8_mma, kernels)
+                    for name, along in (("w_gate", 2), ("w_up", 2), ("w_down", 1)))
+    return _activations(c, wg, wu, wd_t, fp8_mma, kernels[0])
 
 
 def ffn_operands(c, precision, fp8_mma=False):
     """Our GEMMs' operands for case c: the six weights as the GEMMs read them (weight_as_read: w_gate, w_up,
-    w_down forward, then transposed) and the saved activations (saved_activations)."""
+    w_down forward, then transposed) and the saved activations, computed from those same weights."""
     weights = tuple(weight_as_read(c, name, along, precision, fp8_mma) for along in (2, 1)
                     for name in ("w_gate", "w_up", "w_down"))
-    return weights, saved_activations(c, precision, fp8_mma)
+    wg, wu, _, _, _, wd_t = weights
+    return weights, _activations(c, wg, wu, wd_t, fp8_mma, gg)
 
 
 def phases_ours(c, precision, fp8_mma=False):
