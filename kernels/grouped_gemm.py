@@ -42,8 +42,8 @@ fp32 accumulation, each output tile computed by one program, fixed K order: no s
 atomics, run-to-run deterministic.
 
 Row-batch invariance: every row goes through the same instruction sequence whatever its group's
-size or its position in a tile. Tile shapes (``_MM_CONFIGS``) depend on the kind of GEMM and the
-precision, and the token tile also on the rows held per expert (``_mm_config``): a row's bits do
+size or its position in a tile. Tile shapes (``_MM_CONFIGS``; per chip, ``mm_configs``) depend on the kind of GEMM
+and the precision, and the token tile also on the rows held per expert (``_mm_config``): a row's bits do
 not follow the token tile (each MMA sums a row's K in the same order whatever its M or N; a GPU
 test compares 64-, 128- and 256-token tiles bit for bit), so that choice keeps them.
 
@@ -53,6 +53,7 @@ by side and each weight tile is read from HBM once per pass while an expert has 
 (the MoE regime: tens of rows per expert).
 """
 
+import functools
 import os
 
 import torch
@@ -86,7 +87,7 @@ PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 # interpreter's rounding). On the MXFP8 path the K loop takes one 32-wide scale block per TMA
 # load (BK: how many it unrolls). Chosen by `python -m titan_mok.bench.grouped_ffn --tune` on an
 # H200 (benchmarks/NOTES.md, 2026-12-01); bf16/dual's 128 x 256 tiles by a wider sweep over all
-# four shapes (session 9).
+# four shapes (session 9). A chip whose own A/Bs chose otherwise reads a table of its own (_CHIP_MM_CONFIGS).
 _MODE_NAMES = {PLAIN: "plain", SWIGLU: "swiglu", SWIGLU_BWD: "swiglu_bwd", DUAL: "dual"}
 _MM_CONFIGS = {
     # HALF_TILES (BM >= 128; any BM on the warp-specialized kernel): a tile holding at most BM / 2 of its
@@ -210,6 +211,19 @@ _MM_CONFIGS = {
 # - "many_rows", at least _MANY_ROWS on average (few experts per GPU, or the compute regime).
 _FEW_ROWS = 64
 _MANY_ROWS = 2048
+# A chip whose own A/Bs chose otherwise has a table of its own (keyed by torch.cuda.get_device_name): the table above
+# with those entries replaced. The table above was chosen on H200s; the H100 (SXM) has the same tensor cores beside HBM
+# at 0.70x the H200's bandwidth (NOTES.md, session 31).
+_H100 = "NVIDIA H100 80GB HBM3"
+_CHIP_MM_CONFIGS = {
+    # MXFP8 at few rows per expert on 3 ring slots instead of 2 (SwiGLU gate/up) and 4 (plain, dual): SwiGLU gate/up
+    # 3.2-5.6% faster at Kimi K2.7, Qwen3.5 and GLM-5.2 EP=1, balanced and skewed; dual 1.3-6.6% in those six cases and
+    # DeepSeek-V4-Pro EP=2's two, in two runs; plain 0.9% slower to 6.3% faster, faster in 10 of 14 lines; bits equal
+    # (A/As -1.2% to +2.3%; NOTES.md, session 34). Not measured on an H200. At 128-token tiles, plain and dual on 2
+    # slots were 1.6-3.9% slower.
+    _H100: {**_MM_CONFIGS, **{f"mxfp8_ws/{kind}@few_rows": {**_MM_CONFIGS[f"mxfp8_ws/{kind}@few_rows"], "STAGES": 3}
+                              for kind in ("swiglu", "plain", "dual")}},
+}
 _INTERPRETED_PROGRAMS = 1  # a PERSISTENT config's programs under Triton's interpreter: one loops over all tiles
 # Weight gradient: the flat loop while experts average fewer than _WGRAD_FLAT_MAX_ROWS rows (a
 # static property of the shapes, so the choice never depends on the routing), else the row loop;
@@ -245,6 +259,10 @@ _WGRAD_CONFIGS = {
 }
 _WGRAD_WS_MIN_ROWS = 64
 _WGRAD_WS_LONG_STEPS_MIN_ROWS = 128
+# Per chip (as _CHIP_MM_CONFIGS): on the H100 the 64-row steps from 80 rows per expert (Kimi K2.7 and Qwen3.5 at EP=2),
+# 0.972-0.994x the time of 32-row steps at Kimi in 12 of 12 lines over two runs and 0.985-1.004x at Qwen3.5 (10 of
+# 12 faster); at 64 rows (DeepSeek-V4-Pro EP=2) 0.997-1.019x, so not there (NOTES.md, sessions 31 and 34).
+_CHIP_WGRAD_WS_LONG_STEPS_MIN_ROWS = {_H100: 80}
 _WGRAD_FLAT_MAX_ROWS = 512
 _WGRAD_MIN_PROGRAMS = 1024
 
@@ -726,9 +744,9 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     if mma_order and fp8_mma:
         raise ValueError("fp8_mma: E4M3 MMAs read the weights in index order; quantize them with mma_order=False")
     num_experts, n, k = b1_data.shape
-    tier = rows_tier(a1.shape[0], num_experts)
+    tier, chip = rows_tier(a1.shape[0], num_experts), chip_of(b1_data)
     ws_key = mm_config_key(mode, mx, fp8_mma, True)
-    ws_cfg = _mm_config(ws_key, tier)
+    ws_cfg = _mm_config(ws_key, tier, chip)
     ws_k = 32 * grouped_mm_ws.KB  # its loads take K in blocks of ws_k
     if warp_specialized is None:
         warp_specialized = _on_cuda(b1_data) and not _DOT_F32 and ws_cfg is not None and k % ws_k == 0
@@ -738,7 +756,7 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     if warp_specialized and k % ws_k:
         raise ValueError(f"the warp-specialized kernel needs K (here {k}) to be a multiple of {ws_k}; "
                          "the Triton kernel runs any K")
-    cfg = ws_cfg if warp_specialized else _mm_config(mm_config_key(mode, mx, fp8_mma), tier)
+    cfg = ws_cfg if warp_specialized else _mm_config(mm_config_key(mode, mx, fp8_mma), tier, chip)
     if cfg is not None and cfg.get("ROW_BLOCKS", 1) > 1 and not b1_data.is_contiguous():
         cfg = {**cfg, "ROW_BLOCKS": 1}  # two row blocks per tile: measured on [E, N, K] weights only (the FFN's)
     if a1.shape[1] != k:
@@ -833,13 +851,34 @@ def rows_tier(rows: int, num_experts: int) -> str:
     return "many_rows" if rows >= _MANY_ROWS * num_experts else ""
 
 
-def _mm_config(key: str, tier: str) -> dict | None:
-    """The kind's tile config (None: no warp-specialized config) in this rows tier: its "@<tier>"
+@functools.cache
+def _device_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
+
+
+def chip_of(t: torch.Tensor) -> str:
+    """The chip t's launches run on, as the config tables key it: its GPU's name, "" off the GPU."""
+    return _device_name(t.device.index) if t.is_cuda else ""
+
+
+def current_chip() -> str:
+    """chip_of a tensor on this process's current GPU ("" without one): the benchmarks' chip."""
+    return _device_name(torch.cuda.current_device()) if torch.cuda.is_available() else ""
+
+
+def mm_configs(chip: str) -> dict:
+    """The tile-config table launches on this chip read: its own (_CHIP_MM_CONFIGS), else _MM_CONFIGS."""
+    return _CHIP_MM_CONFIGS.get(chip, _MM_CONFIGS)
+
+
+def _mm_config(key: str, tier: str, chip: str = "") -> dict | None:
+    """The kind's tile config on this chip (None: no warp-specialized config) in this rows tier: its "@<tier>"
     config where there is one (a None kind's too); else with few rows (but for HALF_TILES configs, whose
     half tiles are those experts' tiles already) the same with at most _FEW_ROWS-token tiles."""
-    if tier and f"{key}@{tier}" in _MM_CONFIGS:
-        return _MM_CONFIGS[f"{key}@{tier}"]
-    cfg = _MM_CONFIGS[key]
+    table = mm_configs(chip)
+    if tier and f"{key}@{tier}" in table:
+        return table[f"{key}@{tier}"]
+    cfg = table[key]
     if not tier or cfg is None:
         return cfg
     if tier == "many_rows" or cfg.get("HALF_TILES"):
@@ -942,7 +981,7 @@ def _grouped_wgrad_values(a_RN, b_RK, group_end_E) -> torch.Tensor:
     num_experts, n, k = group_end_E.shape[0], a_RN.shape[1], b_RK.shape[1]
     c_ENK = torch.empty(num_experts, n, k, dtype=torch.bfloat16, device=a_RN.device)
     if num_experts:
-        loop = wgrad_loop(a_RN.shape[0], num_experts, n, k, _on_cuda(a_RN))
+        loop = wgrad_loop(a_RN.shape[0], num_experts, n, k, _on_cuda(a_RN), chip_of(a_RN))
         cfg = _WGRAD_CONFIGS[loop]
         flat = loop != "rows"  # "flat_ws" and "flat_ws_long" run the flat loop's programs
         n_tiles, k_tiles = triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"])
@@ -961,16 +1000,18 @@ def _grouped_wgrad_values(a_RN, b_RK, group_end_E) -> torch.Tensor:
     return c_ENK
 
 
-def wgrad_loop(num_rows: int, num_experts: int, n: int, k: int, on_cuda: bool = False) -> str:
+def wgrad_loop(num_rows: int, num_experts: int, n: int, k: int, on_cuda: bool = False, chip: str = "") -> str:
     """The ``_WGRAD_CONFIGS`` entry grouped_wgrad runs for a gradient [E, n, k]: "flat" while experts average
     fewer than _WGRAD_FLAT_MAX_ROWS rows (padding included: a static property of the shapes), else "rows"; on
     CUDA "flat_ws" instead of "flat" where it has a config and experts average at least _WGRAD_WS_MIN_ROWS rows,
     or the gradient has more features than K columns (n > k); "flat_ws_long" instead of "flat_ws" where it has a
-    config and experts average at least _WGRAD_WS_LONG_STEPS_MIN_ROWS rows."""
+    config and experts average at least the chip's _CHIP_WGRAD_WS_LONG_STEPS_MIN_ROWS (else
+    _WGRAD_WS_LONG_STEPS_MIN_ROWS) rows."""
     if num_rows >= _WGRAD_FLAT_MAX_ROWS * num_experts:
         return "rows"
     if on_cuda and (num_rows >= _WGRAD_WS_MIN_ROWS * num_experts or n > k) and _WGRAD_CONFIGS["flat_ws"]:
-        if num_rows >= _WGRAD_WS_LONG_STEPS_MIN_ROWS * num_experts and _WGRAD_CONFIGS["flat_ws_long"]:
+        long_steps_min_rows = _CHIP_WGRAD_WS_LONG_STEPS_MIN_ROWS.get(chip, _WGRAD_WS_LONG_STEPS_MIN_ROWS)
+        if num_rows >= long_steps_min_rows * num_experts and _WGRAD_CONFIGS["flat_ws_long"]:
             return "flat_ws_long"
         return "flat_ws"
     return "flat"

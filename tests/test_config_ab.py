@@ -66,6 +66,25 @@ def test_compare_reports_changed_bits():
     assert committed_configs() == committed, "the committed configs are restored"
 
 
+def test_the_ab_runs_on_the_table_its_chip_reads(monkeypatch):
+    """On a chip with a table of its own (here the H100, as if this process ran on one), the committed configs are
+    that table's and a variant is installed into it, so that the launches meet it; _MM_CONFIGS stays as it was."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    own = gg._CHIP_MM_CONFIGS[h100]
+    monkeypatch.setattr(gg, "current_chip", lambda: h100)
+    monkeypatch.setitem(gg._CHIP_MM_CONFIGS, h100, dict(own))  # the variant is installed into this copy
+    base = dict(gg._MM_CONFIGS)
+    committed = committed_configs()
+    assert committed["mxfp8_ws/dual@few_rows"] == own["mxfp8_ws/dual@few_rows"] != base["mxfp8_ws/dual@few_rows"]
+    configs = {"committed": committed,
+               "variant": variant_configs(committed, ['mxfp8_ws/dual@few_rows={"STAGES": 2}'], [])}
+    seen = []
+    fn = lambda: torch.tensor([gg._mm_config("mxfp8_ws/dual", "few_rows", h100)["STAGES"]])  # noqa: E731
+    compare(fn, configs, rounds=2, rep_ms=1, bench=lambda f, rep_ms: (seen.append(int(f())), 1.0)[1])
+    assert sorted(seen) == [2, 2, 3, 3], "each side's rounds ran on its own config"
+    assert committed_configs() == committed and gg._MM_CONFIGS == base
+
+
 def test_compare_reports_median_and_range_per_config():
     """Each config's median round and its fastest and slowest, from the rounds that config ran."""
     committed = committed_configs()

@@ -344,6 +344,28 @@ def test_rows_tiers_pick_their_configs(monkeypatch):
     assert gg._mm_config("none", "") is None and gg._mm_config("none", "many_rows") is None
 
 
+def test_a_chip_reads_its_own_table():
+    """A chip with a table of its own (the H100) reads it, any other chip and the CPU _MM_CONFIGS; the H100's takes
+    the weight gradient's 64-row steps from 80 rows per expert (Kimi K2.7 and Qwen3.5 at EP=2), the others from 128."""
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    assert gg.mm_configs(h200) is gg.mm_configs("") is gg._MM_CONFIGS
+    own = gg.mm_configs(h100)
+    changed = sorted(k for k in own if own[k] != gg._MM_CONFIGS[k])
+    assert own.keys() == gg._MM_CONFIGS.keys() and changed == [
+        "mxfp8_ws/dual@few_rows", "mxfp8_ws/plain@few_rows", "mxfp8_ws/swiglu@few_rows"]
+    assert gg._mm_config("mxfp8_ws/dual", "few_rows", h100)["STAGES"] == 3
+    assert gg._mm_config("mxfp8_ws/dual", "few_rows", h200) == gg._MM_CONFIGS["mxfp8_ws/dual@few_rows"]
+    assert gg._mm_config("mxfp8_ws/dual", "", h100) == gg._MM_CONFIGS["mxfp8_ws/dual"]
+    experts, n, k = 192, 2048, 7168
+    loops = {(chip, rows): gg.wgrad_loop(rows * experts, experts, n, k, True, chip)
+             for chip in (h100, h200, "") for rows in (64, 80, 85, 128)}
+    assert [loops[h100, r] for r in (64, 80, 85, 128)] == ["flat_ws", "flat_ws_long", "flat_ws_long", "flat_ws_long"]
+    assert [loops[h200, r] for r in (64, 80, 85, 128)] == ["flat_ws", "flat_ws", "flat_ws", "flat_ws_long"]
+    assert all(loops["", r] == loops[h200, r] for r in (64, 80, 85, 128))
+    cpu = torch.zeros(1)
+    assert gg.chip_of(cpu) == ""
+
+
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 def test_token_tile_keeps_bits(monkeypatch, precision):
     """The token tile follows the rows per expert; a row's bits must not (every kind of grouped_mm).
@@ -378,9 +400,10 @@ def _half_tile_runs(monkeypatch, tensors, group_end, **kw):
     HALF_TILES (a tile holding at most 64 of its expert's rows runs 64-row MMAs)."""
     monkeypatch.setattr(gg, "_FEW_ROWS", 0)  # never "few rows": BM stays 128
     runs = []
+    table = gg.mm_configs(gg.current_chip())  # the table this GPU's launches read (on the CPU, _MM_CONFIGS)
     for half in (False, True):
-        for key in [k for k in gg._MM_CONFIGS if k.startswith(("bf16/", "mxfp8/"))]:
-            monkeypatch.setitem(gg._MM_CONFIGS, key, {**gg._MM_CONFIGS[key], "HALF_TILES": half})
+        for key in [k for k in table if k.startswith(("bf16/", "mxfp8/"))]:
+            monkeypatch.setitem(table, key, {**table[key], "HALF_TILES": half})
         runs.append(run(tensors, group_end, use_triton=True, **kw))
     return runs
 
@@ -477,13 +500,14 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
     prefix = "mxfp8_fp8_ws/" if fp8_mma else "bf16_ws/" if layout.startswith("bf16") else "mxfp8_ws/"
-    for key in [k for k in gg._MM_CONFIGS if k.startswith(prefix)]:  # "@few_rows" too: case 2 has few rows
+    table = gg.mm_configs(gg.current_chip())  # the table this GPU's launches read
+    for key in [k for k in table if k.startswith(prefix)]:  # "@few_rows" too: case 2 has few rows
         # a kind that runs the Triton kernel but at many rows (bf16): its "@many_rows" config on these few rows
-        committed = gg._MM_CONFIGS[key] or gg._MM_CONFIGS.get(f"{key}@many_rows")
+        committed = table[key] or table.get(f"{key}@many_rows")
         cfg = {"committed": committed, "small": small, "row_blocks": committed,
                **({"half": {**committed, "HALF_TILES": True, "SPLIT_TILES": False},
                    "split": {**committed, "HALF_TILES": True, "SPLIT_TILES": True}} if committed else {})}
-        monkeypatch.setitem(gg._MM_CONFIGS, key, cfg.get(rings))
+        monkeypatch.setitem(table, key, cfg.get(rings))
     if rings == "row_blocks":
         monkeypatch.setattr(gg, "_FEW_ROWS", 0)
     # (H, I, rows per expert, kinds whose K = H or I is a multiple of 128)
@@ -602,8 +626,9 @@ def test_tune_sweeps_hold_the_committed_configs():
     committed config: else a tune could only move away from it."""
     from titan_mok.bench.grouped_ffn import TUNE_VARIANTS
 
-    for key, variants in TUNE_VARIANTS.items():
-        assert gg._MM_CONFIGS[key] in variants, f"{key}: committed config {gg._MM_CONFIGS[key]} is not swept"
+    for chip, table in [("", gg._MM_CONFIGS), *gg._CHIP_MM_CONFIGS.items()]:
+        for key, variants in TUNE_VARIANTS.items():
+            assert table[key] in variants, f"{key}: {chip or 'the'} committed config {table[key]} is not swept"
 
 
 @pytest.mark.parametrize("counts", [[45, 0, 3], [4000, 0, 1, 1, 1], [0, 0, 0, 0], [70] * 8 + [3000], [1] * 30 + [10**4]])

@@ -82,11 +82,30 @@ def test_set_compiles_the_variant_and_names_a_bad_key():
 
 
 def test_compiling_context_restores_what_it_replaced():
-    """The stand-in driver, the compile-only launches, the SM count and the launchers' CUDA answer are
+    """The stand-in driver, the compile-only launches, the SM count and the launchers' CUDA and chip answers are
     undone on exit, even after an error inside."""
-    patched = (sass.JITFunction.run, sass.grouped_mm_ws.sm_count, torch.cuda.current_device, sass.gg._on_cuda)
+    def patched():
+        return (sass.JITFunction.run, sass.grouped_mm_ws.sm_count, torch.cuda.current_device, sass.gg._on_cuda,
+                sass.gg.chip_of)
+
+    before = patched()
     with pytest.raises(RuntimeError, match="inside"):
-        with sass.compiling_for_sm90():
-            assert sass.JITFunction.run is not patched[0]
+        with sass.compiling_for_sm90("NVIDIA H100 80GB HBM3"):
+            assert sass.JITFunction.run is not before[0]
+            assert sass.gg.chip_of(torch.zeros(1)) == "NVIDIA H100 80GB HBM3"
             raise RuntimeError("inside")
-    assert (sass.JITFunction.run, sass.grouped_mm_ws.sm_count, torch.cuda.current_device, sass.gg._on_cuda) == patched
+    assert patched() == before
+
+
+def test_chip_compiles_that_chips_configs():
+    """--chip compiles the configs of a chip with a table of its own: on the H100, MXFP8 SwiGLU gate/up at few rows
+    per expert (Qwen3.5 at EP=1) holds a third ring slot in shared memory; an unknown chip is refused."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    shared = {chip: {r["step"]: r["shared_bytes"] for r in _report("--shape", "qwen", "--rows-per-expert", "40",
+                                                                      *(["--chip", chip] if chip else []))
+                     if r["kernel"] == "_grouped_mm_mx_ws_kernel"} for chip in ("", h100)}
+    step = "fwd: gate/up + SwiGLU"
+    assert shared[h100][step] > shared[""][step], shared
+    out = subprocess.run([sys.executable, "-m", "titan_mok.bench.sass", "--chip", "NVIDIA B200"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--chip: invalid choice" in out.stderr, out.stderr[-2000:]

@@ -41,15 +41,18 @@ WGRAD = "wgrad/"  # the weight gradient's entries: "wgrad/" + a _WGRAD_CONFIGS k
 WGRAD_LOOPS = (WGRAD + "flat", WGRAD + "rows")  # always a config; "wgrad/flat_ws*" may be null
 
 
-def committed_configs() -> dict:
-    """Both config tables as one: _MM_CONFIGS' entries, and _WGRAD_CONFIGS' under "wgrad/<loop>"."""
-    return {**gg._MM_CONFIGS, **{WGRAD + loop: cfg for loop, cfg in gg._WGRAD_CONFIGS.items()}}
+def committed_configs(chip: str | None = None) -> dict:
+    """Both config tables a chip reads (None: this process's, gg.current_chip) as one: its tile configs' entries,
+    and _WGRAD_CONFIGS' under "wgrad/<loop>"."""
+    tile_configs = gg.mm_configs(gg.current_chip() if chip is None else chip)
+    return {**tile_configs, **{WGRAD + loop: cfg for loop, cfg in gg._WGRAD_CONFIGS.items()}}
 
 
-def install(configs: dict):
-    """Make configs (committed_configs()'s form) the kernels' config tables."""
-    gg._MM_CONFIGS.clear()
-    gg._MM_CONFIGS.update({k: v for k, v in configs.items() if not k.startswith(WGRAD)})
+def install(configs: dict, chip: str | None = None):
+    """Make configs (committed_configs()'s form) the config tables a chip reads (None: this process's)."""
+    table = gg.mm_configs(gg.current_chip() if chip is None else chip)
+    table.clear()
+    table.update({k: v for k, v in configs.items() if not k.startswith(WGRAD)})
     gg._WGRAD_CONFIGS.clear()
     gg._WGRAD_CONFIGS.update({k.removeprefix(WGRAD): v for k, v in configs.items() if k.startswith(WGRAD)})
 

@@ -409,12 +409,13 @@ TUNE_VARIANTS = {
     "mxfp8_ws/plain@few_rows": [_ws(bm=64, ROW_BLOCKS=2, HALF_TILES=True), _ws(bm=64, ROW_BLOCKS=2),
                                 _ws(stages=3, bm=64, ROW_BLOCKS=2, HALF_TILES=True)],
     "mxfp8_ws/swiglu@few_rows": [_ws(stages=2, persistent=False, bm=64, HALF_TILES=True),
-                                 _ws(stages=2, persistent=False, bm=64), _ws(stages=2, bm=64, HALF_TILES=True)],
+                                 _ws(stages=2, persistent=False, bm=64), _ws(stages=2, bm=64, HALF_TILES=True),
+                                 _ws(stages=3, persistent=False, bm=64, HALF_TILES=True)],
     "mxfp8_ws/swiglu_bwd@few_rows": [_ws_two_per_sm(HALF_TILES=True), _ws_two_per_sm(),
                                      _ws(stages=3, regs=248, bm=64, HALF_TILES=True),
                                      _ws_two_per_sm(regs=112, HALF_TILES=True)],
     "mxfp8_ws/dual@few_rows": [_ws(bm=64, ROW_BLOCKS=2, HALF_TILES=True), _ws(bm=64, ROW_BLOCKS=2),
-                               _ws_two_per_sm(HALF_TILES=True)],
+                               _ws_two_per_sm(HALF_TILES=True), _ws(stages=3, bm=64, ROW_BLOCKS=2, HALF_TILES=True)],
     "mxfp8_ws/plain@many_rows": [_ws(stages=2, regs=240, bm=256), _ws(stages=2, regs=232, bm=256), _ws()],
     "mxfp8_ws/dual@many_rows": [_ws(stages=2, regs=240, bm=256, HALF_TILES=True),
                                 _ws(stages=2, regs=232, bm=256, HALF_TILES=True), _ws(HALF_TILES=True)],
@@ -459,7 +460,9 @@ def wgrads_by_weight(c, precision, kernels=OUR_KERNELS):
     entry that runs it (grouped_gemm.wgrad_loop)."""
     mm, ffn = kernels
     _, _, h, dg, du = saved_activations(c, precision, kernels=kernels)
-    return {f"wgrad/{mm.wgrad_loop(c.R, c.E, a.shape[1], b.shape[1], c.x.is_cuda)}:{name}":
+    # a baseline kernels/ from before the per-chip tables (bench.kernel_ab) takes no chip
+    chip = {"chip": mm.chip_of(c.x)} if hasattr(mm, "chip_of") else {}
+    return {f"wgrad/{mm.wgrad_loop(c.R, c.E, a.shape[1], b.shape[1], c.x.is_cuda, **chip)}:{name}":
             (lambda a=a, b=b: mm.grouped_wgrad(a, b, c.group_end, precision))
             for name, (a, b) in ffn.wgrad_operands(c.x, h, c.dy, dg, du).items()}
 
@@ -473,6 +476,7 @@ def tune(log, kernels):
              "kimi_ep2_balanced": route_counts(TOKENS_PER_GPU * K, E // 2, False),
              "kimi_compute": torch.full((8,), 4096, dtype=torch.int64)}
     total = {key: [0.0] * len(TUNE_VARIANTS[key]) for key in kernels}
+    table = gg.mm_configs(gg.current_chip())  # the table this GPU's launches read
     for cname, counts in cases.items():
         tier = gg.rows_tier(int(counts.sum()), counts.numel())
         c = Case(H, I, counts)
@@ -483,11 +487,11 @@ def tune(log, kernels):
                 timed.update(gemms_by_kind(c, precision, fp8_mma))
         for key in kernels:
             kind_key, _, variant = key.partition("@")
-            if variant != (tier if f"{kind_key}@{tier}" in gg._MM_CONFIGS else ""):
+            if variant != (tier if f"{kind_key}@{tier}" in table else ""):
                 continue  # another key's config runs at this many rows
-            default = gg._MM_CONFIGS[key]
+            default = table[key]
             for i, v in enumerate(TUNE_VARIANTS[key]):
-                gg._MM_CONFIGS[key] = v
+                table[key] = v
                 try:
                     ms = bench(timed[kind_key], 60)
                     rec = {"case": cname, "kernel": key, "cfg": v, "ms": ms}
@@ -495,12 +499,12 @@ def tune(log, kernels):
                     ms, rec = float("inf"), {"case": cname, "kernel": key, "cfg": v, "error": repr(e)[:200]}
                 total[key][i] += ms
                 log(json.dumps(rec))
-            gg._MM_CONFIGS[key] = default
+            table[key] = default
         del c, timed
         torch.cuda.empty_cache()
     for key in kernels:
         best = TUNE_VARIANTS[key][min(range(len(total[key])), key=total[key].__getitem__)]
-        gg._MM_CONFIGS[key] = best
+        table[key] = best
         log(json.dumps({"tuned": key, "cfg": best, "summed_ms": min(total[key])}))
 
 

@@ -11,7 +11,8 @@ is compiled instead (``JITFunction.run`` with ``warmup=True``), so nothing runs 
 CPU tensors whose values do not matter. The launchers are told they run on CUDA, so they pick the
 kernels and configs they would there (the Gluon kernel for MXFP8, the rows-per-expert configs);
 ``--set``/``--unset`` compile a config variant instead, as ``config_ab`` would time it, so that its
-registers, spills and shared memory show before any device time is spent.
+registers, spills and shared memory show before any device time is spent; ``--chip`` the configs of a chip
+with a table of its own (``grouped_gemm._CHIP_MM_CONFIGS``; default the H200's, ``_MM_CONFIGS``).
 Registers and shared memory are per program; a warp-specialized kernel's partitions then move
 registers among themselves (``setmaxnreg``, listed).
 """
@@ -56,9 +57,9 @@ class _Sm90Driver:
 
 
 @contextlib.contextmanager
-def compiling_for_sm90():
-    """Inside: every Triton/Gluon launch compiles for sm_90 and launches nothing; yields the list
-    that collects (kernel name, compiled kernel)."""
+def compiling_for_sm90(chip: str = ""):
+    """Inside: every Triton/Gluon launch compiles for sm_90 with the configs chip's launches read ("": _MM_CONFIGS,
+    the H200's) and launches nothing; yields the list that collects (kernel name, compiled kernel)."""
     compiled = []
     run = JITFunction.run
 
@@ -67,18 +68,19 @@ def compiling_for_sm90():
         compiled.append((self.fn.__name__, kernel))
         return kernel
 
-    sm_count, current_device, on_cuda = grouped_mm_ws.sm_count, torch.cuda.current_device, gg._on_cuda
+    replaced = grouped_mm_ws.sm_count, torch.cuda.current_device, gg._on_cuda, gg.chip_of
     active = triton.runtime.driver._active  # None until a driver is used: reset_active() would need a GPU
     triton.runtime.driver.set_active(_Sm90Driver())
     JITFunction.run = compile_only
     grouped_mm_ws.sm_count = lambda device_index: H200_SMS  # persistent grids: one program per SM
     torch.cuda.current_device = lambda: 0
     gg._on_cuda = lambda t: True  # the launchers pick the kernels they would on CUDA
+    gg.chip_of = lambda t: chip  # ...on that chip
     try:
         yield compiled
     finally:
         JITFunction.run = run
-        grouped_mm_ws.sm_count, torch.cuda.current_device, gg._on_cuda = sm_count, current_device, on_cuda
+        grouped_mm_ws.sm_count, torch.cuda.current_device, gg._on_cuda, gg.chip_of = replaced
         triton.runtime.driver._active = active
 
 
@@ -118,9 +120,9 @@ def programs_per_sm(report: dict) -> int:
 
 
 def ffn_pass_kernels(shape: str, rows_per_expert: int, precision: str, num_experts: int = 2,
-                     fp8_mma: bool = False) -> list[dict]:
+                     fp8_mma: bool = False, chip: str = "") -> list[dict]:
     """Compile the grouped GEMMs (and MXFP8 quantizations) of one forward and backward of the routed
-    experts at this many rows per expert, as CUDA would launch them; one report per kernel. fp8_mma: the
+    experts at this many rows per expert, as CUDA on chip would launch them; one report per kernel. fp8_mma: the
     MXFP8 grouped_mm kinds on E4M3 MMAs."""
     dim_h, dim_i, _, _ = SHAPES[shape]
     rows = rows_per_expert * num_experts
@@ -133,7 +135,7 @@ def ffn_pass_kernels(shape: str, rows_per_expert: int, precision: str, num_exper
 
     weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
     reports, seen = [], set()
-    with compiling_for_sm90() as compiled:
+    with compiling_for_sm90(chip) as compiled:
 
         def step(label, launches):  # run launches(), report the kernels it compiled
             first = len(compiled)
@@ -168,17 +170,19 @@ def main() -> None:
     parser.add_argument("--fp8-mma", action="store_true", help="MXFP8 grouped_mm kinds on E4M3 MMAs")
     parser.add_argument("--sass-dir", help="also write each kernel's SASS here")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON (no SASS text)")
+    parser.add_argument("--chip", default="", choices=["", *gg._CHIP_MM_CONFIGS],
+                        help="the configs of a chip with a table of its own (default: the H200's)")
     add_variant_args(parser)
     opts = parser.parse_args()
     try:
-        install(variant_configs(committed_configs(), opts.sets, opts.unsets))
+        install(variant_configs(committed_configs(opts.chip), opts.sets, opts.unsets), opts.chip)
     except ValueError as e:
         parser.error(str(e))
     if opts.rows_per_expert < 1:
         parser.error(f"--rows-per-expert must be >= 1, got {opts.rows_per_expert}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         parser.error("TRITON_INTERPRET=1 interprets the kernels instead of compiling them: unset it")
-    reports = ffn_pass_kernels(opts.shape, opts.rows_per_expert, opts.precision, fp8_mma=opts.fp8_mma)
+    reports = ffn_pass_kernels(opts.shape, opts.rows_per_expert, opts.precision, fp8_mma=opts.fp8_mma, chip=opts.chip)
     if opts.json:
         print(json.dumps([{**{k: v for k, v in r.items() if k != "sass"}, "programs_per_sm": programs_per_sm(r)}
                           for r in reports]))
