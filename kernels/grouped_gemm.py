@@ -221,8 +221,8 @@ _CHIP_MM_CONFIGS = {
     # DeepSeek-V4-Pro EP=2's two, in two runs; plain 0.9% slower to 6.3% faster, faster in 10 of 14 lines; bits equal
     # (A/As -1.2% to +2.3%; NOTES.md, session 34). Not measured on an H200. At 128-token tiles, plain and dual on 2
     # slots were 1.6-3.9% slower.
-    _H100: {**_MM_CONFIGS, **{f"mxfp8_ws/{kind}@few_rows": {**_MM_CONFIGS[f"mxfp8_ws/{kind}@few_rows"], "STAGES": 3}
-                              for kind in ("swiglu", "plain", "dual")}},
+    _H100: {**_MM_CONFIGS, **{key: {**_MM_CONFIGS[key], "STAGES": 3} for key in (
+        "mxfp8_ws/swiglu", "mxfp8_ws/swiglu@few_rows", "mxfp8_ws/plain@few_rows", "mxfp8_ws/dual@few_rows")}},
 }
 _INTERPRETED_PROGRAMS = 1  # a PERSISTENT config's programs under Triton's interpreter: one loops over all tiles
 # Weight gradient: the flat loop while experts average fewer than _WGRAD_FLAT_MAX_ROWS rows (a

@@ -352,7 +352,7 @@ def test_a_chip_reads_its_own_table():
     own = gg.mm_configs(h100)
     changed = sorted(k for k in own if own[k] != gg._MM_CONFIGS[k])
     assert own.keys() == gg._MM_CONFIGS.keys() and changed == [
-        "mxfp8_ws/dual@few_rows", "mxfp8_ws/plain@few_rows", "mxfp8_ws/swiglu@few_rows"]
+        "mxfp8_ws/dual@few_rows", "mxfp8_ws/plain@few_rows", "mxfp8_ws/swiglu", "mxfp8_ws/swiglu@few_rows"]
     assert gg._mm_config("mxfp8_ws/dual", "few_rows", h100)["STAGES"] == 3
     assert gg._mm_config("mxfp8_ws/dual", "few_rows", h200) == gg._MM_CONFIGS["mxfp8_ws/dual@few_rows"]
     assert gg._mm_config("mxfp8_ws/dual", "", h100) == gg._MM_CONFIGS["mxfp8_ws/dual"]
