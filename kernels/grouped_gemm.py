@@ -216,11 +216,13 @@ _MANY_ROWS = 2048
 # at 0.70x the H200's bandwidth (NOTES.md, session 31).
 _H100 = "NVIDIA H100 80GB HBM3"
 _CHIP_MM_CONFIGS = {
-    # MXFP8 at few rows per expert on 3 ring slots instead of 2 (SwiGLU gate/up) and 4 (plain, dual): SwiGLU gate/up
-    # 3.2-5.6% faster at Kimi K2.7, Qwen3.5 and GLM-5.2 EP=1, balanced and skewed; dual 1.3-6.6% in those six cases and
-    # DeepSeek-V4-Pro EP=2's two, in two runs; plain 0.9% slower to 6.3% faster, faster in 10 of 14 lines; bits equal
-    # (A/As -1.2% to +2.3%; NOTES.md, session 34). Not measured on an H200. At 128-token tiles, plain and dual on 2
-    # slots were 1.6-3.9% slower.
+    # MXFP8 SwiGLU gate/up on 3 ring slots instead of 2, and at few rows per expert plain and dual on 3 instead of 4
+    # (one H100, NOTES.md session 34; bits equal everywhere; same-run A/As of the unchanged kinds -2.8% to +4.4%, one
+    # line +27%). The H200's entries as the variant took, against these: SwiGLU gate/up 1.052-1.070x at Kimi K2.7,
+    # Qwen3.5 and GLM-5.2 EP=2 (DeepSeek-V4-Pro EP=2 0.99-1.00x) and 1.034-1.057x in the few-rows cases (those three at
+    # EP=1, DeepSeek-V4-Pro at EP=2), dual 1.005-1.054x and plain 0.996-1.027x there; the forward A/Bs before them read
+    # the same way (SwiGLU gate/up 0.941-0.982x, dual 0.930-0.987x, plain 0.937-1.009x, faster in 13 of 18 lines).
+    # Not measured on an H200. At 128-token tiles plain and dual on 2 slots were 1.6-3.9% slower.
     _H100: {**_MM_CONFIGS, **{key: {**_MM_CONFIGS[key], "STAGES": 3} for key in (
         "mxfp8_ws/swiglu", "mxfp8_ws/swiglu@few_rows", "mxfp8_ws/plain@few_rows", "mxfp8_ws/dual@few_rows")}},
 }
@@ -259,9 +261,10 @@ _WGRAD_CONFIGS = {
 }
 _WGRAD_WS_MIN_ROWS = 64
 _WGRAD_WS_LONG_STEPS_MIN_ROWS = 128
-# Per chip (as _CHIP_MM_CONFIGS): on the H100 the 64-row steps from 80 rows per expert (Kimi K2.7 and Qwen3.5 at EP=2),
-# 0.972-0.994x the time of 32-row steps at Kimi in 12 of 12 lines over two runs and 0.985-1.004x at Qwen3.5 (10 of
-# 12 faster); at 64 rows (DeepSeek-V4-Pro EP=2) 0.997-1.019x, so not there (NOTES.md, sessions 31 and 34).
+# Per chip (as _CHIP_MM_CONFIGS): on the H100 the 64-row steps from 80 rows per expert (Kimi K2.7 and Qwen3.5 at EP=2):
+# 0.958-0.994x the time of 32-row steps at Kimi and 0.975-1.004x at Qwen3.5 (session 31 and 34's runs, faster in 23 of
+# 24 lines), and in reverse the 32-row steps 0.998-1.030x (11 of 12 slower); at 64 rows (DeepSeek-V4-Pro EP=2)
+# 0.997-1.019x, so not there (NOTES.md, sessions 31 and 34).
 _CHIP_WGRAD_WS_LONG_STEPS_MIN_ROWS = {_H100: 80}
 _WGRAD_FLAT_MAX_ROWS = 512
 _WGRAD_MIN_PROGRAMS = 1024

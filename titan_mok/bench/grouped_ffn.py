@@ -391,8 +391,8 @@ def _ws_two_per_sm(stages=2, regs=104, **kw):  # 64-token tiles, registers cappe
 
 
 # MXFP8 on CUDA: None runs the Triton kernel ("mxfp8/<kind>"), a dict the warp-specialized one; each
-# list holds its kind's committed config in every chip's table (SwiGLU gate/up: one program per tile). Only the "@few_rows"
-# and "@many_rows" lists vary BM: with few rows per expert the launcher takes 64-token tiles
+# list holds its kind's committed config in every chip's table (SwiGLU gate/up: one program per tile). Only
+# the "@few_rows" and "@many_rows" lists vary BM: with few rows per expert the launcher takes 64-token tiles
 # (grouped_gemm._mm_config; bf16's HALF_TILES configs their half tiles), so the EP=1 case runs the
 # other lists' variants on 64-token tiles; a "@<tier>" list is timed on its tier's case alone (the
 # compute case for "@many_rows"), the kind's list then on the other cases.
@@ -401,7 +401,8 @@ TUNE_VARIANTS = {
     "bf16/swiglu_bwd@few_rows": [*_BF16_FEW_ROWS_VARIANTS, _BF16_VARIANTS[1]],
     "mxfp8_ws/plain": [None, _ws(stages=3, ROW_BLOCKS=2, **_SPLIT), _ws(**_SPLIT), _ws(stages=3, **_SPLIT), _ws()],
     "mxfp8_ws/swiglu": [None, _ws(stages=2, persistent=False, **_SPLIT), _ws(stages=2, persistent=False),
-                        _ws(stages=2, **_SPLIT), _ws(stages=3, regs=248, **_SPLIT), _ws(stages=3, persistent=False, **_SPLIT)],
+                        _ws(stages=2, **_SPLIT), _ws(stages=3, regs=248, **_SPLIT),
+                        _ws(stages=3, persistent=False, **_SPLIT)],
     "mxfp8_ws/swiglu_bwd": [None, _ws(stages=3, regs=248, **_SPLIT), _ws(stages=3, regs=248, HALF_TILES=True),
                             _ws(regs=248, **_SPLIT), _ws(**_SPLIT)],
     "mxfp8_ws/dual": [None, _ws(stages=3, ROW_BLOCKS=2, **_SPLIT), _ws(**_SPLIT), _ws(HALF_TILES=True),
