@@ -81,6 +81,19 @@ def test_a_changed_baseline_kernel_shows_in_the_bits(monkeypatch, tmp_path):
     assert [r["bits_equal"] for r in rows] == [True] * 4 + [False] * 3
 
 
+def test_a_baseline_from_before_the_chip_tables(monkeypatch, tmp_path):
+    """A baseline kernels/ without per-chip config tables (before session 34: no grouped_gemm.chip_of) still runs
+    and pairs its weight gradients."""
+    def no_chips(source):
+        assert "def chip_of(" in source
+        return source.replace("chip_of(", "_device_chip(")
+
+    rows = _run_tiny(monkeypatch, tmp_path, _baseline_copy(tmp_path, no_chips), "--precision", "bf16", "--gemms",
+                     "wgrad")
+    assert [r["baseline_kind"] for r in rows] == [f"wgrad/flat:{w}" for w in ("w_gate", "w_up", "w_down")]
+    assert all(r["bits_equal"] for r in rows)
+
+
 def test_gemms_pick_the_weight_gradients_only(monkeypatch, tmp_path):
     rows = _run_tiny(monkeypatch, tmp_path, _baseline_copy(tmp_path), "--precision", "mxfp8", "--gemms", "wgrad")
     assert [r["kind"] for r in rows] == [f"wgrad/flat:{w}" for w in ("w_gate", "w_up", "w_down")]
