@@ -869,9 +869,10 @@ def current_chip() -> str:
     return _device_name(torch.cuda.current_device()) if torch.cuda.is_available() else ""
 
 
-def mm_configs(chip: str) -> dict:
-    """The tile-config table launches on this chip read: its own (_CHIP_MM_CONFIGS), else _MM_CONFIGS."""
-    return _CHIP_MM_CONFIGS.get(chip, _MM_CONFIGS)
+def mm_configs(chip: str | None = None) -> dict:
+    """The tile-config table launches on this chip (None: this process's GPU, current_chip) read: its own
+    (_CHIP_MM_CONFIGS), else _MM_CONFIGS."""
+    return _CHIP_MM_CONFIGS.get(current_chip() if chip is None else chip, _MM_CONFIGS)
 
 
 def _mm_config(key: str, tier: str, chip: str = "") -> dict | None:

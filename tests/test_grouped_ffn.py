@@ -399,7 +399,7 @@ def _half_tile_runs(monkeypatch, tensors, group_end, **kw):
     HALF_TILES (a tile holding at most 64 of its expert's rows runs 64-row MMAs)."""
     monkeypatch.setattr(gg, "_FEW_ROWS", 0)  # never "few rows": BM stays 128
     runs = []
-    table = gg.mm_configs(gg.current_chip())  # the table this GPU's launches read (on the CPU, _MM_CONFIGS)
+    table = gg.mm_configs()  # the table this GPU's launches read (on the CPU, _MM_CONFIGS)
     for half in (False, True):
         for key in [k for k in table if k.startswith(("bf16/", "mxfp8/"))]:
             monkeypatch.setitem(table, key, {**table[key], "HALF_TILES": half})
@@ -499,7 +499,7 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
     prefix = "mxfp8_fp8_ws/" if fp8_mma else "bf16_ws/" if layout.startswith("bf16") else "mxfp8_ws/"
-    table = gg.mm_configs(gg.current_chip())  # the table this GPU's launches read
+    table = gg.mm_configs()  # the table this GPU's launches read
     for key in [k for k in table if k.startswith(prefix)]:  # "@few_rows" too: case 2 has few rows
         # a kind that runs the Triton kernel but at many rows (bf16): its "@many_rows" config on these few rows
         committed = table[key] or table.get(f"{key}@many_rows")

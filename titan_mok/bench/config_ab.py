@@ -44,13 +44,12 @@ WGRAD_LOOPS = (WGRAD + "flat", WGRAD + "rows")  # always a config; "wgrad/flat_w
 def committed_configs(chip: str | None = None) -> dict:
     """Both config tables a chip reads (None: this process's, gg.current_chip) as one: its tile configs' entries,
     and _WGRAD_CONFIGS' under "wgrad/<loop>"."""
-    tile_configs = gg.mm_configs(gg.current_chip() if chip is None else chip)
-    return {**tile_configs, **{WGRAD + loop: cfg for loop, cfg in gg._WGRAD_CONFIGS.items()}}
+    return {**gg.mm_configs(chip), **{WGRAD + loop: cfg for loop, cfg in gg._WGRAD_CONFIGS.items()}}
 
 
 def install(configs: dict, chip: str | None = None):
     """Make configs (committed_configs()'s form) the config tables a chip reads (None: this process's)."""
-    table = gg.mm_configs(gg.current_chip() if chip is None else chip)
+    table = gg.mm_configs(chip)
     table.clear()
     table.update({k: v for k, v in configs.items() if not k.startswith(WGRAD)})
     gg._WGRAD_CONFIGS.clear()

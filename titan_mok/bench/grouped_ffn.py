@@ -477,7 +477,7 @@ def tune(log, kernels):
              "kimi_ep2_balanced": route_counts(TOKENS_PER_GPU * K, E // 2, False),
              "kimi_compute": torch.full((8,), 4096, dtype=torch.int64)}
     total = {key: [0.0] * len(TUNE_VARIANTS[key]) for key in kernels}
-    table = gg.mm_configs(gg.current_chip())  # the table this GPU's launches read
+    table = gg.mm_configs()  # the table this GPU's launches read
     for cname, counts in cases.items():
         tier = gg.rows_tier(int(counts.sum()), counts.numel())
         c = Case(H, I, counts)
