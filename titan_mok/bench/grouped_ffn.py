@@ -177,8 +177,8 @@ def phases_ours(c, precision, fp8_mma=False):
         return gg.grouped_mm_sum(dg_, du_, ge, wg_t, wu_t, fp8_mma=fp8_mma)
 
     def wgrad():  # as the FFN's backward, but one gradient alive at a time (memory)
-        for _ in gg.grouped_wgrads(ffn_kernels.wgrad_operands(c.x, h, c.dy, dg, du).values(), ge, precision):
-            pass
+        for dw in gg.grouped_wgrads(ffn_kernels.wgrad_operands(c.x, h, c.dy, dg, du).values(), ge, precision):
+            del dw  # before the next is made (a loop variable would hold it meanwhile: two alive)
 
     if fp8_mma:  # wgrad has no fp8-MMA variant (its operands are token-axis MXFP8 values in bf16)
         return {"fwd": fwd, "dgrad": dgrad}
