@@ -198,6 +198,9 @@ _MM_CONFIGS = {
     "bf16_ws/swiglu_bwd@many_rows": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=232,
                                          num_warps=4, HALF_TILES=True, SPLIT_TILES=True),
     "bf16/dual@many_rows": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4, PERSISTENT=True),
+    # bf16 plain at many rows (the forward's down projection): the same as at fewer rows; persistent tiles were 3-30%
+    # slower on the H200 (session 18). The H100 has its own (below).
+    "bf16/plain@many_rows": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=3, HALF_TILES=True),
     "mxfp8_ws/plain@many_rows": dict(BM=256, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=240,
                                      num_warps=4),
     "mxfp8_ws/dual@many_rows": dict(BM=256, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=240,
@@ -223,8 +226,13 @@ _CHIP_MM_CONFIGS = {
     # EP=1, DeepSeek-V4-Pro at EP=2), dual 1.005-1.054x and plain 0.996-1.027x there; the forward A/Bs before them read
     # the same way (SwiGLU gate/up 0.941-0.982x, dual 0.930-0.987x, plain 0.937-1.009x, faster in 13 of 18 lines).
     # Not measured on an H200. At 128-token tiles plain and dual on 2 slots were 1.6-3.9% slower.
+    # bf16 plain at many rows persistent on 128 x 256 tiles, 8 warps, 4 stages (as the dual kind's): 8 x 4096 rows, the
+    # forward's down projection, 0.815-0.866x the time in one run and 0.789-0.872x in another, four shapes, bits equal
+    # (A/As of the other kinds 0.974-1.011); it had run at ~500 TFLOP/s against torch._grouped_mm's ~657 (NOTES.md,
+    # session 35). 128 x 128 persistent on 8 warps 0.89-0.93x, 128 x 256 not persistent 0.95-1.04x.
     _H100: {**_MM_CONFIGS, **{key: {**_MM_CONFIGS[key], "STAGES": 3} for key in (
-        "mxfp8_ws/swiglu", "mxfp8_ws/swiglu@few_rows", "mxfp8_ws/plain@few_rows", "mxfp8_ws/dual@few_rows")}},
+        "mxfp8_ws/swiglu", "mxfp8_ws/swiglu@few_rows", "mxfp8_ws/plain@few_rows", "mxfp8_ws/dual@few_rows")},
+            "bf16/plain@many_rows": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4, PERSISTENT=True)},
 }
 _INTERPRETED_PROGRAMS = 1  # a PERSISTENT config's programs under Triton's interpreter: one loops over all tiles
 # Weight gradient: the flat loop while experts average fewer than _WGRAD_FLAT_MAX_ROWS rows (a

@@ -11,11 +11,11 @@ from titan_mok.kernels import grouped_gemm as gg
 def test_variant_merges_sets_and_unsets():
     committed = dict(gg._MM_CONFIGS)
     v = variant_configs(committed, ['bf16/plain={"HALF_TILES": false, "num_stages": 4}', "mxfp8_ws/plain=null",
-                                    'bf16/dual@few_rows={"BM": 64}', 'bf16/plain@many_rows={"BM": 256}'],
+                                    'bf16/dual@few_rows={"BM": 64}', 'bf16/swiglu@many_rows={"BM": 256}'],
                          ["mxfp8_ws/dual@few_rows", "mxfp8_ws/plain@many_rows"])
     assert v["bf16/plain"] == {**committed["bf16/plain"], "HALF_TILES": False, "num_stages": 4}
     assert v["mxfp8_ws/plain"] is None and v["bf16/dual@few_rows"] == {"BM": 64}
-    assert v["bf16/plain@many_rows"] == {"BM": 256}
+    assert v["bf16/swiglu@many_rows"] == {"BM": 256}
     assert "mxfp8_ws/dual@few_rows" not in v and "mxfp8_ws/plain@many_rows" not in v
     assert committed == gg._MM_CONFIGS, "the committed configs are left as they were"
 
