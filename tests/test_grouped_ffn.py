@@ -369,11 +369,14 @@ def test_a_chip_reads_its_own_table():
     assert gg.chip_of(torch.zeros(1)) == ""
 
 
+@pytest.mark.parametrize("chip", ["", gg._H100])
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
-def test_token_tile_keeps_bits(monkeypatch, precision):
-    """The token tile follows the rows per expert; a row's bits must not (every kind of grouped_mm).
-    bf16's "@many_rows" configs are persistent: one program here, looping over every tile
-    (the MXFP8 ones run the warp-specialized kernel: the GPU test below holds those)."""
+def test_token_tile_keeps_bits(monkeypatch, precision, chip):
+    """The token tile follows the rows per expert; a row's bits must not (every kind of grouped_mm), on each chip's
+    table. bf16's "@many_rows" configs are persistent: one program here, looping over every tile (the H100's plain
+    kind on 128 x 256 tiles; the MXFP8 ones run the warp-specialized kernel: the GPU test below holds those)."""
+    if chip:  # the launches read the table of the chip their tensors are on
+        monkeypatch.setattr(gg, "chip_of", lambda t: chip)
     tensors, group_end = make_case(**CPU_CASE)
     base, *others = _tile_runs(monkeypatch, tensors, group_end, tuple(_TIERS), precision=precision,
                                swiglu_limit=0.5)
