@@ -198,14 +198,14 @@ _MM_CONFIGS = {
     "bf16_ws/swiglu_bwd@many_rows": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=232,
                                          num_warps=4, HALF_TILES=True, SPLIT_TILES=True),
     "bf16/dual@many_rows": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4, PERSISTENT=True),
-    # bf16 plain at many rows (the forward's down projection): the same as at fewer rows; persistent tiles were 3-30%
-    # slower on the H200 (session 18). The H100 has its own (below).
-    "bf16/plain@many_rows": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=3, HALF_TILES=True),
     "mxfp8_ws/plain@many_rows": dict(BM=256, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=240,
                                      num_warps=4),
     "mxfp8_ws/dual@many_rows": dict(BM=256, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=240,
                                     num_warps=4, HALF_TILES=True),
 }
+# bf16 plain at many rows (the forward's down projection): plain's own config, a key of its own so that a chip can
+# replace it (the H100 does, below); persistent tiles were 3-30% slower on the H200 (session 18).
+_MM_CONFIGS["bf16/plain@many_rows"] = dict(_MM_CONFIGS["bf16/plain"])
 # Rows tiers, from the experts' average rows (the operand's row count, padding included, so the host
 # never syncs); a kind's "<key>@<tier>" config runs where there is one.
 # - "few_rows", at most _FEW_ROWS on average (the MoE regime at EP=1): else the kind's config with
