@@ -399,8 +399,10 @@ def _ws_two_per_sm(stages=2, regs=104, **kw):  # 64-token tiles, registers cappe
 TUNE_VARIANTS = {
     **{f"bf16/{kind}": _BF16_VARIANTS for kind in _KINDS},
     "bf16/swiglu_bwd@few_rows": [*_BF16_FEW_ROWS_VARIANTS, _BF16_VARIANTS[1]],
-    "bf16/plain@many_rows": [_BF16_VARIANTS[2], *[dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=8, num_stages=st,
-                                                       PERSISTENT=True) for bn, st in ((256, 4), (256, 3), (128, 4))]],
+    # the base (plain's own config, as _MM_CONFIGS' entry) and the persistent tiles the H100 chose from
+    "bf16/plain@many_rows": [dict(gg._MM_CONFIGS["bf16/plain"]),
+                             *[dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=8, num_stages=st, PERSISTENT=True)
+                               for bn, st in ((256, 4), (256, 3), (128, 4))]],
     "mxfp8_ws/plain": [None, _ws(stages=3, ROW_BLOCKS=2, **_SPLIT), _ws(**_SPLIT), _ws(stages=3, **_SPLIT), _ws()],
     "mxfp8_ws/swiglu": [None, _ws(stages=2, persistent=False, **_SPLIT), _ws(stages=2, persistent=False),
                         _ws(stages=2, **_SPLIT), _ws(stages=3, regs=248, **_SPLIT),
