@@ -62,7 +62,7 @@ import triton.language as tl
 from triton.runtime import _allocation as triton_allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from titan_mok.kernels import grouped_mm_ws, grouped_wgrad_ws
+from titan_mok.kernels import grouped_mm_coop, grouped_mm_ws, grouped_wgrad_ws
 from titan_mok.kernels.grouped_tiles import _bf16_rne, _epilogue, _tile_of_program, _wgrad_job
 from titan_mok.kernels.mxfp8_quant import (
     _COLS_BQ,
@@ -206,6 +206,7 @@ _MM_CONFIGS = {
 # bf16 plain at many rows (the forward's down projection): plain's own config, a key of its own so that a chip can
 # replace it (the H100 does, below); persistent tiles were 3-30% slower on the H200 (session 18).
 _MM_CONFIGS["bf16/plain@many_rows"] = dict(_MM_CONFIGS["bf16/plain"])
+_MM_CONFIGS["bf16_ws/plain@many_rows"] = None  # the Triton kernel (the H100 replaces it: grouped_mm_coop's)
 # Rows tiers, from the experts' average rows (the operand's row count, padding included, so the host
 # never syncs); a kind's "<key>@<tier>" config runs where there is one.
 # - "few_rows", at most _FEW_ROWS on average (the MoE regime at EP=1): else the kind's config with
@@ -232,7 +233,9 @@ _CHIP_MM_CONFIGS = {
     # session 35). 128 x 128 persistent on 8 warps 0.89-0.93x, 128 x 256 not persistent 0.95-1.04x.
     _H100: {**_MM_CONFIGS, **{key: {**_MM_CONFIGS[key], "STAGES": 3} for key in (
         "mxfp8_ws/swiglu", "mxfp8_ws/swiglu@few_rows", "mxfp8_ws/plain@few_rows", "mxfp8_ws/dual@few_rows")},
-            "bf16/plain@many_rows": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4, PERSISTENT=True)},
+            "bf16/plain@many_rows": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4, PERSISTENT=True),
+            "bf16_ws/plain@many_rows": dict(BM=128, BN=256, BK=64, GROUP_M=8, STAGES=3, CONSUMER_REGS=232, num_warps=4,
+                                            COOPERATIVE=True)},
 }
 _INTERPRETED_PROGRAMS = 1  # a PERSISTENT config's programs under Triton's interpreter: one loops over all tiles
 # Weight gradient: the flat loop while experts average fewer than _WGRAD_FLAT_MAX_ROWS rows (a
@@ -759,8 +762,13 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     ws_key = mm_config_key(mode, mx, fp8_mma, True)
     ws_cfg = _mm_config(ws_key, tier, chip)
     ws_k = 32 * grouped_mm_ws.KB  # its loads take K in blocks of ws_k
+    # COOPERATIVE: grouped_mm_coop's kernel, which reads the weights as a contiguous [E, N, K] only
+    cooperative = ws_cfg is not None and ws_cfg.get("COOPERATIVE", False)
     if warp_specialized is None:
-        warp_specialized = _on_cuda(b1_data) and not _DOT_F32 and ws_cfg is not None and k % ws_k == 0
+        warp_specialized = (_on_cuda(b1_data) and not _DOT_F32 and ws_cfg is not None and k % ws_k == 0
+                            and (not cooperative or b1_data.is_contiguous()))
+    if warp_specialized and cooperative and not b1_data.is_contiguous():
+        raise ValueError(f"{ws_key}'s cooperative kernel reads b1 as a contiguous [E, N, K], not a transposed view")
     if warp_specialized and ws_cfg is None:
         raise ValueError(f"{ws_key} has no config (None: this kind runs the Triton kernel); set one to run the "
                          "warp-specialized kernel")
@@ -783,6 +791,9 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     tile_end_E = _tile_ends(group_end_E, bm, n_tiles)
     grid = ((triton.cdiv(a1.shape[0], bm) + num_experts) * n_tiles,)  # upper bound, no host sync
     c1, c2, c3 = (list(outs) + [outs[0]] * 2)[:3]
+    if warp_specialized and cooperative:
+        grouped_mm_coop.launch(a1, b1_data, c1, group_end_E, tile_end_E, grid[0], **cfg)
+        return
     g, u = gu if gu[0] is not None else (c1, c1)
     common = dict(HAS_LIMIT=swiglu_limit is not None, LOG_E=num_experts.bit_length(), MODE=mode, **cfg)
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
@@ -906,29 +917,56 @@ def mm_config_key(mode: int, mx: bool, fp8_mma: bool, warp_specialized: bool = F
     return f"{precision}/{_MODE_NAMES[mode]}"
 
 
-def _new_rows(like: torch.Tensor, n: int, zero: bool) -> torch.Tensor:
-    """[R, n] output in like's dtype; zeroed where padding rows are visible to the caller."""
-    return (torch.zeros if zero else torch.empty)(like.shape[0], n, dtype=like.dtype, device=like.device)
+def _new_rows(like: torch.Tensor, n: int) -> torch.Tensor:
+    """[R, n] output in like's dtype, uninitialized (the tiles write every grouped row)."""
+    return torch.empty(like.shape[0], n, dtype=like.dtype, device=like.device)
+
+
+@triton.jit
+def _zero_padding_rows_kernel(c_ptr, group_end_ptr, R, N, E, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    first_padding = tl.load(group_end_ptr + E - 1).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if tl.program_id(0) * BLOCK_R + BLOCK_R > first_padding:  # the other programs hold grouped rows only
+        row_mask = (rows >= first_padding) & (rows < R)
+        for n in range(0, N, BLOCK_N):
+            cols = n + tl.arange(0, BLOCK_N)
+            tl.store(c_ptr + rows[:, None] * N + cols[None, :], tl.zeros([BLOCK_R, BLOCK_N], c_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & (cols < N)[None, :])
+
+
+def _zero_padding_rows(c_RN: torch.Tensor, group_end_E: torch.Tensor) -> torch.Tensor:
+    """c_RN with its padding rows (from group_end_E[-1] on, which no tile writes) zeroed, for callers that see
+    them; without a host sync. Zeroing the whole output first cost a pass over it: at 8 x 4096 rows 0.09-0.16 ms
+    of the down projection's ~1.5 (NOTES.md, session 37)."""
+    if group_end_E.numel() == 0:
+        return c_RN.zero_()
+    if c_RN.numel():
+        grid = (triton.cdiv(c_RN.shape[0], 32),)
+        _zero_padding_rows_kernel[grid](c_RN, group_end_E, c_RN.shape[0], c_RN.shape[1], group_end_E.shape[0],
+                                        BLOCK_R=32, BLOCK_N=256)
+    return c_RN
 
 
 def grouped_mm(a_RK, group_end_E, b_ENK, *, fp8_mma: bool = False) -> torch.Tensor:
-    """c_RN[r] = a_RK[r] @ b_ENK[e(r)].T in bf16 (fp32 accumulation); b bf16 or MXTensor (dim 2)."""
-    c_RN = _new_rows(a_RK, _b_operand(b_ENK, "b_ENK")[0].shape[1], zero=True)
+    """c_RN[r] = a_RK[r] @ b_ENK[e(r)].T in bf16 (fp32 accumulation), padding rows zero; b bf16 or MXTensor
+    (dim 2)."""
+    c_RN = _new_rows(a_RK, _b_operand(b_ENK, "b_ENK")[0].shape[1])
     _launch_mm(PLAIN, a_RK, None, b_ENK, None, group_end_E, [c_RN], fp8_mma=fp8_mma)
-    return c_RN
+    return _zero_padding_rows(c_RN, group_end_E)
 
 
 def grouped_mm_sum(a1_RK, a2_RK, group_end_E, b1_ENK, b2_ENK, *, fp8_mma: bool = False) -> torch.Tensor:
-    """c_RN = a1 @ b1[e].T + a2 @ b2[e].T in one fp32 accumulator (the input gradient of gate/up)."""
-    c_RN = _new_rows(a1_RK, _b_operand(b1_ENK, "b1_ENK")[0].shape[1], zero=True)
+    """c_RN = a1 @ b1[e].T + a2 @ b2[e].T in one fp32 accumulator (the input gradient of gate/up), padding rows
+    zero."""
+    c_RN = _new_rows(a1_RK, _b_operand(b1_ENK, "b1_ENK")[0].shape[1])
     _launch_mm(DUAL, a1_RK, a2_RK, b1_ENK, b2_ENK, group_end_E, [c_RN], fp8_mma=fp8_mma)
-    return c_RN
+    return _zero_padding_rows(c_RN, group_end_E)
 
 
 def grouped_gate_up_swiglu(x_RH, group_end_E, w_gate_EIH, w_up_EIH, swiglu_limit, *, fp8_mma: bool = False):
     """(gate_RI, up_RI, h_RI): gate/up GEMMs sharing x, h = silu(clamp gate) * clamp up, all bf16."""
     dim_i = _b_operand(w_gate_EIH, "w_gate_EIH")[0].shape[1]
-    gate_RI, up_RI, h_RI = (_new_rows(x_RH, dim_i, zero=False) for _ in range(3))
+    gate_RI, up_RI, h_RI = (_new_rows(x_RH, dim_i) for _ in range(3))
     _launch_mm(SWIGLU, x_RH, None, w_gate_EIH, w_up_EIH, group_end_E, [gate_RI, up_RI, h_RI],
                swiglu_limit=swiglu_limit, fp8_mma=fp8_mma)
     return gate_RI, up_RI, h_RI
@@ -937,7 +975,7 @@ def grouped_gate_up_swiglu(x_RH, group_end_E, w_gate_EIH, w_up_EIH, swiglu_limit
 def grouped_down_dgrad_swiglu(dy_RH, group_end_E, w_down_EIH, gate_RI, up_RI, swiglu_limit, *, fp8_mma: bool = False):
     """(dgate_RI, dup_RI): dh = dy @ w_down[e] (w_down viewed [E, I, H]) through the SwiGLU backward."""
     dim_i = gate_RI.shape[1]
-    dgate_RI, dup_RI = (_new_rows(dy_RH, dim_i, zero=False) for _ in range(2))
+    dgate_RI, dup_RI = (_new_rows(dy_RH, dim_i) for _ in range(2))
     _launch_mm(SWIGLU_BWD, dy_RH, None, w_down_EIH, None, group_end_E, [dgate_RI, dup_RI], gu=(gate_RI, up_RI),
                swiglu_limit=swiglu_limit, fp8_mma=fp8_mma)
     return dgate_RI, dup_RI

@@ -50,6 +50,23 @@ def run(tensors, group_end, **kw):
 CPU_CASE = dict(counts=[5, 0, 37], dim_h=64, dim_i=96, padding=3)
 
 
+@pytest.mark.parametrize("group_end", [[5, 5, 42], [0, 45], [45], []], ids=["padding", "empty_expert_no_padding", "no_padding", "no_experts"])
+def test_padding_rows_are_zeroed_in_place(group_end):
+    """grouped_mm's outputs start uninitialized: the padding rows (from group_end[-1] on; all rows without
+    experts) become zero, past a row block's end and across column blocks; the grouped rows keep what the tiles
+    wrote."""
+    c = torch.full((45, 300), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    c[:20] = 1.0
+    ends = torch.tensor(group_end, dtype=torch.int32, device=DEVICE)
+    out = gg._zero_padding_rows(c, ends)
+    first = group_end[-1] if group_end else 0
+    assert out is c and torch.equal(c[first:], torch.zeros_like(c[first:]))
+    grouped = c[:first].view(torch.int16)
+    expected = torch.full((45, 300), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    expected[:20] = 1.0
+    assert torch.equal(grouped, expected[:first].view(torch.int16))
+
+
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("limit", [None, 0.5])
 def test_triton_matches_reference(precision, limit):
@@ -346,17 +363,19 @@ def test_rows_tiers_pick_their_configs(monkeypatch):
 
 def test_a_chip_reads_its_own_table():
     """A chip with a table of its own (the H100) reads it, any other chip and the CPU _MM_CONFIGS; the H100's runs bf16
-    plain persistent at many rows and takes the weight gradient's 64-row steps from 80 rows per expert (Kimi K2.7 and
+    plain at many rows on the cooperative kernel (its Triton config persistent) and takes the weight gradient's 64-row steps from 80 rows per expert (Kimi K2.7 and
     Qwen3.5 at EP=2), the others from 128."""
     h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
     assert gg.mm_configs(h200) is gg.mm_configs("") is gg._MM_CONFIGS
     own = gg.mm_configs(h100)
     changed = sorted(k for k in own if own[k] != gg._MM_CONFIGS[k])
     assert own.keys() == gg._MM_CONFIGS.keys() and changed == [
-        "bf16/plain@many_rows", "mxfp8_ws/dual@few_rows", "mxfp8_ws/plain@few_rows", "mxfp8_ws/swiglu",
+        "bf16/plain@many_rows", "bf16_ws/plain@many_rows", "mxfp8_ws/dual@few_rows", "mxfp8_ws/plain@few_rows", "mxfp8_ws/swiglu",
         "mxfp8_ws/swiglu@few_rows"]
     assert gg._mm_config("bf16/plain", "many_rows", h100)["PERSISTENT"]
     assert gg._mm_config("bf16/plain", "many_rows", h200) == gg._MM_CONFIGS["bf16/plain"]
+    assert gg._mm_config("bf16_ws/plain", "many_rows", h100)["COOPERATIVE"]
+    assert gg._mm_config("bf16_ws/plain", "many_rows", h200) is None
     assert gg._mm_config("mxfp8_ws/dual", "few_rows", h100)["STAGES"] == 3
     assert gg._mm_config("mxfp8_ws/dual", "few_rows", h200) == gg._MM_CONFIGS["mxfp8_ws/dual@few_rows"]
     assert gg._mm_config("mxfp8_ws/dual", "", h100) == gg._MM_CONFIGS["mxfp8_ws/dual"]
@@ -512,7 +531,8 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
         committed = table[key] or table.get(f"{key}@many_rows")
         cfg = {"committed": committed, "small": small, "row_blocks": committed,
                **({"half": {**committed, "HALF_TILES": True, "SPLIT_TILES": False},
-                   "split": {**committed, "HALF_TILES": True, "SPLIT_TILES": True}} if committed else {})}
+                   "split": {**committed, "HALF_TILES": True, "SPLIT_TILES": True}}
+                  if committed and not committed.get("COOPERATIVE") else {})}  # (grouped_mm_coop: no half tiles)
         monkeypatch.setitem(table, key, cfg.get(rings))
     if rings == "row_blocks":
         monkeypatch.setattr(gg, "_FEW_ROWS", 0)
@@ -536,6 +556,51 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
             n = sum(counts)
             for r, w in zip(ref, ws):
                 assert torch.equal(r[:n], w[:n]), f"{kind} (H={dim_h}, I={dim_i}): warp-specialized bits differ"
+
+
+COOPERATIVE = gg._CHIP_MM_CONFIGS[gg._H100]["bf16_ws/plain@many_rows"]  # the H100's, on any chip here
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("programs", ["per_sm", 3])
+def test_cooperative_plain_matches_triton_bits(monkeypatch, programs):
+    """The cooperative kernel (grouped_mm_coop) gives the Triton kernel's bits for the plain kind, twice: 64-row
+    tile halves whole (TMA stores) and cut by their expert's last row (masked stores: 300 and 129 rows), an empty
+    expert, a partial N tile (N = 704), padding rows; one program per SM and 3 looping over all tiles."""
+    if programs != "per_sm":
+        monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
+    table = gg.mm_configs()
+    for key in ("bf16_ws/plain", "bf16_ws/plain@many_rows"):
+        monkeypatch.setitem(table, key, COOPERATIVE)
+    counts = [300, 0, 64, 1000, 129]
+    group_end, kinds = _mx_kinds(counts, 704, 512, "bf16")
+    mode, a1, a2, b1, b2, outs, gu = kinds["plain"]
+    ref, coop, again = outs(), outs(), outs()
+    gg._launch_mm(mode, a1, a2, b1, b2, group_end, ref, warp_specialized=False)
+    for out in (coop, again):
+        gg._launch_mm(mode, a1, a2, b1, b2, group_end, out, warp_specialized=True)
+    n = sum(counts)
+    assert ref[0][:n].abs().amax() > 0
+    assert torch.equal(ref[0][:n], coop[0][:n]), "cooperative kernel's bits differ from the Triton kernel's"
+    assert torch.equal(coop[0], again[0]), "cooperative kernel's bits differ run to run"
+
+
+def test_cooperative_plain_refuses_transposed_weights(monkeypatch):
+    """The cooperative kernel reads the weights as a contiguous [E, N, K]: asked for with a transposed view it is
+    refused by name; left to choose, the launcher runs the Triton kernel on it."""
+    table = gg.mm_configs()
+    monkeypatch.setitem(table, "bf16_ws/plain", COOPERATIVE)
+    group_end = torch.tensor([3, 5], dtype=torch.int32, device=DEVICE)
+    a = torch.randn(5, 128, device=DEVICE).to(torch.bfloat16)
+    w = torch.randn(2, 128, 32, device=DEVICE).to(torch.bfloat16).transpose(1, 2)  # [E, N, K] view of [E, K, N]
+    c = torch.zeros(5, 32, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="bf16_ws/plain's cooperative kernel reads b1 as a contiguous"):
+        gg._launch_mm(gg.PLAIN, a, None, w, None, group_end, [c], warp_specialized=True)
+    ref = torch.zeros_like(c)
+    gg._launch_mm(gg.PLAIN, a, None, w, None, group_end, [c])
+    gg._launch_mm(gg.PLAIN, a, None, w, None, group_end, [ref], warp_specialized=False)
+    assert c.abs().amax() > 0 and torch.equal(c, ref)
 
 
 @pytest.mark.gpu
