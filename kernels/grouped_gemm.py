@@ -13,7 +13,9 @@ Two GEMM shapes cover the expert FFN's forward and backward:
   contiguous [E, N, K]). Weights are read by TMA: a contiguous [E, N, K] or the transposed view
   of a contiguous [E, K, N], rows of 16-byte multiples. Fused
   variants: gate/up with the SwiGLU epilogue, down-dgrad with the SwiGLU-backward epilogue,
-  and a two-term sum (dx).
+  and a two-term sum (dx). On CUDA a bf16 kind with a ``"bf16_ws/<kind>"`` config runs
+  ``grouped_mm_ws``, or, where that config says ``COOPERATIVE`` (the plain kind, contiguous weights),
+  ``grouped_mm_coop``: the same bits.
 - ``grouped_wgrad``: ``c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e]``, each expert's rows read
   by TMA through descriptors the kernel makes over them (rows past the expert's end read as zeros;
   on CUDA from 64 rows per expert on, and below for a gradient with N > K, ``grouped_wgrad_ws``: the same bits,
