@@ -17,8 +17,7 @@ tile's MMAs. Here, as in CUTLASS's cooperative kernels (``torch._grouped_mm``'s 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from titan_mok.kernels import grouped_mm_ws
 from titan_mok.kernels.grouped_tiles import _bf16_rne, _tile_of_program
@@ -52,15 +51,10 @@ def _consumer(a_bufs, b_bufs, full, empty, c_desc, c_smem, c_ptr, group_end_ptr,
         acc = gl.zeros([HM, BN], gl.float32, ACC)
         for k in range(0, K, BK):
             s = c % STAGES
-            mbarrier.wait(full.index(s), (c // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous step is done: its slot goes back
-            if k > 0:
-                mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+            acc = grouped_mm_ws.ring_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), acc,
+                                         full, empty, s, c, STAGES, k == 0)
             c += 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+        acc = grouped_mm_ws.ring_mma_done(acc, empty, c, STAGES)
         h0 = m0 + HALF * HM
         out = _bf16_rne(acc)
         if h0 + HM <= row_end:

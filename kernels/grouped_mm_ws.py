@@ -68,6 +68,28 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@gluon.jit
+def ring_mma(a, b, acc, full, empty, s, c, STAGES: gl.constexpr, FIRST):
+    """A consumer's MMA step at ring position c, slot s = c % STAGES (operands a, b in it), for the bf16 kernels
+    whose loads are one step each (grouped_mm_coop, grouped_wgrad_ws): wait for the load, start the MMA, and once
+    the previous step's MMA is done (one left in flight) hand that step's slot back, unless this is the first
+    step (FIRST)."""
+    mbarrier.wait(full.index(s), (c // STAGES) & 1)
+    acc = warpgroup_mma(a, b, acc, is_async=True)
+    acc = warpgroup_mma_wait(1, deps=(acc,))
+    if not FIRST:
+        mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+    return acc
+
+
+@gluon.jit
+def ring_mma_done(acc, empty, c, STAGES: gl.constexpr):
+    """After ring_mma's last step (ring position c - 1): its MMA done, its slot handed back."""
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+    return acc
+
+
 def launch(max_tiles: int, persistent: bool, *args, **kwargs):
     """The kernel on max_tiles programs (an upper bound of the tiles, one each), or persistent: one
     program per SM, each looping over tiles t, t + grid, ... up to the device-side tile count, its

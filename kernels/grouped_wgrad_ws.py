@@ -34,8 +34,9 @@ Triton kernel's 32-row steps. Programs past the last get no work (a program that
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from titan_mok.kernels.grouped_mm_ws import ring_mma, ring_mma_done
 from titan_mok.kernels.grouped_tiles import _bf16_rne, _wgrad_job
 
 
@@ -110,15 +111,10 @@ def _consumer(a_bufs, b_bufs, full, empty, tiles, tile_full, tile_empty, group_e
             acc = gl.zeros([64, BK], gl.float32, ACC)
             for blk in range(row_blocks):
                 s = c % STAGES
-                mbarrier.wait(full.index(s), (c // STAGES) & 1)
                 a_t = a_bufs.index(s).slice(64 * half, 64, dim=1).permute((1, 0))  # a^T [64 features, BR rows]
-                acc = warpgroup_mma(a_t, b_bufs.index(s), acc, is_async=True)
-                acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous step is done: its slot goes back
-                if blk > 0:
-                    mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+                acc = ring_mma(a_t, b_bufs.index(s), acc, full, empty, s, c, STAGES, blk == 0)
                 c += 1
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+            acc = ring_mma_done(acc, empty, c, STAGES)
             mbarrier.wait(tile_empty.index(half), (q & 1) ^ 1)  # the storer has read the previous tile
             tiles.index(half).store(_bf16_rne(acc))
             gl.thread_barrier()  # the whole warpgroup's tile is in the buffer before the storer reads it
