@@ -764,13 +764,17 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     ws_key = mm_config_key(mode, mx, fp8_mma, True)
     ws_cfg = _mm_config(ws_key, tier, chip)
     ws_k = 32 * grouped_mm_ws.KB  # its loads take K in blocks of ws_k
-    # COOPERATIVE: grouped_mm_coop's kernel, which reads the weights as a contiguous [E, N, K] only
+    # COOPERATIVE: grouped_mm_coop's kernel, which reads the weights as a contiguous [E, N, K] and stores its
+    # output rows by TMA (N a multiple of 8 bf16)
     cooperative = ws_cfg is not None and ws_cfg.get("COOPERATIVE", False)
+    coop_readable = b1_data.is_contiguous() and n % 8 == 0
     if warp_specialized is None:
         warp_specialized = (_on_cuda(b1_data) and not _DOT_F32 and ws_cfg is not None and k % ws_k == 0
-                            and (not cooperative or b1_data.is_contiguous()))
-    if warp_specialized and cooperative and not b1_data.is_contiguous():
-        raise ValueError(f"{ws_key}'s cooperative kernel reads b1 as a contiguous [E, N, K], not a transposed view")
+                            and (not cooperative or coop_readable))
+    if warp_specialized and cooperative and not coop_readable:
+        raise ValueError(f"{ws_key}'s cooperative kernel needs b1 as a contiguous [E, N, K] (not a transposed view) "
+                         f"and N a multiple of 8 (TMA stores of the output rows); got strides {b1_data.stride()}, "
+                         f"N = {n}")
     if warp_specialized and ws_cfg is None:
         raise ValueError(f"{ws_key} has no config (None: this kind runs the Triton kernel); set one to run the "
                          "warp-specialized kernel")
@@ -794,7 +798,10 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     grid = ((triton.cdiv(a1.shape[0], bm) + num_experts) * n_tiles,)  # upper bound, no host sync
     c1, c2, c3 = (list(outs) + [outs[0]] * 2)[:3]
     if warp_specialized and cooperative:
-        grouped_mm_coop.launch(a1, b1_data, c1, group_end_E, tile_end_E, grid[0], **cfg)
+        descs = (_tma_descriptor(a1, [bm, cfg["BK"]], "a1", True),
+                 _tma_descriptor(b1_data.view(num_experts * n, k), [bn, cfg["BK"]], "b1", True),
+                 _tma_descriptor(c1, [bm // 2, bn], "c1", True))
+        grouped_mm_coop.launch(*descs, c1, group_end_E, tile_end_E, grid[0], **cfg)
         return
     g, u = gu if gu[0] is not None else (c1, c1)
     common = dict(HAS_LIMIT=swiglu_limit is not None, LOG_E=num_experts.bit_length(), MODE=mode, **cfg)
@@ -938,8 +945,8 @@ def _zero_padding_rows_kernel(c_ptr, group_end_ptr, R, N, E, BLOCK_R: tl.constex
 
 def _zero_padding_rows(c_RN: torch.Tensor, group_end_E: torch.Tensor) -> torch.Tensor:
     """c_RN with its padding rows (from group_end_E[-1] on, which no tile writes) zeroed, for callers that see
-    them; without a host sync. Zeroing the whole output first cost a pass over it: at 8 x 4096 rows 0.09-0.16 ms
-    of the down projection's ~1.5 (NOTES.md, session 37)."""
+    them; without a host sync. Zeroing the whole output first costs a pass over it: at 8 x 4096 rows 0.09-0.16 ms
+    by bytes at 3 TB/s, beside the down projection's ~1.5 (NOTES.md, session 37)."""
     if group_end_E.numel() == 0:
         return c_RN.zero_()
     if c_RN.numel():

@@ -94,19 +94,17 @@ def _grouped_mm_coop_kernel(a_desc, b_desc, c_desc, c_ptr, group_end_ptr, tile_e
     ], [4, 1], [CONSUMER_REGS, 40])
 
 
-def launch(a_RK: torch.Tensor, b_ENK: torch.Tensor, c_RN: torch.Tensor, group_end_E: torch.Tensor,
-           tile_end_E: torch.Tensor, max_tiles: int, BM: int, BN: int, BK: int, GROUP_M: int, STAGES: int,
-           CONSUMER_REGS: int, num_warps: int, COOPERATIVE: bool):
-    """c_RN = a_RK @ b_ENK[e]^T per expert's rows, one program per SM (none past max_tiles) looping over the
-    tiles; b_ENK a contiguous [E, N, K] (grouped_gemm checks the operands). The arguments after max_tiles are
-    the config's (COOPERATIVE: the key that chose this kernel)."""
+def launch(a_desc, b_desc, c_desc, c_RN: torch.Tensor, group_end_E: torch.Tensor, tile_end_E: torch.Tensor,
+           max_tiles: int, BM: int, BN: int, BK: int, GROUP_M: int, STAGES: int, CONSUMER_REGS: int, num_warps: int,
+           COOPERATIVE: bool):
+    """c_RN = A @ B[e]^T per expert's rows, one program per SM (none past max_tiles) looping over the tiles. The
+    TMA descriptors (grouped_gemm makes and checks them): A [R, K] in [BM, BK] blocks, B [E * N, K] in [BN, BK],
+    c_RN [R, N] in [BM / 2, BN]. The arguments after max_tiles are the config's (COOPERATIVE: the key that chose
+    this kernel)."""
     if BM != 128:
         raise ValueError(f"the cooperative kernel's BM must be 128 (two warpgroups of 64 rows), got {BM}")
-    num_experts, n, k = b_ENK.shape
+    num_experts = group_end_E.shape[0]
     grid = (min(max_tiles, grouped_mm_ws.sm_count(c_RN.device.index)),)
-    _grouped_mm_coop_kernel[grid](
-        grouped_mm_ws.tma_descriptor(a_RK, [BM, BK]), grouped_mm_ws.tma_descriptor(b_ENK.view(num_experts * n, k),
-                                                                                    [BN, BK]),
-        grouped_mm_ws.tma_descriptor(c_RN, [BM // 2, BN]), c_RN, group_end_E, tile_end_E, n, k, num_experts,
-        LOG_E=num_experts.bit_length(), BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, STAGES=STAGES,
-        CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps)
+    _grouped_mm_coop_kernel[grid](a_desc, b_desc, c_desc, c_RN, group_end_E, tile_end_E, c_RN.shape[1],
+                                  a_desc.shape[1], num_experts, LOG_E=num_experts.bit_length(), BM=BM, BN=BN, BK=BK,
+                                  GROUP_M=GROUP_M, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps)

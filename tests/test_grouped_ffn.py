@@ -587,16 +587,21 @@ def test_cooperative_plain_matches_triton_bits(monkeypatch, programs):
 
 
 def test_cooperative_plain_refuses_transposed_weights(monkeypatch):
-    """The cooperative kernel reads the weights as a contiguous [E, N, K]: asked for with a transposed view it is
-    refused by name; left to choose, the launcher runs the Triton kernel on it."""
+    """The cooperative kernel reads the weights as a contiguous [E, N, K] and stores rows of N (a multiple of 8)
+    by TMA: asked for with a transposed view or N = 36 it is refused by name; left to choose, the launcher runs
+    the Triton kernel on the view."""
     table = gg.mm_configs()
     monkeypatch.setitem(table, "bf16_ws/plain", COOPERATIVE)
     group_end = torch.tensor([3, 5], dtype=torch.int32, device=DEVICE)
     a = torch.randn(5, 128, device=DEVICE).to(torch.bfloat16)
     w = torch.randn(2, 128, 32, device=DEVICE).to(torch.bfloat16).transpose(1, 2)  # [E, N, K] view of [E, K, N]
     c = torch.zeros(5, 32, dtype=torch.bfloat16, device=DEVICE)
-    with pytest.raises(ValueError, match="bf16_ws/plain's cooperative kernel reads b1 as a contiguous"):
+    with pytest.raises(ValueError, match="bf16_ws/plain's cooperative kernel needs b1 as a contiguous"):
         gg._launch_mm(gg.PLAIN, a, None, w, None, group_end, [c], warp_specialized=True)
+    w36 = torch.randn(2, 36, 128, device=DEVICE).to(torch.bfloat16)  # contiguous, but N = 36
+    with pytest.raises(ValueError, match="N a multiple of 8 .* N = 36"):
+        gg._launch_mm(gg.PLAIN, a, None, w36, None, group_end, [torch.zeros(5, 36, dtype=torch.bfloat16,
+                                                                             device=DEVICE)], warp_specialized=True)
     ref = torch.zeros_like(c)
     gg._launch_mm(gg.PLAIN, a, None, w, None, group_end, [c])
     gg._launch_mm(gg.PLAIN, a, None, w, None, group_end, [ref], warp_specialized=False)
