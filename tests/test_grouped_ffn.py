@@ -50,7 +50,8 @@ def run(tensors, group_end, **kw):
 CPU_CASE = dict(counts=[5, 0, 37], dim_h=64, dim_i=96, padding=3)
 
 
-@pytest.mark.parametrize("group_end", [[5, 5, 42], [0, 45], [45], []], ids=["padding", "empty_expert_no_padding", "no_padding", "no_experts"])
+@pytest.mark.parametrize("group_end", [[5, 5, 42], [0, 45], [45], []],
+                         ids=["padding", "empty_expert_no_padding", "no_padding", "no_experts"])
 def test_padding_rows_are_zeroed_in_place(group_end):
     """grouped_mm's outputs start uninitialized: the padding rows (from group_end[-1] on; all rows without
     experts) become zero, past a row block's end and across column blocks; the grouped rows keep what the tiles
@@ -363,15 +364,15 @@ def test_rows_tiers_pick_their_configs(monkeypatch):
 
 def test_a_chip_reads_its_own_table():
     """A chip with a table of its own (the H100) reads it, any other chip and the CPU _MM_CONFIGS; the H100's runs bf16
-    plain at many rows on the cooperative kernel (its Triton config persistent) and takes the weight gradient's 64-row steps from 80 rows per expert (Kimi K2.7 and
-    Qwen3.5 at EP=2), the others from 128."""
+    plain at many rows on the cooperative kernel (its Triton config persistent) and takes the weight gradient's
+    64-row steps from 80 rows per expert (Kimi K2.7 and Qwen3.5 at EP=2), the others from 128."""
     h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
     assert gg.mm_configs(h200) is gg.mm_configs("") is gg._MM_CONFIGS
     own = gg.mm_configs(h100)
     changed = sorted(k for k in own if own[k] != gg._MM_CONFIGS[k])
     assert own.keys() == gg._MM_CONFIGS.keys() and changed == [
-        "bf16/plain@many_rows", "bf16_ws/plain@many_rows", "mxfp8_ws/dual@few_rows", "mxfp8_ws/plain@few_rows", "mxfp8_ws/swiglu",
-        "mxfp8_ws/swiglu@few_rows"]
+        "bf16/plain@many_rows", "bf16_ws/plain@many_rows", "mxfp8_ws/dual@few_rows", "mxfp8_ws/plain@few_rows",
+        "mxfp8_ws/swiglu", "mxfp8_ws/swiglu@few_rows"]
     assert gg._mm_config("bf16/plain", "many_rows", h100)["PERSISTENT"]
     assert gg._mm_config("bf16/plain", "many_rows", h200) == gg._MM_CONFIGS["bf16/plain"]
     assert gg._mm_config("bf16_ws/plain", "many_rows", h100)["COOPERATIVE"]
@@ -586,7 +587,7 @@ def test_cooperative_plain_matches_triton_bits(monkeypatch, programs):
     assert torch.equal(coop[0], again[0]), "cooperative kernel's bits differ run to run"
 
 
-def test_cooperative_plain_refuses_transposed_weights(monkeypatch):
+def test_cooperative_plain_refusals(monkeypatch):
     """The cooperative kernel reads the weights as a contiguous [E, N, K] and stores rows of N (a multiple of 8)
     by TMA: asked for with a transposed view or N = 36 it is refused by name; left to choose, the launcher runs
     the Triton kernel on the view."""
