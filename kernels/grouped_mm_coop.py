@@ -52,7 +52,7 @@ def _consumer(a_bufs, b_bufs, full, empty, c_desc, c_smem, c_ptr, group_end_ptr,
         for k in range(0, K, BK):
             s = c % STAGES
             acc = grouped_mm_ws.ring_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), acc,
-                                         full, empty, s, c, STAGES, k == 0)
+                                         full, empty, c, STAGES, k == 0)
             c += 1
         acc = grouped_mm_ws.ring_mma_done(acc, empty, c, STAGES)
         h0 = m0 + HALF * HM

@@ -69,12 +69,11 @@ def sm_count(device_index: int) -> int:
 
 
 @gluon.jit
-def ring_mma(a, b, acc, full, empty, s, c, STAGES: gl.constexpr, FIRST):
-    """A consumer's MMA step at ring position c, slot s = c % STAGES (operands a, b in it), for the bf16 kernels
-    whose loads are one step each (grouped_mm_coop, grouped_wgrad_ws): wait for the load, start the MMA, and once
-    the previous step's MMA is done (one left in flight) hand that step's slot back, unless this is the first
-    step (FIRST)."""
-    mbarrier.wait(full.index(s), (c // STAGES) & 1)
+def ring_mma(a, b, acc, full, empty, c, STAGES: gl.constexpr, FIRST):
+    """A consumer's MMA step at ring position c (operands a, b in slot c % STAGES), for the bf16 kernels whose loads
+    are one step each (grouped_mm_coop, grouped_wgrad_ws): wait for the load, start the MMA, and once the previous
+    step's MMA is done (one left in flight) hand that step's slot back, unless this is the first step (FIRST)."""
+    mbarrier.wait(full.index(c % STAGES), (c // STAGES) & 1)
     acc = warpgroup_mma(a, b, acc, is_async=True)
     acc = warpgroup_mma_wait(1, deps=(acc,))
     if not FIRST:

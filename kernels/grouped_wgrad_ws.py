@@ -112,7 +112,7 @@ def _consumer(a_bufs, b_bufs, full, empty, tiles, tile_full, tile_empty, group_e
             for blk in range(row_blocks):
                 s = c % STAGES
                 a_t = a_bufs.index(s).slice(64 * half, 64, dim=1).permute((1, 0))  # a^T [64 features, BR rows]
-                acc = ring_mma(a_t, b_bufs.index(s), acc, full, empty, s, c, STAGES, blk == 0)
+                acc = ring_mma(a_t, b_bufs.index(s), acc, full, empty, c, STAGES, blk == 0)
                 c += 1
             acc = ring_mma_done(acc, empty, c, STAGES)
             mbarrier.wait(tile_empty.index(half), (q & 1) ^ 1)  # the storer has read the previous tile
