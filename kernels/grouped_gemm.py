@@ -14,8 +14,8 @@ Two GEMM shapes cover the expert FFN's forward and backward:
   of a contiguous [E, K, N], rows of 16-byte multiples. Fused
   variants: gate/up with the SwiGLU epilogue, down-dgrad with the SwiGLU-backward epilogue,
   and a two-term sum (dx). On CUDA a bf16 kind with a ``"bf16_ws/<kind>"`` config runs
-  ``grouped_mm_ws``, or, where that config says ``COOPERATIVE`` (the plain kind, contiguous weights),
-  ``grouped_mm_coop``: the same bits.
+  ``grouped_mm_ws``, or, where that config says ``COOPERATIVE`` (the plain and SwiGLU gate/up kinds, contiguous
+  weights), ``grouped_mm_coop``: the same bits.
 - ``grouped_wgrad``: ``c_ENK[e] = a_RN[rows of e].T @ b_RK[rows of e]``, each expert's rows read
   by TMA through descriptors the kernel makes over them (rows past the expert's end read as zeros;
   on CUDA from 64 rows per expert on, and below for a gradient with N > K, ``grouped_wgrad_ws``: the same bits,
@@ -764,21 +764,23 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     ws_key = mm_config_key(mode, mx, fp8_mma, True)
     ws_cfg = _mm_config(ws_key, tier, chip)
     ws_k = 32 * grouped_mm_ws.KB  # its loads take K in blocks of ws_k
-    # COOPERATIVE: grouped_mm_coop's kernel, which reads the weights as a contiguous [E, N, K] and stores its
-    # output rows by TMA (N a multiple of 8 bf16)
+    # COOPERATIVE (the plain and SwiGLU gate/up kinds): grouped_mm_coop's kernel, which reads the weights as a
+    # contiguous [E, N, K] and stores its output rows by TMA (N a multiple of 8 bf16)
     cooperative = ws_cfg is not None and ws_cfg.get("COOPERATIVE", False)
-    coop_readable = b1_data.is_contiguous() and n % 8 == 0
+    if cooperative and mode not in (PLAIN, SWIGLU):
+        raise ValueError(f"{ws_key}: COOPERATIVE is for the plain and SwiGLU gate/up kinds only")
+    coop_readable = b1_data.is_contiguous() and b2_data.is_contiguous() and n % 8 == 0
     if warp_specialized is None:
-        warp_specialized = (_on_cuda(b1_data) and not _DOT_F32 and ws_cfg is not None and k % ws_k == 0
-                            and (not cooperative or coop_readable))
+        warp_specialized = (_on_cuda(b1_data) and not _DOT_F32 and ws_cfg is not None
+                            and (coop_readable if cooperative else k % ws_k == 0))
     if warp_specialized and cooperative and not coop_readable:
-        raise ValueError(f"{ws_key}'s cooperative kernel needs b1 as a contiguous [E, N, K] (not a transposed view) "
-                         f"and N a multiple of 8 (TMA stores of the output rows); got strides {b1_data.stride()}, "
-                         f"N = {n}")
+        raise ValueError(f"{ws_key}'s cooperative kernel needs b1 (and b2) as a contiguous [E, N, K] (not a "
+                         f"transposed view) and N a multiple of 8 (TMA stores of the output rows); got strides "
+                         f"{b1_data.stride()}, {b2_data.stride()}, N = {n}")
     if warp_specialized and ws_cfg is None:
         raise ValueError(f"{ws_key} has no config (None: this kind runs the Triton kernel); set one to run the "
                          "warp-specialized kernel")
-    if warp_specialized and k % ws_k:
+    if warp_specialized and not cooperative and k % ws_k:
         raise ValueError(f"the warp-specialized kernel needs K (here {k}) to be a multiple of {ws_k}; "
                          "the Triton kernel runs any K")
     cfg = ws_cfg if warp_specialized else _mm_config(mm_config_key(mode, mx, fp8_mma), tier, chip)
@@ -798,10 +800,11 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     grid = ((triton.cdiv(a1.shape[0], bm) + num_experts) * n_tiles,)  # upper bound, no host sync
     c1, c2, c3 = (list(outs) + [outs[0]] * 2)[:3]
     if warp_specialized and cooperative:
+        weights = (("b1", b1_data), ("b2", b2_data))[:1 + (mode == SWIGLU)]
         descs = (_tma_descriptor(a1, [bm, cfg["BK"]], "a1", True),
-                 _tma_descriptor(b1_data.view(num_experts * n, k), [bn, cfg["BK"]], "b1", True),
-                 _tma_descriptor(c1, [bm // 2, bn], "c1", True))
-        grouped_mm_coop.launch(*descs, c1, group_end_E, tile_end_E, grid[0], **cfg)
+                 [_tma_descriptor(b.view(num_experts * n, k), [bn, cfg["BK"]], name, True) for name, b in weights],
+                 [_tma_descriptor(c, [bm // 2, bn], f"c{i + 1}", True) for i, c in enumerate(outs)])
+        grouped_mm_coop.launch(descs, outs, group_end_E, tile_end_E, grid[0], swiglu_limit, **cfg)
         return
     g, u = gu if gu[0] is not None else (c1, c1)
     common = dict(HAS_LIMIT=swiglu_limit is not None, LOG_E=num_experts.bit_length(), MODE=mode, **cfg)

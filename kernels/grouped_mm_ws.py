@@ -69,24 +69,38 @@ def sm_count(device_index: int) -> int:
 
 
 @gluon.jit
-def ring_mma(a, b, acc, full, empty, c, STAGES: gl.constexpr, FIRST):
+def ring_mma(a, b, acc, full, empty, c, STAGES: gl.constexpr, FIRST, b2=None, acc2=None):
     """A consumer's MMA step at ring position c (operands a, b in slot c % STAGES), for the bf16 kernels whose loads
     are one step each (grouped_mm_coop, grouped_wgrad_ws): wait for the load, start the MMA, and once the previous
-    step's MMA is done (one left in flight) hand that step's slot back, unless this is the first step (FIRST)."""
+    step's MMA is done (one left in flight) hand that step's slot back, unless this is the first step (FIRST).
+    b2, acc2 (SwiGLU gate/up's up weight): a second MMA on the same a, both in flight; then (acc, acc2) returns."""
     mbarrier.wait(full.index(c % STAGES), (c // STAGES) & 1)
     acc = warpgroup_mma(a, b, acc, is_async=True)
-    acc = warpgroup_mma_wait(1, deps=(acc,))
+    if acc2 is None:
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+    else:
+        acc2 = warpgroup_mma(a, b2, acc2, is_async=True)
+        acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
     if not FIRST:
         mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
-    return acc
+    if acc2 is None:
+        return acc
+    else:
+        return acc, acc2
 
 
 @gluon.jit
-def ring_mma_done(acc, empty, c, STAGES: gl.constexpr):
-    """After ring_mma's last step (ring position c - 1): its MMA done, its slot handed back."""
-    acc = warpgroup_mma_wait(0, deps=(acc,))
+def ring_mma_done(acc, empty, c, STAGES: gl.constexpr, acc2=None):
+    """After ring_mma's last step (ring position c - 1): its MMAs done, its slot handed back."""
+    if acc2 is None:
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+    else:
+        acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
     mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
-    return acc
+    if acc2 is None:
+        return acc
+    else:
+        return acc, acc2
 
 
 def launch(max_tiles: int, persistent: bool, *args, **kwargs):

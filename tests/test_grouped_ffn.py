@@ -511,14 +511,13 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
     weight layout, an empty expert, partial N tiles and padding rows; with the committed configs and
     with 64-token tiles and a two-load ring (every kind persistent); with a program per SM (here one
     tile each) and with 3 programs looping over all tiles (the ring's phases carried across tiles).
-    Kinds whose K is not a multiple of 128 are refused. "half": every config with HALF_TILES and without
-    SPLIT_TILES (tiles holding at most BM / 2 of their expert's rows on BM / 2-token MMAs). "split": every
-    config with both (tiles of 65-96 rows on 64 + 32-token MMAs at BM 128: 70 and 72-row tiles here; the
-    E4M3-MMA path ignores it). "row_blocks": the committed configs with every case on the 128-token ones (no
-    "@few_rows" tier), so that plain's and dual's ROW_BLOCKS = 2 (two 128-row blocks of the weight per tile)
-    meet case 3's N = 704, a second block partly and wholly past N (the committed ring meets it on plain's
-    64-token tiles). fp8_mma: its E4M3-MMA path against the
-    Triton E4M3-MMA kernel (weights K-major only)."""
+    Kinds whose K is not a multiple of 128 are refused (but by the cooperative kernel). "half": every config with
+    HALF_TILES and without SPLIT_TILES (tiles holding at most BM / 2 of their expert's rows on BM / 2-token MMAs).
+    "split": every config with both (tiles of 65-96 rows on 64 + 32-token MMAs at BM 128: 70 and 72-row tiles here;
+    the E4M3-MMA path ignores it). "row_blocks": the committed configs with every case on the 128-token ones (no
+    "@few_rows" tier), so that plain's and dual's ROW_BLOCKS = 2 (two 128-row blocks of the weight per tile) meet
+    case 3's N = 704, a second block partly and wholly past N (the committed ring meets it on plain's 64-token
+    tiles). fp8_mma: its E4M3-MMA path against the Triton E4M3-MMA kernel (weights K-major only)."""
     small = dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232, num_warps=4)
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
@@ -543,10 +542,11 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
         for kind, (mode, a1, a2, b1, b2, outs, gu) in kinds.items():
             ref, ws = outs(), outs()
             kw = dict(gu=gu, swiglu_limit=7.0, fp8_mma=fp8_mma)
-            if gg._mm_config(f"{prefix}{kind}", gg.rows_tier(a1.shape[0], len(counts))) is None:
+            ws_cfg = gg._mm_config(f"{prefix}{kind}", gg.rows_tier(a1.shape[0], len(counts)))
+            if ws_cfg is None:
                 continue  # this tier runs the Triton kernel: nothing to compare
             gg._launch_mm(mode, a1, a2, b1, b2, group_end, ref, warp_specialized=False, **kw)
-            if kind not in runs:
+            if kind not in runs and not ws_cfg.get("COOPERATIVE"):  # (grouped_mm_coop runs any K)
                 with pytest.raises(ValueError, match="multiple of 128"):
                     gg._launch_mm(mode, a1, a2, b1, b2, group_end, ws, warp_specialized=True, **kw)
                 continue
@@ -557,49 +557,57 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
 
 
 COOPERATIVE = gg._CHIP_MM_CONFIGS[gg._H100]["bf16_ws/plain@many_rows"]  # the H100's, on any chip here
+COOPERATIVE_KINDS = {"plain": COOPERATIVE, "swiglu": {**COOPERATIVE, "BN": 128}}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", list(COOPERATIVE_KINDS))
 @pytest.mark.parametrize("programs", ["per_sm", 3])
-def test_cooperative_plain_matches_triton_bits(monkeypatch, programs):
-    """The cooperative kernel (grouped_mm_coop) gives the Triton kernel's bits for the plain kind, twice: 64-row
-    tile halves whole (TMA stores) and cut by their expert's last row (masked stores: 300 and 129 rows), an empty
-    expert, a partial N tile (N = 704), padding rows; one program per SM and 3 looping over all tiles."""
+def test_cooperative_matches_triton_bits(monkeypatch, kind, programs):
+    """The cooperative kernel (grouped_mm_coop) gives the Triton kernel's bits for the plain and SwiGLU gate/up kinds,
+    twice: 64-row tile halves whole (TMA stores) and cut by their expert's last row (masked stores: 300 and 129
+    rows), an empty expert, a partial N tile (N = 704 and 448), K not a multiple of 128 (448 and 704), padding rows;
+    one program per SM and 3 looping over all tiles; SwiGLU with and without its limit."""
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
     table = gg.mm_configs()
-    for key in ("bf16_ws/plain", "bf16_ws/plain@many_rows"):
-        monkeypatch.setitem(table, key, COOPERATIVE)
+    for key in (f"bf16_ws/{kind}", f"bf16_ws/{kind}@many_rows"):
+        monkeypatch.setitem(table, key, COOPERATIVE_KINDS[kind])
     counts = [300, 0, 64, 1000, 129]
-    group_end, kinds = _mx_kinds(counts, 704, 512, "bf16")
-    mode, a1, a2, b1, b2, outs, gu = kinds["plain"]
-    ref, coop, again = outs(), outs(), outs()
-    gg._launch_mm(mode, a1, a2, b1, b2, group_end, ref, warp_specialized=False)
-    for out in (coop, again):
-        gg._launch_mm(mode, a1, a2, b1, b2, group_end, out, warp_specialized=True)
+    group_end, kinds = _mx_kinds(counts, 704, 448, "bf16")
+    mode, a1, a2, b1, b2, outs, gu = kinds[kind]
     n = sum(counts)
-    assert ref[0][:n].abs().amax() > 0
-    assert torch.equal(ref[0][:n], coop[0][:n]), "cooperative kernel's bits differ from the Triton kernel's"
-    assert torch.equal(coop[0], again[0]), "cooperative kernel's bits differ run to run"
+    for limit in ((None, 7.0) if kind == "swiglu" else (None,)):
+        ref, coop, again = outs(), outs(), outs()
+        gg._launch_mm(mode, a1, a2, b1, b2, group_end, ref, swiglu_limit=limit, warp_specialized=False)
+        for out in (coop, again):
+            gg._launch_mm(mode, a1, a2, b1, b2, group_end, out, swiglu_limit=limit, warp_specialized=True)
+        for r, c, c2 in zip(ref, coop, again):
+            assert r[:n].abs().amax() > 0
+            assert torch.equal(r[:n], c[:n]), f"{kind}: cooperative kernel's bits differ from the Triton kernel's"
+            assert torch.equal(c, c2), f"{kind}: cooperative kernel's bits differ run to run"
 
 
 def test_cooperative_plain_refusals(monkeypatch):
     """The cooperative kernel reads the weights as a contiguous [E, N, K] and stores rows of N (a multiple of 8)
-    by TMA: asked for with a transposed view or N = 36 it is refused by name; left to choose, the launcher runs
-    the Triton kernel on the view."""
+    by TMA: asked for with a transposed view or N = 36 it is refused by name, as is a COOPERATIVE config for a kind
+    it does not run; left to choose, the launcher runs the Triton kernel on the view."""
     table = gg.mm_configs()
     monkeypatch.setitem(table, "bf16_ws/plain", COOPERATIVE)
     group_end = torch.tensor([3, 5], dtype=torch.int32, device=DEVICE)
     a = torch.randn(5, 128, device=DEVICE).to(torch.bfloat16)
     w = torch.randn(2, 128, 32, device=DEVICE).to(torch.bfloat16).transpose(1, 2)  # [E, N, K] view of [E, K, N]
     c = torch.zeros(5, 32, dtype=torch.bfloat16, device=DEVICE)
-    with pytest.raises(ValueError, match="bf16_ws/plain's cooperative kernel needs b1 as a contiguous"):
+    with pytest.raises(ValueError, match=r"bf16_ws/plain's cooperative kernel needs b1 \(and b2\) as a contiguous"):
         gg._launch_mm(gg.PLAIN, a, None, w, None, group_end, [c], warp_specialized=True)
     w36 = torch.randn(2, 36, 128, device=DEVICE).to(torch.bfloat16)  # contiguous, but N = 36
     with pytest.raises(ValueError, match="N a multiple of 8 .* N = 36"):
         gg._launch_mm(gg.PLAIN, a, None, w36, None, group_end, [torch.zeros(5, 36, dtype=torch.bfloat16,
                                                                              device=DEVICE)], warp_specialized=True)
+    monkeypatch.setitem(table, "bf16_ws/dual", COOPERATIVE)
+    with pytest.raises(ValueError, match="bf16_ws/dual: COOPERATIVE is for the plain and SwiGLU gate/up kinds only"):
+        gg._launch_mm(gg.DUAL, a, a, w, w, group_end, [c])
     ref = torch.zeros_like(c)
     gg._launch_mm(gg.PLAIN, a, None, w, None, group_end, [c])
     gg._launch_mm(gg.PLAIN, a, None, w, None, group_end, [ref], warp_specialized=False)
