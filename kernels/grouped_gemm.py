@@ -237,7 +237,9 @@ _CHIP_MM_CONFIGS = {
         "mxfp8_ws/swiglu", "mxfp8_ws/swiglu@few_rows", "mxfp8_ws/plain@few_rows", "mxfp8_ws/dual@few_rows")},
             "bf16/plain@many_rows": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4, PERSISTENT=True),
             "bf16_ws/plain@many_rows": dict(BM=128, BN=256, BK=64, GROUP_M=8, STAGES=3, CONSUMER_REGS=232, num_warps=4,
-                                            COOPERATIVE=True)},
+                                            COOPERATIVE=True),
+            "bf16_ws/swiglu@many_rows": dict(BM=128, BN=128, BK=64, GROUP_M=8, STAGES=4, CONSUMER_REGS=232,
+                                             num_warps=4, COOPERATIVE=True)},
 }
 _INTERPRETED_PROGRAMS = 1  # a PERSISTENT config's programs under Triton's interpreter: one loops over all tiles
 # Weight gradient: the flat loop while experts average fewer than _WGRAD_FLAT_MAX_ROWS rows (a
