@@ -233,6 +233,11 @@ _CHIP_MM_CONFIGS = {
     # forward's down projection, 0.815-0.866x the time in one run and 0.789-0.872x in another, four shapes, bits equal
     # (A/As of the other kinds 0.974-1.011); it had run at ~500 TFLOP/s against torch._grouped_mm's ~657 (NOTES.md,
     # session 35). 128 x 128 persistent on 8 warps 0.89-0.93x, 128 x 256 not persistent 0.95-1.04x.
+    # Both forward kinds at many rows on the cooperative kernel (grouped_mm_coop: each tile's TMA stores under the next
+    # tile's MMAs), bits equal: plain 0.945-0.972x the persistent Triton kernel's time (session 37); SwiGLU gate/up on
+    # 4 ring slots 0.938-0.988x the Triton kernel's, and the Triton kernel as the variant 1.015-1.085x (3 slots:
+    # 1.002-1.038x). With them (and the padding rows zeroed alone) the compute regime's forward took 0.91-0.96x
+    # torch._grouped_mm's time in all four shapes (NOTES.md, session 38).
     _H100: {**_MM_CONFIGS, **{key: {**_MM_CONFIGS[key], "STAGES": 3} for key in (
         "mxfp8_ws/swiglu", "mxfp8_ws/swiglu@few_rows", "mxfp8_ws/plain@few_rows", "mxfp8_ws/dual@few_rows")},
             "bf16/plain@many_rows": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4, PERSISTENT=True),
