@@ -209,6 +209,7 @@ _MM_CONFIGS = {
 # replace it (the H100 does, below); persistent tiles were 3-30% slower on the H200 (session 18).
 _MM_CONFIGS["bf16/plain@many_rows"] = dict(_MM_CONFIGS["bf16/plain"])
 _MM_CONFIGS["bf16_ws/plain@many_rows"] = None  # the Triton kernel (the H100 replaces it: grouped_mm_coop's)
+_MM_CONFIGS["bf16_ws/swiglu@many_rows"] = None  # likewise
 # Rows tiers, from the experts' average rows (the operand's row count, padding included, so the host
 # never syncs); a kind's "<key>@<tier>" config runs where there is one.
 # - "few_rows", at most _FEW_ROWS on average (the MoE regime at EP=1): else the kind's config with

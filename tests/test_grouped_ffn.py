@@ -361,19 +361,21 @@ def test_rows_tiers_pick_their_configs(monkeypatch):
 
 def test_a_chip_reads_its_own_table():
     """A chip with a table of its own (the H100) reads it, any other chip and the CPU _MM_CONFIGS; the H100's runs bf16
-    plain at many rows on the cooperative kernel (its Triton config persistent) and takes the weight gradient's
-    64-row steps from 80 rows per expert (Kimi K2.7 and Qwen3.5 at EP=2), the others from 128."""
+    plain and SwiGLU gate/up at many rows on the cooperative kernel (plain's Triton config persistent) and takes the
+    weight gradient's 64-row steps from 80 rows per expert (Kimi K2.7 and Qwen3.5 at EP=2), the others from 128."""
     h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
     assert gg.mm_configs(h200) is gg.mm_configs("") is gg._MM_CONFIGS
     own = gg.mm_configs(h100)
     changed = sorted(k for k in own if own[k] != gg._MM_CONFIGS[k])
     assert own.keys() == gg._MM_CONFIGS.keys() and changed == [
-        "bf16/plain@many_rows", "bf16_ws/plain@many_rows", "mxfp8_ws/dual@few_rows", "mxfp8_ws/plain@few_rows",
-        "mxfp8_ws/swiglu", "mxfp8_ws/swiglu@few_rows"]
+        "bf16/plain@many_rows", "bf16_ws/plain@many_rows", "bf16_ws/swiglu@many_rows", "mxfp8_ws/dual@few_rows",
+        "mxfp8_ws/plain@few_rows", "mxfp8_ws/swiglu", "mxfp8_ws/swiglu@few_rows"]
     assert gg._mm_config("bf16/plain", "many_rows", h100)["PERSISTENT"]
     assert gg._mm_config("bf16/plain", "many_rows", h200) == gg._MM_CONFIGS["bf16/plain"]
     assert gg._mm_config("bf16_ws/plain", "many_rows", h100)["COOPERATIVE"]
     assert gg._mm_config("bf16_ws/plain", "many_rows", h200) is None
+    assert gg._mm_config("bf16_ws/swiglu", "many_rows", h100)["COOPERATIVE"]
+    assert gg._mm_config("bf16_ws/swiglu", "many_rows", h200) is None
     assert gg._mm_config("mxfp8_ws/dual", "few_rows", h100)["STAGES"] == 3
     assert gg._mm_config("mxfp8_ws/dual", "few_rows", h200) == gg._MM_CONFIGS["mxfp8_ws/dual@few_rows"]
     assert gg._mm_config("mxfp8_ws/dual", "", h100) == gg._MM_CONFIGS["mxfp8_ws/dual"]
