@@ -1,6 +1,7 @@
 """The offline sm_90 report (titan_mok.bench.sass): the kernels of an MXFP8 pass compiled on a
 CPU-only machine, the two-programs-per-SM promise of the register-capped few-rows configs kept, the
-many-rows configs free of spills, and the weight gradient's kernel choice."""
+many-rows configs free of spills, the H100's cooperative forward kernels (Gluon: no interpreter runs them, so
+this is where CI compiles them), and the weight gradient's kernel choice."""
 
 import json
 import os
@@ -51,6 +52,19 @@ def test_many_rows_kernels_do_not_spill():
         cfg = sass.gg._MM_CONFIGS[f"mxfp8_ws/{kind}@many_rows"]
         assert cfg["CONSUMER_REGS"] in ws[step]["setmaxnreg"], f"{step}: not its many-rows config: {ws[step]}"
         assert ws[step]["stack_bytes"] == 0, f"{step}: {ws[step]['stack_bytes']} bytes of spill stack"
+
+
+def test_h100_forward_at_many_rows_compiles_the_cooperative_kernel():
+    """On the H100 at 2048 rows per expert both forward GEMMs run grouped_mm_coop (its table's COOPERATIVE entries):
+    they compile for sm_90, fit one program per SM, hand the consumers their registers, and store by TMA (one store
+    per warpgroup's output, each in two places in the SASS: plain 1 output, SwiGLU 3)."""
+    coop = {r["step"]: r for r in _report("--shape", "qwen", "--rows-per-expert", "2048", "--precision", "bf16",
+                                          "--chip", "NVIDIA H100 80GB HBM3") if r["kernel"] == "_grouped_mm_coop_kernel"}
+    assert sorted(coop) == ["fwd: down", "fwd: gate/up + SwiGLU"], sorted(coop)
+    for step, outputs in (("fwd: gate/up + SwiGLU", 3), ("fwd: down", 1)):
+        r = coop[step]
+        assert r["programs_per_sm"] == 1 and 232 in r["setmaxnreg"], f"{step}: {r}"
+        assert r["opcodes"].get("UTMASTG", 0) == 2 * outputs, f"{step}: {r['opcodes'].get('UTMASTG', 0)} TMA stores"
 
 
 @pytest.mark.parametrize("rows_per_expert, kernels", [(40, ["_grouped_wgrad_kernel", "_grouped_wgrad_ws_kernel"]),
