@@ -558,8 +558,9 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
                 assert torch.equal(r[:n], w[:n]), f"{kind} (H={dim_h}, I={dim_i}): warp-specialized bits differ"
 
 
-COOPERATIVE = gg._CHIP_MM_CONFIGS[gg._H100]["bf16_ws/plain@many_rows"]  # the H100's, on any chip here
-COOPERATIVE_KINDS = {"plain": COOPERATIVE, "swiglu": {**COOPERATIVE, "BN": 128}}
+# the H100's cooperative configs, on any chip here
+COOPERATIVE_KINDS = {kind: gg._CHIP_MM_CONFIGS[gg._H100][f"bf16_ws/{kind}@many_rows"] for kind in ("plain", "swiglu")}
+COOPERATIVE = COOPERATIVE_KINDS["plain"]
 
 
 @pytest.mark.gpu
