@@ -592,7 +592,7 @@ def test_cooperative_matches_triton_bits(monkeypatch, kind, programs):
             assert torch.equal(c, c2), f"{kind}: cooperative kernel's bits differ run to run"
 
 
-def test_cooperative_plain_refusals(monkeypatch):
+def test_cooperative_refusals(monkeypatch):
     """The cooperative kernel reads the weights as a contiguous [E, N, K] and stores rows of N (a multiple of 8)
     by TMA: asked for with a transposed view or N = 36 it is refused by name, as is a COOPERATIVE config for a kind
     it does not run; left to choose, the launcher runs the Triton kernel on the view."""
