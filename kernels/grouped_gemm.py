@@ -279,6 +279,12 @@ _WGRAD_CONFIGS = {
     # 0.99-1.11x on the H200 while 0.96-0.995x on the H100; at 64 rows (DeepSeek-V4-Pro EP=2) 0.98-0.99x and 1.00-1.01x.
     "flat_ws_long": dict(BR=64, BN=128, BK=256, STAGES=3, CONSUMER_REGS=232, STORER_WARPS=2, STORER_REGS=64,
                          num_warps=4),
+    # CUDA, many rows per expert: the Gluon kernel on the row loop's programs (one K tile each) where a config is
+    # given, else (None) the Triton kernel's "rows" config. With flat_ws_long's config at 8 x 4096 rows it beat the
+    # row loop in 6 of 8 (shape, weight) lines by 1-6% (w_down now ahead of torch's at Kimi K2.7, GLM-5.2 and
+    # DeepSeek-V4-Pro) and was 1.5% slower at Qwen3.5, bits equal; one run on one H100 (NOTES.md, session 39):
+    # not yet A/B'd by config_ab, so not on.
+    "rows_ws": None,
 }
 _WGRAD_WS_MIN_ROWS = 64
 _WGRAD_WS_LONG_STEPS_MIN_ROWS = 128
@@ -1053,13 +1059,13 @@ def _grouped_wgrad_values(a_RN, b_RK, group_end_E) -> torch.Tensor:
     if num_experts:
         loop = wgrad_loop(a_RN.shape[0], num_experts, n, k, _on_cuda(a_RN), chip_of(a_RN))
         cfg = _WGRAD_CONFIGS[loop]
-        flat = loop != "rows"  # "flat_ws" and "flat_ws_long" run the flat loop's programs
+        flat = loop.startswith("flat")  # "flat_ws*" run the flat loop's programs, "rows_ws" the row loop's
         n_tiles, k_tiles = triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"])
         prog_end_E, k_tiles_per_prog_E, max_programs = _wgrad_programs(group_end_E, a_RN.shape[0], cfg["BR"], n_tiles,
                                                                        k_tiles, flat)
         args = (a_RN, b_RK, c_ENK, group_end_E, prog_end_E, k_tiles_per_prog_E, n, k, num_experts)
         _set_triton_allocator()  # the kernels make each program's TMA descriptors
-        if loop.startswith("flat_ws"):  # one program per SM looping over the flat loop's programs: the same bits
+        if loop.endswith(("_ws", "_ws_long")):  # one program per SM looping over the loop's programs: the same bits
             grouped_wgrad_ws._grouped_wgrad_ws_kernel[(_persistent_programs(a_RN, n_tiles * max_programs),)](
                 *args, LOG_E=num_experts.bit_length(), **cfg)
         else:
@@ -1072,13 +1078,13 @@ def _grouped_wgrad_values(a_RN, b_RK, group_end_E) -> torch.Tensor:
 
 def wgrad_loop(num_rows: int, num_experts: int, n: int, k: int, on_cuda: bool = False, chip: str = "") -> str:
     """The ``_WGRAD_CONFIGS`` entry grouped_wgrad runs for a gradient [E, n, k]: "flat" while experts average
-    fewer than _WGRAD_FLAT_MAX_ROWS rows (padding included: a static property of the shapes), else "rows"; on
-    CUDA "flat_ws" instead of "flat" where it has a config and experts average at least _WGRAD_WS_MIN_ROWS rows,
-    or the gradient has more features than K columns (n > k); "flat_ws_long" instead of "flat_ws" where it has a
-    config and experts average at least the chip's _CHIP_WGRAD_WS_LONG_STEPS_MIN_ROWS (else
-    _WGRAD_WS_LONG_STEPS_MIN_ROWS) rows."""
+    fewer than _WGRAD_FLAT_MAX_ROWS rows (padding included: a static property of the shapes), else "rows" (on CUDA
+    "rows_ws" where it has a config); on CUDA "flat_ws" instead of "flat" where it has a config and experts average
+    at least _WGRAD_WS_MIN_ROWS rows, or the gradient has more features than K columns (n > k); "flat_ws_long"
+    instead of "flat_ws" where it has a config and experts average at least the chip's
+    _CHIP_WGRAD_WS_LONG_STEPS_MIN_ROWS (else _WGRAD_WS_LONG_STEPS_MIN_ROWS) rows."""
     if num_rows >= _WGRAD_FLAT_MAX_ROWS * num_experts:
-        return "rows"
+        return "rows_ws" if on_cuda and _WGRAD_CONFIGS["rows_ws"] else "rows"
     if on_cuda and (num_rows >= _WGRAD_WS_MIN_ROWS * num_experts or n > k) and _WGRAD_CONFIGS["flat_ws"]:
         long_steps_min_rows = _CHIP_WGRAD_WS_LONG_STEPS_MIN_ROWS.get(chip, _WGRAD_WS_LONG_STEPS_MIN_ROWS)
         if num_rows >= long_steps_min_rows * num_experts and _WGRAD_CONFIGS["flat_ws_long"]:

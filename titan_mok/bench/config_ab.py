@@ -8,11 +8,11 @@
     python3 -m titan_mok.bench.config_ab --precision bf16 --set 'wgrad/flat={"BN": 64, "num_warps": 4}'
 
 Entries: ``_MM_CONFIGS``' keys (grouped_mm's kinds) and the weight gradient's as "wgrad/flat",
-"wgrad/rows" (its loops), "wgrad/flat_ws" and "wgrad/flat_ws_long" (``_WGRAD_CONFIGS``). ``--set KEY=JSON`` merges a
-JSON object into the committed entry KEY (a new "@few_rows" or "@many_rows" key, or a None entry, starts empty) or,
-with ``null``, makes a grouped_mm entry or a "wgrad/flat_ws*" one None (a None "<precision>_ws/<kind>" runs the Triton
-kernel, but in a rows tier with its own "@<tier>" entry; a None "wgrad/flat_ws" the Triton kernel's flat loop, a None
-"wgrad/flat_ws_long" the "flat_ws" config);
+"wgrad/rows" (its loops), "wgrad/flat_ws", "wgrad/flat_ws_long" and "wgrad/rows_ws" (``_WGRAD_CONFIGS``). ``--set
+KEY=JSON`` merges a JSON object into the committed entry KEY (a new "@few_rows" or "@many_rows" key, or a None entry,
+starts empty) or, with ``null``, makes a grouped_mm entry or a "wgrad/*_ws*" one None (a None "<precision>_ws/<kind>"
+runs the Triton kernel, but in a rows tier with its own "@<tier>" entry; a None "wgrad/flat_ws" the Triton kernel's
+flat loop, a None "wgrad/flat_ws_long" the "flat_ws" config, a None "wgrad/rows_ws" the Triton kernel's row loop);
 ``--unset KEY`` removes a grouped_mm entry. The GEMMs compared are those of the tables the variant
 changes (both for a run without ``--set``/``--unset``): grouped_mm's four kinds, and each weight's
 gradient (not with ``--fp8-mma``: the weight gradient has no E4M3-MMA path). Per shape and case (the
@@ -38,7 +38,7 @@ from titan_mok.kernels import grouped_gemm as gg
 
 CASES = ("EP=1 balanced", "EP=1 skewed", "EP=2 balanced", "EP=2 skewed", "8x4096")
 WGRAD = "wgrad/"  # the weight gradient's entries: "wgrad/" + a _WGRAD_CONFIGS key
-WGRAD_LOOPS = (WGRAD + "flat", WGRAD + "rows")  # always a config; "wgrad/flat_ws*" may be null
+WGRAD_LOOPS = (WGRAD + "flat", WGRAD + "rows")  # always a config; "wgrad/*_ws*" may be null
 
 
 def committed_configs(chip: str | None = None) -> dict:
