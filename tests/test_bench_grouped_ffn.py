@@ -76,7 +76,9 @@ def test_a_failing_phase_is_recorded_and_not_timed_again(monkeypatch):
 
 @pytest.mark.parametrize("flag, value, named", [("--shapes", "kimi,foo", "--shapes: ['foo']"),
                                                 ("--impls", "ours_bf16,bar", "--impls: ['bar']"),
-                                                ("--rounds", "0", "--rounds must be at least 1")])
+                                                ("--rounds", "0", "--rounds must be at least 1"),
+                                                ("--compute-case", "8x0", "--compute-case: expected EXPERTSxROWS"),
+                                                ("--compute-case", "8*4096", "--compute-case: expected EXPERTSxROWS")])
 def test_bad_arguments_are_named_before_any_gpu_work(monkeypatch, capsys, tmp_path, flag, value, named):
     import sys
 

@@ -1,11 +1,13 @@
 """Benchmark: routed-expert grouped GEMMs (kernels/grouped_ffn.py) against torch's grouped GEMMs, with roofline floors.
 
     python3 -m titan_mok.bench.grouped_ffn [--out DIR] [--quick] [--tune] [--regime all|moe|compute] [--rounds N]
-        [--shapes kimi,glm,qwen,deepseek] [--impls ...]
+        [--shapes kimi,glm,qwen,deepseek] [--impls ...] [--compute-case 8x4096]
 
 Regimes (issue 6): the MoE regime — each shape's expert GEMMs at 2048 tokens/GPU × top-k rows over
 the local experts at EP=1 and EP=2, balanced and skewed routing — and the compute regime — 8
-experts × 4096 rows at each shape's H and I. Phases, each timed as one callable:
+experts × 4096 rows at each shape's H and I (``--compute-case EXPERTSxROWS`` another count of experts and rows
+per expert: 33 x 4096, for one, makes the weight gradient's 128 x 256 tiles whole waves on 132 SMs).
+Phases, each timed as one callable:
 - fwd:   gate/up (+ SwiGLU) and down;
 - dgrad: down's input gradient (+ SwiGLU backward) and gate/up's input gradient (summed);
 - wgrad: the three weight gradients.
@@ -521,6 +523,14 @@ def comma_choices(parser: argparse.ArgumentParser, flag: str, text: str, allowed
     return given
 
 
+def compute_case(parser: argparse.ArgumentParser, text: str) -> tuple[int, int]:
+    """--compute-case's (experts, rows per expert), both positive (else the parser's error, naming the flag)."""
+    experts, sep, rows = text.partition("x")
+    if not (sep and experts.isdigit() and rows.isdigit() and int(experts) > 0 and int(rows) > 0):
+        parser.error(f"--compute-case: expected EXPERTSxROWS with positive integers, e.g. 8x4096, got {text!r}")
+    return int(experts), int(rows)
+
+
 def use_growing_segments():
     """The CUDA allocator's segments grow instead of being carved once: DeepSeek-V4-Pro at EP=1 holds ~114 GB, and
     its weight gradient's 15.75 GB output then found the free memory only in pieces (out of memory with 15.7 GB
@@ -539,10 +549,12 @@ def main():
                    help="timing rounds per phase, the implementations alternating (more than 1 holds them all at once)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--regime", choices=("all", "moe", "compute"), default="all",
-                   help="the MoE-regime cases, the compute cases (8 x 4096 rows), or both")
+                   help="the MoE-regime cases, the compute cases (--compute-case), or both")
     p.add_argument("--impls", default=",".join(IMPLS),
                    help="comma-separated implementations to time")
+    p.add_argument("--compute-case", default="8x4096", help="the compute regime's EXPERTSxROWS (rows per expert)")
     args = p.parse_args()
+    experts, rows = compute_case(p, args.compute_case)
     impls = comma_choices(p, "--impls", args.impls, IMPLS)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -576,8 +588,9 @@ def main():
                 results.append(run_case(name, H, I, counts, ceil, impls, args.rep_ms, log, args.rounds))
     for shape in shapes if args.regime != "moe" else []:
         H, I, _, _ = SHAPES[shape]
-        results.append(run_case(f"{shape} compute 8x4096", H, I, torch.full((8,), 4096, dtype=torch.int64),
-                                ceil, impls, args.rep_ms, log, args.rounds))
+        results.append(run_case(f"{shape} compute {experts}x{rows}", H, I,
+                                torch.full((experts,), rows, dtype=torch.int64), ceil, impls, args.rep_ms, log,
+                                args.rounds))
     # summary table (the reply carries the end of the output)
     print("\ncase | impl | fwd ms (floor/time) | dgrad | wgrad | weight quantization")
     for r in results:
