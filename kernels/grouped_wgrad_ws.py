@@ -3,9 +3,9 @@ expert, the MoE regime) on CUDA where ``_WGRAD_CONFIGS["flat_ws"]`` gives it a c
 on average, ``"flat_ws_long"``'s: 64-row MMA steps); and, where ``_WGRAD_CONFIGS["rows_ws"]`` gives a config, the
 row loop's programs (many rows per expert: one K tile each).
 
-Same programs, K tiles and row order as ``grouped_gemm._grouped_wgrad_kernel`` (FLAT), which stays the
-definition it must match bit for bit (GPU test) and the path Triton's CPU interpreter runs. That kernel's
-loads and MMAs, not its writes, keep it from the write floor: each row block is one short MMA step behind
+Same programs, K tiles and row order as ``grouped_gemm._grouped_wgrad_kernel`` (FLAT; for "rows_ws" its row
+loop), which stays the definition it must match bit for bit (GPU tests) and the path Triton's CPU interpreter runs.
+That kernel's loads and MMAs, not its writes, keep it from the write floor: each row block is one short MMA step behind
 its own loads, and its epilogue waits for the tile's last step (NOTES.md, session 14). Here:
 
 - loader (1 warp): per program (BN features, an expert, a run of its K tiles) two TMA descriptors over
