@@ -280,11 +280,11 @@ _WGRAD_CONFIGS = {
     "flat_ws_long": dict(BR=64, BN=128, BK=256, STAGES=3, CONSUMER_REGS=232, STORER_WARPS=2, STORER_REGS=64,
                          num_warps=4),
     # CUDA, many rows per expert: the Gluon kernel on the row loop's programs (one K tile each) where a config is
-    # given, else (None) the Triton kernel's "rows" config. With flat_ws_long's config at 8 x 4096 rows it beat the
-    # row loop in 6 of 8 (shape, weight) lines by 1-6% (w_down now ahead of torch's at Kimi K2.7, GLM-5.2 and
-    # DeepSeek-V4-Pro) and was 1.5% slower at Qwen3.5, bits equal; one run on one H100 (NOTES.md, session 39):
-    # not yet A/B'd by config_ab, so not on.
-    "rows_ws": None,
+    # given, else (None) the Triton kernel's "rows" config. flat_ws_long's config (64-row MMA steps, 3 ring slots) at
+    # 8 x 4096 rows took 0.925-0.991x the Triton row loop's time in all 12 (shape, weight) lines of config_ab's 7
+    # alternating rounds, bits equal; 32-row steps on 6 slots 0.929-1.013x (one H100, NOTES.md session 40; the
+    # H200's tensor cores are the same and this regime is MMA-bound, but it was not measured there).
+    "rows_ws": dict(BR=64, BN=128, BK=256, STAGES=3, CONSUMER_REGS=232, STORER_WARPS=2, STORER_REGS=64, num_warps=4),
 }
 _WGRAD_WS_MIN_ROWS = 64
 _WGRAD_WS_LONG_STEPS_MIN_ROWS = 128

@@ -223,20 +223,19 @@ def test_wgrad_loop_follows_rows_per_expert(monkeypatch):
     """The weight gradient's entry: the warp-specialized kernel on CUDA from _WGRAD_WS_MIN_ROWS rows per expert
     on, and below it for a gradient with more features than K columns (w_down's), only with a config; the Triton
     flat loop otherwise and off CUDA; the row loop from _WGRAD_FLAT_MAX_ROWS on (on CUDA warp-specialized too, with a
-    "rows_ws" config)."""
+    "rows_ws" config, which is committed; the Triton row loop where it is None)."""
     ws_min, long_min, flat_max, experts = (gg._WGRAD_WS_MIN_ROWS, gg._WGRAD_WS_LONG_STEPS_MIN_ROWS,
                                            gg._WGRAD_FLAT_MAX_ROWS, 4)
-    assert gg._WGRAD_CONFIGS["flat_ws"] is not None and gg._WGRAD_CONFIGS["flat_ws_long"] is not None
+    assert all(gg._WGRAD_CONFIGS[loop] is not None for loop in ("flat_ws", "flat_ws_long", "rows_ws"))
     rows = [r * experts for r in (ws_min - 1, ws_min, long_min - 1, long_min, flat_max - 1, flat_max)]
     w_gate, w_down = (2048, 7168), (7168, 2048)  # (n, k) of Kimi K2.7's [E, I, H] and [E, H, I] gradients
-    ws = ["flat_ws", "flat_ws_long", "flat_ws_long", "rows"]
+    ws = ["flat_ws", "flat_ws_long", "flat_ws_long", "rows_ws"]
     assert [gg.wgrad_loop(r, experts, *w_gate, True) for r in rows] == ["flat", "flat_ws", *ws]
     assert [gg.wgrad_loop(r, experts, *w_down, True) for r in rows] == ["flat_ws", "flat_ws", *ws]
     for n_k in (w_gate, w_down):
         assert [gg.wgrad_loop(r, experts, *n_k) for r in rows] == ["flat"] * 5 + ["rows"]
-    monkeypatch.setitem(gg._WGRAD_CONFIGS, "rows_ws", gg._WGRAD_CONFIGS["flat_ws_long"])
-    assert [gg.wgrad_loop(flat_max * experts, experts, *n_k, on_cuda) for n_k in (w_gate, w_down)
-            for on_cuda in (True, False)] == ["rows_ws", "rows"] * 2
+    monkeypatch.setitem(gg._WGRAD_CONFIGS, "rows_ws", None)
+    assert [gg.wgrad_loop(flat_max * experts, experts, *n_k, True) for n_k in (w_gate, w_down)] == ["rows"] * 2
     monkeypatch.setitem(gg._WGRAD_CONFIGS, "flat_ws_long", None)
     assert gg.wgrad_loop(long_min * experts, experts, *w_gate, True) == "flat_ws"
     monkeypatch.setitem(gg._WGRAD_CONFIGS, "flat_ws", None)
@@ -290,7 +289,6 @@ def test_warp_specialized_wgrad_on_row_loop_programs_matches_triton_bits(monkeyp
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
     g = torch.Generator().manual_seed(12)
-    cfg = gg._WGRAD_CONFIGS["rows_ws"] or gg._WGRAD_CONFIGS["flat_ws_long"]  # committed, or flat_ws_long's
     for n, k, counts in ((384, 1088, [300, 0, 1711, 1089]), (2048, 1024, [700] * 3 + [1])):
         a, b = (torch.randn(sum(counts), d, generator=g).to(torch.bfloat16).cuda() for d in (n, k))
         group_end = torch.tensor(counts).cumsum(0).cuda()
@@ -298,7 +296,7 @@ def test_warp_specialized_wgrad_on_row_loop_programs_matches_triton_bits(monkeyp
             m.setitem(gg._WGRAD_CONFIGS, "rows_ws", None)
             assert gg.wgrad_loop(a.shape[0], len(counts), n, k, True) == "rows"
             ref = gg.grouped_wgrad(a, b, group_end, "bf16")
-        monkeypatch.setitem(gg._WGRAD_CONFIGS, "rows_ws", cfg)
+        assert gg.wgrad_loop(a.shape[0], len(counts), n, k, True) == "rows_ws"  # the committed config
         assert torch.equal(gg.grouped_wgrad(a, b, group_end, "bf16"), ref), (n, k, counts)
 
 
