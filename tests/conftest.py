@@ -16,14 +16,25 @@ there too. It stays on the path: mp.spawn children import test modules by name.
 import os
 import sys
 
-import pytest
-import torch
+# Under Triton's interpreter tl.dot is NumPy's matmul, and multithreaded OpenBLAS splits a product among its
+# threads by the tile's shape: a row's sum could then depend on the rows beside it in the tile (one bf16 ulp in
+# test_triton_bitwise_run_to_run_and_row_invariant on a 2-core machine, NOTES.md session 40), which the tests would
+# blame on the kernel. One thread sums every row alike. OpenBLAS reads this when NumPy first loads, so before torch.
+# too late if NumPy is already loaded (unless the environment set it): checked below, where the interpreter runs
+_BLAS_THREADS_SET_TOO_LATE = "numpy" in sys.modules and os.environ.get("OPENBLAS_NUM_THREADS") != "1"
+os.environ["OPENBLAS_NUM_THREADS"] = "1"
 
-from tests.torchrun import REPO
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.torchrun import REPO  # noqa: E402
 
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != str(REPO)] + [str(REPO)]
 
 if not torch.cuda.is_available():
+    if _BLAS_THREADS_SET_TOO_LATE:
+        raise RuntimeError("tests/conftest.py: NumPy was loaded before OPENBLAS_NUM_THREADS=1 could be set (by a pytest "
+                           "plugin?); run with OPENBLAS_NUM_THREADS=1 in the environment")
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
     def _interpreter_numpy_shim():
