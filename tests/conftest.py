@@ -19,8 +19,8 @@ import sys
 # Under Triton's interpreter tl.dot is NumPy's matmul, and multithreaded OpenBLAS splits a product among its
 # threads by the tile's shape: a row's sum could then depend on the rows beside it in the tile (one bf16 ulp in
 # test_triton_bitwise_run_to_run_and_row_invariant on a 2-core machine, NOTES.md session 40), which the tests would
-# blame on the kernel. One thread sums every row alike. OpenBLAS reads this when NumPy first loads, so before torch.
-# too late if NumPy is already loaded (unless the environment set it): checked below, where the interpreter runs
+# blame on the kernel. One thread sums every row alike. OpenBLAS reads this when NumPy first loads, so it goes before
+# torch; if something loaded NumPy earlier without it, the interpreter's set-up below says so.
 _BLAS_THREADS_SET_TOO_LATE = "numpy" in sys.modules and os.environ.get("OPENBLAS_NUM_THREADS") != "1"
 os.environ["OPENBLAS_NUM_THREADS"] = "1"
 
