@@ -279,13 +279,13 @@ _WGRAD_CONFIGS = {
     # 0.99-1.11x on the H200 while 0.96-0.995x on the H100; at 64 rows (DeepSeek-V4-Pro EP=2) 0.98-0.99x and 1.00-1.01x.
     "flat_ws_long": dict(BR=64, BN=128, BK=256, STAGES=3, CONSUMER_REGS=232, STORER_WARPS=2, STORER_REGS=64,
                          num_warps=4),
-    # CUDA, many rows per expert: the Gluon kernel on the row loop's programs (one K tile each) where a config is
-    # given, else (None) the Triton kernel's "rows" config. flat_ws_long's config (64-row MMA steps, 3 ring slots) at
-    # 8 x 4096 rows took 0.925-0.991x the Triton row loop's time in all 12 (shape, weight) lines of config_ab's 7
-    # alternating rounds, bits equal; 32-row steps on 6 slots 0.929-1.013x (one H100, NOTES.md session 40; the
-    # H200's tensor cores are the same and this regime is MMA-bound, but it was not measured there).
-    "rows_ws": dict(BR=64, BN=128, BK=256, STAGES=3, CONSUMER_REGS=232, STORER_WARPS=2, STORER_REGS=64, num_warps=4),
 }
+# CUDA, many rows per expert: the Gluon kernel on the row loop's programs (one K tile each) where a config is given,
+# else (None) the Triton kernel's "rows" config. flat_ws_long's config (64-row MMA steps, 3 ring slots) at 8 x 4096
+# rows took 0.925-0.991x the Triton row loop's time in all 12 (shape, weight) lines of config_ab's 7 alternating
+# rounds, bits equal; 32-row steps on 6 slots 0.929-1.013x (one H100, NOTES.md session 40; the H200's tensor cores
+# are the same and this regime is MMA-bound, but it was not measured there). A copy: config_ab varies each alone.
+_WGRAD_CONFIGS["rows_ws"] = dict(_WGRAD_CONFIGS["flat_ws_long"])
 _WGRAD_WS_MIN_ROWS = 64
 _WGRAD_WS_LONG_STEPS_MIN_ROWS = 128
 # Per chip (as _CHIP_MM_CONFIGS): on the H100 the 64-row steps from 80 rows per expert (Kimi K2.7 and Qwen3.5 at EP=2):
