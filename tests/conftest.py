@@ -16,25 +16,14 @@ there too. It stays on the path: mp.spawn children import test modules by name.
 import os
 import sys
 
-# Under Triton's interpreter tl.dot is NumPy's matmul, and multithreaded OpenBLAS splits a product among its
-# threads by the tile's shape: a row's sum could then depend on the rows beside it in the tile (one bf16 ulp in
-# test_triton_bitwise_run_to_run_and_row_invariant on a 2-core machine, NOTES.md session 40), which the tests would
-# blame on the kernel. One thread sums every row alike. OpenBLAS reads this when NumPy first loads, so it goes before
-# torch; if something loaded NumPy earlier without it, the interpreter's set-up below says so.
-_BLAS_THREADS_SET_TOO_LATE = "numpy" in sys.modules and os.environ.get("OPENBLAS_NUM_THREADS") != "1"
-os.environ["OPENBLAS_NUM_THREADS"] = "1"
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from tests.torchrun import REPO  # noqa: E402
+from tests.torchrun import REPO
 
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != str(REPO)] + [str(REPO)]
 
 if not torch.cuda.is_available():
-    if _BLAS_THREADS_SET_TOO_LATE:
-        raise RuntimeError("tests/conftest.py: NumPy was loaded before OPENBLAS_NUM_THREADS=1 could be set (by a pytest "
-                           "plugin?); run with OPENBLAS_NUM_THREADS=1 in the environment")
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
     def _interpreter_numpy_shim():
@@ -50,7 +39,35 @@ if not torch.cuda.is_available():
 
         interpreter._patch_lang_tensor = patched
 
+    def _interpreter_exact_dot():
+        """The interpreter's tl.dot is NumPy's float32 matmul, whose sums OpenBLAS orders by the operands' shapes
+        and its threads: a tile's element then differs in its last bit between tile shapes (1 element of 8192 in
+        test_config_ab_runs_every_kind, one run in ~7) and between a row's neighbours (NOTES.md, sessions 40-41),
+        which the bit-for-bit tests would blame on the kernel; on the GPU an element's MMA order is the kernel's.
+        In float64 a tile's products are exact (bf16, fp16 and fp32 operands alike) and their sum is within 2^-53
+        of exact in any order, which rounds to one float32 (but on a rounding boundary: not met in these tests), so
+        the interpreter's bits follow the kernel's own loop, not BLAS."""
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+
+        blas_dot = interpreter.InterpreterBuilder.create_dot
+
+        def exact_dot(self, a, b, d, *args):
+            if d.data.dtype != np.float32:
+                return blas_dot(self, a, b, d, *args)
+            a_data, b_data = a.data, b.data
+            if any(x.dtype.primitive_bitwidth == 8 and x.dtype.is_floating() for x in (a, b)):
+                # as blas_dot reads FP8 operands (held as bytes): both through float16
+                a_data, b_data = (interpreter._convert_float(x.data, x.dtype, tl.float16, None).view(np.float16)
+                                  for x in (a, b))
+            products = np.matmul(a_data, b_data, dtype=np.float64)
+            return interpreter.TensorHandle(products.astype(np.float32) + d.data, d.dtype.scalar)
+
+        interpreter.InterpreterBuilder.create_dot = exact_dot
+
     _interpreter_numpy_shim()
+    _interpreter_exact_dot()
 
 
 @pytest.fixture
