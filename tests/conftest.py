@@ -44,9 +44,10 @@ if not torch.cuda.is_available():
         and its threads: a tile's element then differs in its last bit between tile shapes (1 element of 8192 in
         test_config_ab_runs_every_kind, one run in ~7) and between a row's neighbours (NOTES.md, sessions 40-41),
         which the bit-for-bit tests would blame on the kernel; on the GPU an element's MMA order is the kernel's.
-        In float64 a tile's products are exact (bf16, fp16 and fp32 operands alike) and their sum is within 2^-53
-        of exact in any order, which rounds to one float32 (but on a rounding boundary: not met in these tests), so
-        the interpreter's bits follow the kernel's own loop, not BLAS."""
+        In float64 a tile's products are exact (bf16, fp16 and fp32 operands alike) and their sum's rounding error,
+        in any order, about K * 2^-53 of the terms' magnitudes, lies far below a float32 ulp of the result (but
+        under near-total cancellation or on a rounding boundary: not met in these tests), so each order rounds to
+        the same float32 and the interpreter's bits follow the kernel's own loop, not BLAS."""
         import numpy as np
         import triton.language as tl
         from triton.runtime import interpreter
