@@ -57,12 +57,10 @@ if not torch.cuda.is_available():
         def exact_dot(self, a, b, d, *args):
             if d.data.dtype != np.float32:
                 return blas_dot(self, a, b, d, *args)
-            a_data, b_data = a.data, b.data
-            if any(x.dtype.primitive_bitwidth == 8 and x.dtype.is_floating() for x in (a, b)):
-                # as blas_dot reads FP8 operands (held as bytes): both through float16
-                a_data, b_data = (interpreter._convert_float(x.data, x.dtype, tl.float16, None).view(np.float16)
-                                  for x in (a, b))
-            products = np.matmul(a_data, b_data, dtype=np.float64)
+            # blas_dot itself on a float64 accumulator of -0.0, which adds nothing, not even a zero's sign (so its
+            # operand handling, FP8 included, stays its own)
+            zero = interpreter.TensorHandle(np.full(d.data.shape, -0.0), tl.float64)
+            products = blas_dot(self, a, b, zero, *args).data
             return interpreter.TensorHandle(products.astype(np.float32) + d.data, d.dtype.scalar)
 
         interpreter.InterpreterBuilder.create_dot = exact_dot
