@@ -4,11 +4,11 @@
 # 1. every GPU test (`pytest -m gpu`: grouped FFN, MXFP8 quantization, fused path at EP=2,
 #    shared expert on the Triton FFN, the four models' cached RL rollouts in bf16);
 # 2. the router's one-call vs 64-row-tile timing (bench.router);
-# 3. the weight gradient's output stores alone vs contiguous writes (bench.write_tiles, NOTES.md session 29);
+# 3. the weight gradient's output stores alone vs contiguous writes (bench.write_tiles);
 # 4. with two GPUs, the MoE layer at EP=2, bf16, balanced: fused (triton) and auto vs the
 #    torchtitan backend.
 # Each stage runs even if an earlier one failed; the exit status is the first failure's.
-# Needs the wheels in .whl/ (README, "GPU machine"): pass them with the device tool's carry.
+# Needs the wheels in .whl/ (README, "On a GPU"): pass them with the device tool's carry.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 LOGS=${OUT:-outputs/gpu_checks}

@@ -2,7 +2,7 @@
 # The training entry on the 2×H200 machine (NCCL), from the repo root:
 #   bash benchmarks/train_h200.sh [CONFIG [OVERRIDES...]]
 # The machine has torch 2.11 and Triton 3.6 but no network: TorchTitan and its
-# pure-Python dependencies travel as wheels in .whl/ (README, "GPU machine").
+# pure-Python dependencies travel as wheels in .whl/ (README, "On a GPU").
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 if ! python3 -c "import torchtitan" 2>/dev/null; then
