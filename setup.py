@@ -1,5 +1,5 @@
 # Maps the top-level folders models/ and kernels/ to titan_mok.models and
-# titan_mok.kernels (DESIGN §2), so nothing claims the global names.
+# titan_mok.kernels (docs/design.md §2), so nothing claims the global names.
 from setuptools import find_packages, setup
 
 MAPPED = {"models": "titan_mok.models", "kernels": "titan_mok.kernels"}

@@ -6,7 +6,7 @@ imports one: doing it per module breaks as soon as another module imported
 Triton first ("0 active drivers").
 
 The top-level folders kernels/ and models/ install as titan_mok.kernels and
-titan_mok.models (DESIGN §2). With the repo root first on sys.path, kernels/
+titan_mok.models (docs/design.md §2). With the repo root first on sys.path, kernels/
 would also shadow the PyPI package `kernels`, which transformers >= 5.25
 imports. `python -m pytest` puts the working directory first, so the root is
 moved to the end here; pytest's append import mode (pyproject.toml) puts it
@@ -42,7 +42,7 @@ if not torch.cuda.is_available():
     def _interpreter_exact_dot():
         """The interpreter's tl.dot is NumPy's float32 matmul, whose sums OpenBLAS orders by the operands' shapes
         and its threads: a tile's element then differs in its last bit between tile shapes (1 element of 8192 in
-        test_config_ab_runs_every_kind, one run in ~7) and between a row's neighbours (NOTES.md, sessions 40-41),
+        test_config_ab_runs_every_kind, one run in ~7) and between a row's neighbours,
         which the bit-for-bit tests would blame on the kernel; on the GPU an element's MMA order is the kernel's.
         In float64 a tile's products are exact (bf16, fp16 and fp32 operands alike) and their sum's rounding error,
         in any order, about K * 2^-53 of the terms' magnitudes, lies far below a float32 ulp of the result (but

@@ -82,7 +82,7 @@ def test_a_changed_baseline_kernel_shows_in_the_bits(monkeypatch, tmp_path):
 
 
 def test_a_baseline_from_before_the_chip_tables(monkeypatch, tmp_path):
-    """A baseline kernels/ without per-chip config tables (before session 34: no grouped_gemm.chip_of) still runs
+    """A baseline kernels/ without per-chip config tables (no grouped_gemm.chip_of) still runs
     and pairs its weight gradients."""
     def no_chips(source):
         assert "def chip_of(" in source

@@ -1,4 +1,4 @@
-"""The MXFP8 reference format (titan_mok.mxfp8) against brute-force statements of DESIGN §6."""
+"""The MXFP8 reference format (titan_mok.mxfp8) against brute-force statements of docs/design.md §6."""
 
 import math
 

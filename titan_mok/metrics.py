@@ -52,9 +52,9 @@ from titan_mok.attached_loss import take_tally
 from titan_mok.moe_stats import MoEStats
 
 MEASURED_BF16_PEAKS = {
-    "H200": (800e12, "H200 bf16 dense matmul 8192^3, measured 800 TFLOP/s (2026-11-30, DESIGN §9 machine table)"),
+    "H200": (800e12, "H200 bf16 dense matmul 8192^3, measured 800 TFLOP/s (2026-11-30, docs/performance.md)"),
     "H100 80GB HBM3": (775e12, "H100 SXM bf16 dense matmul 8192^3, measured 775 TFLOP/s (2026-12-05, "
-                               "benchmarks/NOTES.md session 31)"),
+                               "docs/performance.md)"),
 }
 """Per-GPU MFU denominators on the project's machines, by a fragment of the device name: the BF16 dense-matmul
 ceiling measured there, so that MFU means the same on both (TorchTitan's table gives the 989 TFLOP/s datasheet

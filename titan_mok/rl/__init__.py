@@ -1,5 +1,5 @@
 """RL post-training: GRPO with deterministic KV-cache rollouts through the training
-model's own modules and bitwise rollout/trainer logprob parity (DESIGN §8).
+model's own modules and bitwise rollout/trainer logprob parity (docs/design.md §8).
 
 `torchrun --nproc_per_node N -m titan_mok.rl --config PATH [--section.key value ...]`
 

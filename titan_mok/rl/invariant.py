@@ -6,7 +6,7 @@ dim, D v head dim, M rows, TQ queries per attention tile.
 
 Why: the rollout decodes one token per sequence against a KV cache, the trainer
 recomputes every position of a padded batch at once. For the recorded logprobs
-to equal the recomputed ones bit for bit (DESIGN §8), every row must meet the
+to equal the recomputed ones bit for bit (docs/design.md §8), every row must meet the
 same kernels, the same shapes and the same reduction order in both passes:
 
 - ``F.linear`` → ``titan_mok.moe.tiles.row_invariant_linear`` (every GEMM has
