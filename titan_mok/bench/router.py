@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from titan_mok.bench.mok_fused import _median_ms
+from titan_mok.bench.timing import median_ms
 from titan_mok.moe.router import TopKRouter
 from titan_mok.registry import MODELS, flavors
 
@@ -48,8 +48,8 @@ def main() -> None:
                 torch.autograd.backward([weights_TK, scores_TE], [torch.ones_like(weights_TK), torch.ones_like(scores_TE)])
 
             name = "tiles" if row_tiles else "one_call"
-            row[f"{name}_fwd_ms"] = _median_ms(forward, opts.iters, 5)
-            row[f"{name}_fwd_bwd_ms"] = _median_ms(forward_backward, opts.iters, 5)
+            row[f"{name}_fwd_ms"] = median_ms(forward, opts.iters, 5)
+            row[f"{name}_fwd_bwd_ms"] = median_ms(forward_backward, opts.iters, 5)
         print(json.dumps(row), flush=True)
 
 
