@@ -44,3 +44,17 @@ def test_device_module_shim_answers_what_torchtitan_asks():
     assert cpu.get_device_properties().total_memory > 0
     assert cpu.memory_stats()["active_bytes.all.peak"] > 0
     assert isinstance(cpu.get_device_name(), str)
+
+
+def test_torch_cpu_histc_lacks_int64():
+    with pytest.raises(NotImplementedError):
+        torch.histc(torch.tensor([0, 1, 1]), bins=2, min=0, max=2)
+
+
+def test_histc_shim_counts_int_ids_like_cuda():
+    from titan_mok.cpu_compat import TorchWithCpuIntHistc
+
+    ids = torch.tensor([3, 0, 3, 1, 3])
+    counts = TorchWithCpuIntHistc().histc(ids, bins=5, min=0, max=5)
+    assert counts.dtype == torch.int64 and counts.tolist() == [1, 1, 0, 3, 0]
+    assert TorchWithCpuIntHistc().float32 is torch.float32

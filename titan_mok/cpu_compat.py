@@ -48,6 +48,20 @@ class CpuDeviceModule:
         pass
 
 
+class TorchWithCpuIntHistc:
+    """Stands in for `torch` inside TorchTitan's MoE module: `histc` of int64 expert ids on CPU
+    counts them as floats (exact below 2^24) and returns the ids' dtype, as CUDA's histc does."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def histc(input, *args, **kwargs):
+        if input.device.type == "cpu" and not input.is_floating_point():
+            return torch.histc(input.float(), *args, **kwargs).to(input.dtype)
+        return torch.histc(input, *args, **kwargs)
+
+
 def apply() -> None:
     """Adapt TorchTitan for a CPU-only process. Idempotent."""
     global _applied
@@ -79,6 +93,12 @@ def apply() -> None:
         return triton_permute(tokens_per_expert_group, *args, **kwargs)
 
     tt_moe_utils.generate_permute_indices = generate_permute_indices
+
+    # TorchTitan's own MoE (router, reorderer) counts picks with torch.histc on int64 ids, which
+    # torch implements on CUDA only.
+    import torchtitan.models.moe.moe as tt_moe
+
+    tt_moe.torch = TorchWithCpuIntHistc()
     _applied = True
 
 
