@@ -163,7 +163,12 @@ class MoE(nn.Module):
         if bad_ids:
             raise ValueError(f"token_ids_BS must lie in [0, hash_vocab_size = {self.args.hash_vocab_size}) on every rank")
 
-    def _routed_mok(self, x_TH, weights_TK, topk_idx_TK, shared_TH, group, out_dtype):
+    def routed(self, x_TH, weights_TK, topk_idx_TK, shared_TH, group, out_dtype) -> torch.Tensor:
+        """Routed experts and combine on given router outputs (the layer's forward past the router
+        and shared expert; the layer benchmark times it alone): y_TH [T, H] in out_dtype."""
+        if self.args.backend == "torchtitan":
+            y_TKH = routed_torchtitan(self.experts, x_TH, topk_idx_TK)
+            return reduce_slots(y_TKH, weights_TK, shared_TH, out_dtype)
         if self.args.kernels == "triton":  # fused path over symmetric memory (titan_mok.moe.fused), no host sync
             return fused_routed_experts(
                 x_TH, weights_TK, topk_idx_TK, shared_TH, group, self.experts,
@@ -198,11 +203,7 @@ class MoE(nn.Module):
         # autocast's dtype, as nn.Linear would; the combine returns the layer's input dtype.
         x_ffn_TH = x_TH.to(autocast_dtype(x_TH))
         shared_TH = self.shared_expert(x_ffn_TH) if self.shared_expert is not None else None
-        if self.args.backend == "mok":
-            y_TH = self._routed_mok(x_ffn_TH, weights_TK, topk_idx_TK, shared_TH, group, x_TH.dtype)
-        else:
-            y_TKH = routed_torchtitan(self.experts, x_ffn_TH, topk_idx_TK)
-            y_TH = reduce_slots(y_TKH, weights_TK, shared_TH, x_TH.dtype)
+        y_TH = self.routed(x_ffn_TH, weights_TK, topk_idx_TK, shared_TH, group, x_TH.dtype)
         if self.args.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux_loss = load_balance_aux_loss(scores_TE, topk_idx_TK)
             y_TH = attach_loss(y_TH, aux_loss, self.args.aux_loss_coef, "moe_aux")
