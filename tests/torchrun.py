@@ -12,11 +12,14 @@ _STEP_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.naninf]+)")
 
 def run(module: str, config: str, *overrides: str, nproc: int = 2, timeout: int = 300, check: bool = True):
     """`torchrun --nproc_per_node nproc -m module --config config overrides...` from the repo root."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--standalone", "-m", module, "--config", config,
-        "--metrics.disable_color_printing", *overrides,
-    ]
+    return run_module(module, "--config", config, "--metrics.disable_color_printing", *overrides,
+                      nproc=nproc, timeout=timeout, check=check)
+
+
+def run_module(module: str, *args: str, nproc: int = 2, timeout: int = 300, check: bool = True):
+    """`torchrun --nproc_per_node nproc -m module args...` from the repo root: (exit status, output)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
+           "-m", module, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     output = proc.stdout + proc.stderr
