@@ -1,0 +1,103 @@
+"""The MoK forward megakernel against today's triton path, routed experts' forward only, one GPU.
+
+    python3 benchmarks/tools/megakernel_bench.py [--tokens 2048] [--ranks 1 2 4 8] [--experts 384] [--iters 30]
+
+Legend: P virtual ranks, T tokens per rank, K top-k, H hidden, I expert FFN size, E experts (all on this GPU).
+
+Per P, on the same P·T tokens (random top-k routing, fp32 weights, no shared expert), ms by CUDA events, median
+of --iters after warm-up:
+- triton: today's ``kernels = "triton"`` forward at EP = 1 (``fused_routed_experts``: schedule, pull, the Triton
+  grouped FFN, push, slot reduction; separate launches);
+- mega P=1: the megakernel at EP = 1 on all P·T tokens;
+- mega P=P: the megakernel at virtual EP = P, T tokens per rank (the protocol's cost against P=1: flags,
+  per-rank rings and schedules, the programs split among ranks).
+Each megakernel output is checked bitwise against the triton path's first. Default shape: Kimi K2.7 Code's
+experts (H 7168, I 2048, E 384, K 8).
+"""
+
+import argparse
+import statistics
+
+import torch
+
+from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
+from titan_mok.moe.fused import fused_routed_experts
+from titan_mok.moe.megakernel import MegakernelConfig, _WORKSPACES, megakernel_routed_experts
+
+
+def time_ms(fn, iters: int) -> float:
+    """Median of iters calls, each timed by CUDA events (after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048, help="T: tokens per virtual rank")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--expert-dim", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=384)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--comm-programs", type=int, default=None, help="per rank (default: the config's)")
+    parser.add_argument("--ring-tiles", type=int, default=None, help="per rank (default: the config's)")
+    opts = parser.parse_args()
+    dim_h, dim_i, num_experts, top_k = opts.hidden, opts.expert_dim, opts.experts, opts.top_k
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    expert_weights = tuple((torch.randn(*shape, generator=g, **bf16) * 0.02).contiguous()
+                           for shape in ((num_experts, dim_i, dim_h), (num_experts, dim_i, dim_h),
+                                         (num_experts, dim_h, dim_i)))
+    config = MegakernelConfig(comm_programs=opts.comm_programs, ring_tiles=opts.ring_tiles)
+    print(f"{torch.cuda.get_device_name()}, H {dim_h}, I {dim_i}, E {num_experts}, K {top_k}, T {opts.tokens} per "
+          f"rank; ms, median of {opts.iters}")
+    print(f"{'P':>2} {'tokens':>7} {'triton':>8} {'mega P=1':>9} {'mega P=P':>9} {'P=P/triton':>10} "
+          f"{'P=P/P=1':>8}  programs/rank (comm+compute), ring")
+    for ranks in opts.ranks:
+        tokens = ranks * opts.tokens
+        x_TH = torch.randn(tokens, dim_h, generator=g, **bf16)
+        ids_TK = torch.rand(tokens, num_experts, generator=g, device="cuda").argsort(dim=1)[:, :top_k]
+        weights_TK = torch.rand(tokens, top_k, generator=g, device="cuda")
+
+        def experts(x_RH, group_end_E):
+            return grouped_swiglu_ffn(x_RH, group_end_E, *expert_weights, use_triton=True)
+
+        def triton_path():
+            return fused_routed_experts(x_TH, weights_TK, ids_TK, None, None, experts, num_experts=num_experts)
+
+        def mega(parts):
+            split = (lambda t: list(t.chunk(parts))) if parts > 1 else (lambda t: t)
+            out = megakernel_routed_experts(split(x_TH), split(weights_TK), split(ids_TK),
+                                            [None] * parts if parts > 1 else None, expert_weights,
+                                            num_experts=num_experts, config=config)
+            return torch.cat(out) if parts > 1 else out
+
+        with torch.no_grad():
+            want = triton_path()
+            row = [time_ms(triton_path, opts.iters)]
+            for parts in sorted({1, ranks}):
+                if not torch.equal(mega(parts), want):
+                    raise SystemExit(f"P = {ranks}: the megakernel at {parts} ranks differs from the triton path")
+                row.append(time_ms(lambda: mega(parts), opts.iters))
+            row += row[-1:] * (3 - len(row))  # P = 1: one megakernel run
+        ws = [w for key, w in _WORKSPACES.items() if key[1:3] == (ranks, opts.tokens)][-1]
+        ring_mb = ws.bufs.ring_VQMH.numel() * 2 / 1e6
+        print(f"{ranks:2} {tokens:7} {row[0]:8.3f} {row[1]:9.3f} {row[2]:9.3f} {row[2] / row[0]:10.3f} "
+              f"{row[2] / row[1]:8.3f}  {ws.shape.comm_programs}+{ws.shape.compute_programs}, "
+              f"{ws.bufs.ring_tiles} tiles ({ring_mb:.0f} MB)")
+        _WORKSPACES.clear()  # free this P's buffers before the next
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

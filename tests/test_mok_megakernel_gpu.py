@@ -1,0 +1,119 @@
+"""The MoK forward megakernel on one GPU: the concurrent launch (communication and compute programs spinning on
+each other's flags) at virtual EP 1, 2, 4, 8.
+
+Claims, compared bit for bit: the concurrent launch equals the serialized one (the interpreter's mode, here
+compiled) and today's triton path on the same tokens (reference dispatch, the Triton grouped FFN on the GPU,
+reference combine, at EP = 1), for every routing of the CPU tests and the smallest ring; it repeats its bits;
+a rank that never publishes ends in the bounded device error (recorded, or with ``trap`` an assertion naming
+the wait) within a few timeouts; a launch the device cannot hold at once is refused; no host sync.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.test_mok_megakernel import E, layer_inputs, megakernel, routing, triton_path
+from titan_mok.moe.megakernel import MegakernelConfig, megakernel_routed_experts, raise_on_megakernel_error
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+H, TOKENS = 256, 64
+DEFAULT = MegakernelConfig()  # the device's co-resident programs, split among the ranks
+
+
+def _inputs(ranks: int, kind: str, seed: int = 0):
+    (x, weights, shared), expert_weights = layer_inputs(ranks, H, seed=seed, tokens=TOKENS)
+    return x, weights, routing(kind, ranks, tokens=TOKENS, seed=seed).cuda(), shared, expert_weights
+
+
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "one_expert", "empty_experts", "all_remote"])
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+def test_concurrent_equals_serialized_and_triton_path(ranks, kind):
+    x, weights, ids, shared, expert_weights = _inputs(ranks, kind, seed=ranks)
+    want = triton_path(x, weights, ids, shared, expert_weights)
+    first = megakernel(ranks, x, weights, ids, shared, expert_weights, DEFAULT)
+    assert torch.equal(megakernel(ranks, x, weights, ids, shared, expert_weights, DEFAULT), first), "run-to-run"
+    assert torch.equal(megakernel(ranks, x, weights, ids, shared, expert_weights, DEFAULT, serialized=True), first)
+    assert torch.equal(first, want), f"{ranks} ranks, {kind}: differs from the triton path"
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+def test_smallest_ring_under_the_most_skewed_routing(ranks):
+    """One ring tile per rank and two programs of each kind: every tile waits for its slot's previous tile."""
+    x, weights, ids, shared, expert_weights = _inputs(ranks, "one_expert", seed=3)
+    config = MegakernelConfig(comm_programs=2, compute_programs=2, ring_tiles=1)
+    want = triton_path(x, weights, ids, shared, expert_weights)
+    assert torch.equal(megakernel(ranks, x, weights, ids, shared, expert_weights, config), want)
+
+
+def test_stalled_rank_ends_in_the_bounded_error_and_the_workspace_recovers():
+    x, weights, ids, shared, expert_weights = _inputs(2, "balanced", seed=4)
+    split = lambda t: list(t.chunk(2))  # noqa: E731
+    timeout_ms = 500.0
+    config = MegakernelConfig(timeout_ms=timeout_ms)
+    megakernel(2, x, weights, ids, shared, expert_weights, config)  # compiled and allocated
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        megakernel_routed_experts(split(x), split(weights), split(ids), split(shared), expert_weights, num_experts=E,
+                                  config=config, trap=False, stall_rank=1)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    with pytest.raises(RuntimeError, match="x_ready: rank 0's communication program waited for rank 1 |ring ready: "
+                                           "rank 1's compute program"):
+        raise_on_megakernel_error()
+    # one timeout, then the others see the recorded error and stop (margin: GPU time-sliced with other processes)
+    assert elapsed < 3 * timeout_ms / 1000 + 1.0, f"the stalled call took {elapsed:.3f} s"
+    want = triton_path(x, weights, ids, shared, expert_weights)
+    assert torch.equal(megakernel(2, x, weights, ids, shared, expert_weights, config), want)
+
+
+def test_stalled_rank_with_trap_stops_the_device_naming_the_wait():
+    """trap=True (the default): the finish launch's device assertion names the wait; the CUDA context dies, so
+    in a process of its own."""
+    script = (
+        "import torch\n"
+        "from tests.test_mok_megakernel import E, layer_inputs, routing\n"
+        "from titan_mok.moe.megakernel import MegakernelConfig, megakernel_routed_experts\n"
+        f"(x, w, s), ew = layer_inputs(2, {H}, tokens={TOKENS})\n"
+        f"ids = routing('balanced', 2, tokens={TOKENS}).cuda()\n"
+        "sp = lambda t: list(t.chunk(2))\n"
+        "with torch.no_grad():\n"
+        "    megakernel_routed_experts(sp(x), sp(w), sp(ids), sp(s), ew, num_experts=E,"
+        " config=MegakernelConfig(timeout_ms=100.0), stall_rank=1)\n"
+        "torch.cuda.synchronize()\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-2000:]
+    assert "mok megakernel: timed out waiting for" in text, text[-2000:]
+
+
+def test_too_many_programs_are_refused():
+    x, weights, ids, shared, expert_weights = _inputs(2, "balanced")
+    with pytest.raises(RuntimeError, match="exceed the .* this device runs at once"):
+        megakernel(2, x, weights, ids, shared, expert_weights, MegakernelConfig(comm_programs=1,
+                                                                                compute_programs=10_000))
+
+
+def test_no_host_sync():
+    x, weights, ids, shared, expert_weights = _inputs(4, "skewed", seed=5)
+    split = lambda t: list(t.chunk(4))  # noqa: E731
+
+    def call():
+        with torch.no_grad():
+            return megakernel_routed_experts(split(x), split(weights), split(ids), split(shared), expert_weights,
+                                             num_experts=E, config=DEFAULT)
+
+    call()  # compile the kernels and allocate the workspace
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()

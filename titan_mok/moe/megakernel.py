@@ -1,0 +1,278 @@
+"""The routed experts' forward through the MoK megakernel (``kernels/mok_megakernel.py``), for one rank or
+for P virtual ranks on one device (virtual EP).
+
+Legend: P ep degree (virtual ranks on this device), T tokens per rank, K top-k, N = T·K, H hidden,
+I expert FFN size, E experts, L = E / P local experts per rank.
+
+Contract of ``fused_routed_experts`` (``titan_mok.moe.fused``), per rank: out[t] = cast(shared[t] +
+Σ_j w[t,j]·expert_{e[t,j]}(x[t])), the sum in fp32 in ascending slot order j, cast once to out_dtype;
+every expert row is the Triton grouped FFN's (bf16). Under virtual EP rank p holds experts
+p·L .. p·L + L - 1 and its tokens' rows travel through the other virtual ranks' buffers exactly as they
+would between GPUs, so a token's output is the same bits whatever P.
+
+Per call, all on the current stream, no host sync: each rank's x rows into its x buffer; the schedule
+(``kernels/mok_schedule.py``, per rank); the megakernel (one launch: pull, FFN, push); the finish
+launch (per token, wait for its K rows, then the ordered fp32 reduction with the shared expert's output).
+The workspace of a (device, P, T, K, H, I, config) is allocated at its first call and reused; its flags
+are never reset between calls (per-call epochs).
+
+Not here: the backward (an input that requires grad raises NotImplementedError), MXFP8, the shared expert
+inside the launch (``shared_TH`` is an input, computed by the caller as in the fused path), real
+multi-GPU ranks (the same kernel with symmetric-memory peer tables: one hosted rank per launch), and the
+``[mok] kernels`` setting (training needs the backward).
+"""
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from titan_mok.kernels.mok_megakernel import (
+    MAX_EPOCH,
+    LaunchShape,
+    MegakernelBuffers,
+    co_resident_programs,
+    megakernel_finish,
+    megakernel_launch,
+    read_error,
+)
+from titan_mok.kernels.mok_schedule import mok_schedule
+
+
+@dataclass(frozen=True)
+class MegakernelConfig:
+    """Sizes of the megakernel's launch (per rank: each rank of a virtual-EP launch gets the same)."""
+
+    comm_programs: int | None = None
+    """Communication programs per rank. None: an eighth of the rank's share of the programs the device runs
+    at once (at least 1); 1 under Triton's interpreter."""
+    compute_programs: int | None = None
+    """Compute programs per rank. None: the rest of the rank's share; 2 under Triton's interpreter."""
+    ring_tiles: int | None = None
+    """Ring tiles per rank (each block_m rows of H). None: 2 × compute programs, so that every compute program
+    can find its next tile pulled while it computes one (Kimi K2.7, 132 SMs of one program each, P = 1:
+    2 × 116 tiles of 64 × 7168 bf16 rows, 213 MB). Any size >= 1 takes any routing (tiles are recycled)."""
+    block_m: int = 64
+    """Rows per tile (the GEMMs' M)."""
+    block_n: int = 128
+    """Output columns per GEMM step."""
+    num_warps: int = 8
+    """Warps per program (4 spill registers at Kimi K2.7's sizes, by ptxas for sm_90)."""
+    timeout_ms: float = 10_000.0
+    """Bound of every wait on another program; then a device error naming the wait."""
+
+
+@dataclass
+class _Workspace:
+    shape: LaunchShape
+    bufs: MegakernelBuffers
+    symmetric: dict[str, list[torch.Tensor]]
+    """Each rank's symmetric buffers by name (``bufs.tables`` holds their addresses)."""
+    flags: list[torch.Tensor]
+    """Everything a reset zeroes: ring flags, arrival counters, x_ready."""
+    timeout_ms: float
+    epoch: int = 0
+
+    def next_epoch(self) -> int:
+        """This call's epoch; before e·K would leave int32, every flag is zeroed and the epochs start over."""
+        if self.epoch >= MAX_EPOCH:
+            self.reset()
+        self.epoch += 1
+        return self.epoch
+
+    def reset(self) -> None:
+        for flag in self.flags:
+            flag.zero_()
+        self.bufs.errors.zero_()
+        self.epoch = 0
+
+
+_WORKSPACES: dict[tuple, _Workspace] = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _resolve(config: MegakernelConfig, ranks: int, dim_h: int, dim_i: int, num_local: int, has_limit: bool,
+             device: torch.device, serialized: bool) -> MegakernelConfig:
+    """Fill the config's None sizes (module docstring of MegakernelConfig); a concurrent launch the device cannot
+    hold at once is refused here, before anything is allocated (the launcher checks it again)."""
+    comm, compute = config.comm_programs, config.compute_programs
+    total = None
+    if not _interpreting():
+        total = co_resident_programs(device.index, dim_h, dim_i, num_local, config.block_m, config.block_n,
+                                     config.num_warps, has_limit)
+    if comm is None or compute is None:
+        per_rank = (comm or 1) + (compute or 2) if total is None else total // ranks
+        comm = comm if comm is not None else max(1, per_rank // 8)
+        compute = compute if compute is not None else per_rank - comm
+    if comm < 1 or compute < 1:
+        raise ValueError(f"MegakernelConfig: {ranks} ranks need at least one communication and one compute program "
+                         f"each, got comm_programs = {comm}, compute_programs = {compute}")
+    if total is not None and not serialized and ranks * (comm + compute) > total:
+        raise RuntimeError(f"mok megakernel: {ranks} ranks x ({comm} communication + {compute} compute) programs "
+                           f"exceed the {total} this device runs at once, so its spin-waits could deadlock: use fewer")
+    ring = config.ring_tiles if config.ring_tiles is not None else 2 * compute
+    if ring < 1:
+        raise ValueError(f"MegakernelConfig.ring_tiles = {ring} must be >= 1")
+    if config.block_m < 16 or config.block_m & (config.block_m - 1) or config.block_n < 16 or (
+            config.block_n & (config.block_n - 1)):
+        raise ValueError(f"MegakernelConfig: block_m = {config.block_m} and block_n = {config.block_n} must be "
+                         "powers of two >= 16 (tl.dot tiles)")
+    return replace(config, comm_programs=comm, compute_programs=compute, ring_tiles=ring)
+
+
+def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, num_local, cfg: MegakernelConfig, device) -> _Workspace:
+    slots = num_tokens * top_k
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    # Each virtual rank's symmetric buffers are allocations of their own, reached through address tables as
+    # peers' symmetric memory is.
+    x_PTH = [torch.zeros(num_tokens, dim_h, **bf16) for _ in range(ranks)]
+    slots_PNH = [torch.zeros(slots, dim_h, **bf16) for _ in range(ranks)]
+    arrivals_PT = [torch.zeros(num_tokens, dtype=torch.int32, device=device) for _ in range(ranks)]
+    x_ready_P = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ranks)]
+    tables = {name: torch.tensor([b.data_ptr() for b in per_rank], dtype=torch.int64, device=device)
+              for name, per_rank in (("x_TH", x_PTH), ("slots_NH", slots_PNH), ("arrivals_T", arrivals_PT),
+                                     ("x_ready", x_ready_P))}
+    ring, compute = cfg.ring_tiles, cfg.compute_programs
+    bufs = MegakernelBuffers(
+        ring_VQMH=torch.zeros(ranks, ring, cfg.block_m, dim_h, **bf16),
+        ready_VQ=torch.zeros(ranks, ring, dtype=torch.int64, device=device),
+        consumed_VQ=torch.zeros(ranks, ring, dtype=torch.int64, device=device),
+        h_VCMI=torch.zeros(ranks, compute, cfg.block_m, dim_i, **bf16),
+        tables=tables,
+        errors=torch.zeros(6, dtype=torch.int64, device=device),
+    )
+    shape = LaunchShape(ranks, 0, ranks, num_tokens, top_k, num_local, cfg.comm_programs, compute, cfg.block_n,
+                        cfg.num_warps)
+    symmetric = {"x_TH": x_PTH, "slots_NH": slots_PNH, "arrivals_T": arrivals_PT, "x_ready": x_ready_P}
+    return _Workspace(shape, bufs, symmetric, [bufs.ready_VQ, bufs.consumed_VQ, *arrivals_PT, *x_ready_P],
+                      cfg.timeout_ms)
+
+
+def raise_on_megakernel_error() -> None:
+    """Raise RuntimeError naming the wait that ran out in any megakernel workspace of this process (then reset it
+    so that it can run again). For calls made with ``trap=False``. NOTE: host sync (reads the error records)."""
+    for ws in _WORKSPACES.values():
+        message = read_error(ws.bufs.errors)
+        if message is not None:
+            ws.reset()
+            raise RuntimeError(message)
+
+
+def _as_list(name: str, t, ranks: int | None, virtual: bool) -> list:
+    if virtual != isinstance(t, (list, tuple)):
+        raise TypeError(f"megakernel_routed_experts: {name} must be a list (one per virtual rank) exactly when x_TH is")
+    items = list(t) if virtual else [t]
+    if ranks is not None and len(items) != ranks:
+        raise ValueError(f"megakernel_routed_experts: {name} has {len(items)} entries, x_TH {ranks}")
+    return items
+
+
+def _check(xs, weights, ids, shared, expert_weights, num_experts):
+    ranks = len(xs)
+    num_tokens, dim_h = xs[0].shape
+    top_k = ids[0].shape[1] if ids[0].dim() == 2 else -1
+    w_gate_EIH, w_up_EIH, w_down_EHI = expert_weights
+    for p in range(ranks):
+        checks = (("x_TH", xs[p], (num_tokens, dim_h), (torch.bfloat16,)),
+                  ("weights_TK", weights[p], (num_tokens, top_k), (torch.float32,)),
+                  ("topk_idx_TK", ids[p], (num_tokens, top_k), (torch.int32, torch.int64)))
+        if shared[p] is not None:
+            checks += (("shared_TH", shared[p], (num_tokens, dim_h), (torch.bfloat16, torch.float32)),)
+        for name, t, shape, dtypes in checks:
+            if tuple(t.shape) != shape or t.dtype not in dtypes or t.device != xs[0].device:
+                raise ValueError(f"megakernel_routed_experts: {name} of rank {p} must be {shape} of "
+                                 f"{' or '.join(map(str, dtypes))} on {xs[0].device}, got {tuple(t.shape)} "
+                                 f"{t.dtype} on {t.device}")
+    if not 1 <= top_k <= 64:
+        raise ValueError(f"megakernel_routed_experts: top_k = {top_k} must be in [1, 64] (arrival counts in int32)")
+    if len({s is None for s in shared}) != 1:
+        raise ValueError("megakernel_routed_experts: shared_TH must be given for every rank or for none")
+    if num_experts % ranks or w_gate_EIH.shape[0] != num_experts:
+        raise ValueError(f"megakernel_routed_experts: num_experts = {num_experts} must be a multiple of the "
+                         f"{ranks} virtual ranks and the weights' first dim ({w_gate_EIH.shape[0]})")
+    dim_i = w_gate_EIH.shape[1]
+    for name, w, shape in (("w_gate_EIH", w_gate_EIH, (num_experts, dim_i, dim_h)),
+                           ("w_up_EIH", w_up_EIH, (num_experts, dim_i, dim_h)),
+                           ("w_down_EHI", w_down_EHI, (num_experts, dim_h, dim_i))):
+        if tuple(w.shape) != shape or w.dtype != torch.bfloat16 or not w.is_contiguous() or w.device != xs[0].device:
+            raise ValueError(f"megakernel_routed_experts: {name} must be a contiguous bfloat16 {shape} on "
+                             f"{xs[0].device}, got {w.dtype} {tuple(w.shape)} (contiguous: {w.is_contiguous()})")
+    if xs[0].device.type != "cuda" and not _interpreting():
+        raise ValueError("megakernel_routed_experts needs CUDA tensors (or TRITON_INTERPRET=1)")
+    return ranks, num_tokens, top_k, dim_h, dim_i
+
+
+def megakernel_routed_experts(
+    x_TH,
+    weights_TK,
+    topk_idx_TK,
+    shared_TH,
+    expert_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    num_experts: int,
+    swiglu_limit: float | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: MegakernelConfig = MegakernelConfig(),
+    serialized: bool | None = None,
+    trap: bool = True,
+    stall_rank: int | None = None,
+):
+    """Routed experts' forward: [T, H] → [T, H] in out_dtype (None: x's dtype), per rank (module docstring).
+
+    Args:
+        x_TH, weights_TK, topk_idx_TK, shared_TH: one rank's tensors, or lists of P (virtual EP: entry p is rank
+            p's): x bf16 [T, H], weights fp32 [T, K], ids int [T, K] in [0, E), shared bf16/fp32 [T, H] or None.
+        expert_weights: (w_gate [E, I, H], w_up [E, I, H], w_down [E, H, I]) bf16 contiguous, all E experts
+            (virtual rank p computes experts p·L .. p·L + L - 1).
+        serialized: the interpreter's phase-by-phase launches (None: under TRITON_INTERPRET=1 only).
+        trap: a wait that ran out stops the device with an assertion naming it; False: the launch ends and
+            ``raise_on_megakernel_error()`` names it.
+        stall_rank: a rank that never publishes (tests the bounded waits).
+
+    Returns:
+        out_TH, or the list of P of them.
+    """
+    virtual = isinstance(x_TH, (list, tuple))
+    xs = _as_list("x_TH", x_TH, None, virtual)
+    weights = _as_list("weights_TK", weights_TK, len(xs), virtual)
+    ids = _as_list("topk_idx_TK", topk_idx_TK, len(xs), virtual)
+    shared = _as_list("shared_TH", shared_TH, len(xs), virtual) if virtual else [shared_TH]
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (*xs, *weights, *shared, *expert_weights)):
+        raise NotImplementedError("megakernel_routed_experts is forward-only (its backward is not written yet): "
+                                  "call it under torch.no_grad(), or use [mok] kernels = 'triton' for training")
+    ranks, num_tokens, top_k, dim_h, dim_i = _check(xs, weights, ids, shared, expert_weights, num_experts)
+    serialized = _interpreting() if serialized is None else serialized
+    if _interpreting() and not serialized:
+        raise ValueError("megakernel_routed_experts: Triton's interpreter runs programs one at a time, so the "
+                         "concurrent launch would spin forever; use serialized=True (or None)")
+    if stall_rank is not None and not 0 <= stall_rank < ranks:
+        raise ValueError(f"megakernel_routed_experts: stall_rank = {stall_rank} is not a rank of {ranks}")
+    device = xs[0].device
+    num_local = num_experts // ranks
+    cfg = _resolve(config, ranks, dim_h, dim_i, num_local, swiglu_limit is not None, device, serialized)
+    key = (device, ranks, num_tokens, top_k, dim_h, dim_i, num_local, cfg)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = _allocate(ranks, num_tokens, top_k, dim_h, dim_i, num_local, cfg, device)
+    ws = _WORKSPACES[key]
+
+    for x_buf_TH, x in zip(ws.symmetric["x_TH"], xs):
+        x_buf_TH.copy_(x)
+    ids_PN = torch.stack([i.reshape(-1) for i in ids]).to(torch.int32)  # slot t·K + j of rank p
+    schedules = [mok_schedule(ids_PN, rank, num_local, num_experts) for rank in range(ranks)]
+    group_end_PL = torch.stack([group_end for group_end, _ in schedules])
+    row_slot_PR = torch.stack([row_slot for _, row_slot in schedules])
+    counts_PL = torch.diff(group_end_PL, dim=1, prepend=group_end_PL.new_zeros(ranks, 1))
+    tile_end_PL = torch.div(counts_PL + cfg.block_m - 1, cfg.block_m, rounding_mode="floor").cumsum(1).to(torch.int32)
+    epoch = ws.next_epoch()
+    megakernel_launch(ws.bufs, (group_end_PL, tile_end_PL, row_slot_PR), expert_weights, ws.shape, epoch=epoch,
+                      swiglu_limit=swiglu_limit, serialized=serialized, stall_rank=stall_rank,
+                      timeout_ms=cfg.timeout_ms)
+    out_PTH = torch.empty(ranks, num_tokens, dim_h, dtype=out_dtype or xs[0].dtype, device=device)
+    shared_PTH = torch.stack(shared) if shared[0] is not None else None
+    megakernel_finish(ws.bufs, torch.stack(weights), shared_PTH, out_PTH, ws.shape, epoch=epoch,
+                      serialized=serialized, trap=trap, timeout_ms=cfg.timeout_ms)
+    return list(out_PTH.unbind(0)) if virtual else out_PTH[0]
