@@ -98,7 +98,7 @@ def test_moe_stats_match_a_recount():
     model(x_BSH).square().sum().backward()
     with torch.no_grad():  # not a training forward: counts nothing
         model(torch.randn(2, 5, 8))
-    metrics = stats.collect(interval_s=10.0)
+    metrics = stats.collect()
     # collect zeroes what it read; the layer's own counter too
     assert all(torch.equal(b["moe"].expert_load, torch.zeros(4)) for b in model.layers.values())
 
@@ -116,7 +116,6 @@ def test_moe_stats_match_a_recount():
     assert metrics["moe/layers_0/bias_norm"] == 0
     assert metrics["moe/layers_1/bias_norm"] == pytest.approx(math.hypot(0.5, 1.0))
     assert metrics["moe/tokens_dropped"] == 0
-    assert 0 < metrics["moe/time_share"] < 1  # fwd + bwd of the MoE layers over a 10 s interval
 
 
 def test_tokens_dropped_counts_rows_the_experts_did_not_compute():
@@ -133,7 +132,7 @@ def test_tokens_dropped_counts_rows_the_experts_did_not_compute():
     experts.forward = drop_three_rows
     stats = MoEStats([model], group=None)
     model(torch.randn(2, 5, 8, requires_grad=True)).sum().backward()
-    metrics = stats.collect(1.0)
+    metrics = stats.collect()
     stats.remove()
     assert metrics["moe/layers_0/tokens_dropped"] == 0 and metrics["moe/layers_1/tokens_dropped"] == 3
     assert metrics["moe/tokens_dropped"] == 3
@@ -144,8 +143,8 @@ def test_moe_stats_reset_between_logs():
     model = _TwoLayers(MoEArgs(num_experts=4, top_k=1, expert_dim=16), dim=8)
     stats = MoEStats([model], group=None)
     model(torch.randn(2, 4, 8, requires_grad=True)).sum().backward()
-    stats.collect(1.0)
-    empty = stats.collect(1.0)  # nothing ran since the last log
+    stats.collect()
+    empty = stats.collect()  # nothing ran since the last log
     assert math.isnan(empty["moe/layers_0/load_cv"]) and math.isnan(empty["moe/layers_0/router_entropy"])
-    assert empty["moe/tokens_dropped"] == 0 and empty["moe/time_share"] == 0
+    assert empty["moe/tokens_dropped"] == 0
     stats.remove()

@@ -148,8 +148,10 @@ class Metrics:
 
     moe_stats: bool = True
     """Log per-MoE-layer expert load, router entropy, aux loss, bias norm, tokens
-    dropped and the MoE layers' time share (forward hooks on titan-mok's MoE
-    modules; the hooks are left out when the model is compiled)."""
+    dropped (forward hooks on titan-mok's MoE modules) and the step's time shares
+    of the MoE layers and the attention (``moe/time_share``, ``attention/time_share``:
+    hooks on those modules, titan-mok's or TorchTitan's; a share is not logged when
+    its modules run inside a compiled module)."""
 
 
 @dataclass

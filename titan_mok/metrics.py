@@ -19,8 +19,9 @@ GPU, ``tflops`` = TFLOP/s per GPU, ``mfu(%)``, memory, timings):
 ``determinism/loss_checksum`` (CRC-32 chained over the float64 bytes of every
 logged loss so far: for runs with the same log_freq, different values at step N
 mean the loss curves differ by then, equal ones mean bitwise-equal curves up to
-CRC-32 collisions) and the MoE statistics of
-``titan_mok.moe_stats``, and ``attached_loss/<name>`` for every loss attached
+CRC-32 collisions), the MoE statistics of ``titan_mok.moe_stats``, the
+time shares of ``titan_mok.time_share`` (``moe/time_share``,
+``attention/time_share``), and ``attached_loss/<name>`` for every loss attached
 beside the cross-entropy (``titan_mok.attached_loss``: ``moe_aux``, ``mtp``,
 ``indexer_kl``).
 """
@@ -50,6 +51,7 @@ from torchtitan.tools.logging import logger
 
 from titan_mok.attached_loss import take_tally
 from titan_mok.moe_stats import MoEStats
+from titan_mok.time_share import TimeShare
 
 MEASURED_BF16_PEAKS = {
     "H200": (800e12, "H200 bf16 dense matmul 8192^3, measured 800 TFLOP/s (2026-11-30, docs/performance.md)"),
@@ -223,11 +225,13 @@ class MokMetricsProcessor(MetricsProcessor):
     @model_parts.setter
     def model_parts(self, parts) -> None:
         self._model_parts = parts
-        if getattr(self, "moe_stats", None) is not None:
-            self.moe_stats.remove()
-        self.moe_stats = None
+        for hooks in (getattr(self, "moe_stats", None), getattr(self, "time_share", None)):
+            if hooks is not None:
+                hooks.remove()
+        self.moe_stats = self.time_share = None
         if parts and self.job_config.metrics.moe_stats:
             self.moe_stats = MoEStats(parts, self._loss_group())
+            self.time_share = TimeShare(parts)
 
     def _loss_group(self):
         """The ranks whose losses TorchTitan averages (None: this rank alone)."""
@@ -238,7 +242,8 @@ class MokMetricsProcessor(MetricsProcessor):
         self.loss_checksum = zlib.crc32(struct.pack("<d", float(global_avg_loss)), self.loss_checksum)
         extra = {"determinism/loss_checksum": self.loss_checksum}
         if self.moe_stats is not None:
-            extra.update(self.moe_stats.collect(time.perf_counter() - self.time_last_log))
+            extra.update(self.moe_stats.collect())
+            extra.update(self.time_share.collect(time.perf_counter() - self.time_last_log))
         extra.update(attached_loss_metrics(self._loss_group()))
         extra.update(extra_metrics or {})
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra)

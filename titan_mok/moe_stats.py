@@ -5,8 +5,8 @@ Legend: T tokens (this rank, one forward), E experts, K top-k.
 The MoE modules are observed through what they expose: each layer's
 ``expert_load [E]`` buffer (top-k picks per expert, accumulated by the layer;
 zeroed here after each read, as its docstring asks) and ``expert_bias [E]``;
-forward hooks on the layer (tokens in, its own expert_load increment, wall time
-of forward and backward) and on its router (whose forward returns
+forward hooks on the layer (tokens in, its own expert_load increment) and on
+its router (whose forward returns
 ``weights_TK, topk_idx_TK, scores_TE``). Only training forwards count (grad
 enabled: not validation, not RL rollouts). Everything accumulates on the device
 between two logged steps, without host syncs; ``collect`` reads it with one
@@ -23,13 +23,11 @@ of the entropy, in nats, of the router scores normalised to sum to 1),
 ``aux_loss`` (the unscaled load-balancing loss E·Σ_e f_e·P_e that
 ``aux_loss_coef`` multiplies in training, f_e the share of top-k picks and P_e
 the mean score of expert e; averaged over forwards) and
-``bias_norm`` (‖expert_bias‖₂). Over all layers: ``moe/tokens_dropped`` and
-``moe/time_share`` (this rank's MoE forward + backward time over the wall time
-since the last log).
+``bias_norm`` (‖expert_bias‖₂). Over all layers: ``moe/tokens_dropped``. (The MoE
+layers' share of the step's time: ``titan_mok.time_share``.)
 """
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -49,23 +47,6 @@ def layer_label(path: str) -> str:
     return "_".join(parts) or "moe"
 
 
-class _Clock:
-    """Wall-clock stamps: CUDA events on a GPU (read at ``collect``), perf_counter on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def stamp(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start, end) -> float:
-        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
-
-
 @dataclass
 class _Layer:
     label: str
@@ -82,9 +63,6 @@ class _Layer:
     rows_before: torch.Tensor | None = None
     router_out: tuple[torch.Tensor, torch.Tensor] | None = None
     """(Σ token entropies, mean score per expert [E]) of the current forward."""
-    forward_start: object = None
-    intervals: list = field(default_factory=list)
-    """(start, end) stamps of this layer's forwards and backwards."""
 
 
 class MoEStats:
@@ -100,7 +78,6 @@ class MoEStats:
             if isinstance(module, MoE)
         ]
         self._handles = []
-        self._clock = _Clock(self.layers[0].moe.expert_load.device) if self.layers else None
         for layer in self.layers:
             self._handles += [
                 layer.moe.register_forward_pre_hook(partial(self._before_moe, layer), with_kwargs=True),
@@ -132,12 +109,10 @@ class MoEStats:
         layer.load_before = layer.moe.expert_load.clone()
         if _counts_rows(layer.moe):
             layer.rows_before = layer.moe.experts.rows_computed.clone()
-        layer.forward_start = self._clock.stamp()
 
     def _after_moe(self, layer: _Layer, module, args, kwargs, y_BSH) -> None:
         if not self._training_forward():
             return
-        layer.intervals.append((layer.forward_start, self._clock.stamp()))
         x_BSH = self._input(args, kwargs)
         with torch.no_grad():
             picks_E = layer.moe.expert_load - layer.load_before
@@ -155,20 +130,6 @@ class MoEStats:
                 layer.sums = sums if layer.sums is None else layer.sums + sums
                 layer.forwards += 1
                 layer.router_out = None
-        if not (y_BSH.requires_grad and x_BSH.requires_grad):
-            return
-        # Backward of this layer: from the gradient of its output to the gradient of its input.
-        backward = {}
-
-        def started(grad):
-            backward["start"] = self._clock.stamp()
-
-        def finished(grad):
-            if "start" in backward:
-                layer.intervals.append((backward.pop("start"), self._clock.stamp()))
-
-        y_BSH.register_hook(started)
-        x_BSH.register_hook(finished)
 
     def _after_router(self, layer: _Layer, module, args, output) -> None:
         _, _, scores_TE = output
@@ -179,7 +140,7 @@ class MoEStats:
             p_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
             layer.router_out = (torch.special.entr(p_TE).sum(), scores_TE.mean(dim=0))
 
-    def collect(self, interval_s: float) -> dict[str, float]:
+    def collect(self) -> dict[str, float]:
         """The metrics since the last call; zeroes the accumulators. Every rank of the
         group must call it at the same step (TorchTitan logs on every rank).
         NOTE: one all-reduce and one host sync; called on logged steps only."""
@@ -190,10 +151,8 @@ class MoEStats:
             dist.all_reduce(packed, group=self.group)
         bias_norms = torch.stack([layer.moe.expert_bias.double().norm() for layer in self.layers])
         values = torch.cat([packed, bias_norms]).tolist()
-        if self._clock.cuda:
-            torch.cuda.synchronize()  # NOTE: host sync, so that every event has completed
 
-        metrics, offset, dropped, moe_seconds = {}, 0, 0.0, 0.0
+        metrics, offset, dropped = {}, 0, 0.0
         for i, layer in enumerate(self.layers):
             num_experts = layer.moe.args.num_experts
             load = values[offset : offset + num_experts]
@@ -209,10 +168,8 @@ class MoEStats:
                 dropped += layer_dropped
             metrics[f"{prefix}/router_entropy"] = entropy_sum / tokens if tokens else float("nan")
             metrics[f"{prefix}/aux_loss"] = aux_sum / forwards if forwards else float("nan")
-            moe_seconds += sum(self._clock.seconds(start, end) for start, end in layer.intervals)
             self._reset(layer)
         metrics["moe/tokens_dropped"] = dropped
-        metrics["moe/time_share"] = moe_seconds / interval_s
         return metrics
 
     def _counts(self, layer: _Layer) -> torch.Tensor:
@@ -232,7 +189,6 @@ class MoEStats:
         layer.moe.expert_load.zero_()
         layer.load = layer.sums = layer.rows = layer.router_out = None
         layer.tokens = layer.forwards = 0
-        layer.intervals = []
 
 
 def _counts_rows(moe: MoE) -> bool:
