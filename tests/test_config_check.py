@@ -89,3 +89,14 @@ def test_train_entry_reports_config_error():
 
     code, out = torchrun.run("titan_mok.train", DEBUG, "--model.flavor", "huge", nproc=1, check=False, timeout=120)
     assert code != 0 and "config error: [model] flavor = 'huge'" in out
+
+
+def test_baseline_model_is_checked_without_the_mok_section():
+    """TorchTitan's own deepseek_v3 at Kimi's flavors (titan_mok.baseline): its flavors and the
+    parallel degrees are checked; [mok] configures titan-mok's MoE layers only, so it is not."""
+    config = parse("--model.name", registry.BASELINE_MODEL, "--mok.kernels", "triton")
+    assert config.model.name == registry.BASELINE_MODEL
+    with pytest.raises(ConfigError, match=rf"\[model\] flavor = 'huge' for {registry.BASELINE_MODEL}: choose one of"):
+        parse("--model.name", registry.BASELINE_MODEL, "--model.flavor", "huge")
+    with pytest.raises(ConfigError, match="expert_parallel_degree = 3 does not divide the world size 2"):
+        parse("--model.name", registry.BASELINE_MODEL, "--parallelism.expert_parallel_degree", "3")

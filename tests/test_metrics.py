@@ -40,6 +40,9 @@ def test_default_run_name_says_what_runs():
     config = _job_config("--model.name", "kimi_k2_7_code", "--model.flavor", "debug", "--debug.seed", "3",
                          "--mok.precision", "mxfp8", "--parallelism.expert_parallel_degree", "2")
     assert wandb_run_settings(config, environ={})["name"] == "kimi_k2_7_code-debug-mok-mxfp8-ep2-seed3"
+    # TorchTitan's own model at Kimi's dims (titan_mok.baseline) has no [mok] layers to name
+    config = _job_config("--model.name", "deepseek_v3_titan_mok_dims", "--model.flavor", "one_gpu", "--debug.seed", "3")
+    assert wandb_run_settings(config, environ={})["name"] == "deepseek_v3_titan_mok_dims-one_gpu-ep1-seed3"
 
 
 def test_mfu_peak():

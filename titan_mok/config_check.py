@@ -77,8 +77,8 @@ def check_toml(config_cls, toml: dict[str, Any]) -> None:
 def check_job(job_config, world_size: int) -> None:
     """Model, flavor, parallel degrees and [mok] values."""
     name, flavor = job_config.model.name, job_config.model.flavor
-    if name not in registry.MODELS:
-        raise ConfigError(f"[model] name = {name!r}: choose one of {list(registry.MODELS)}")
+    if name not in (*registry.MODELS, registry.BASELINE_MODEL):
+        raise ConfigError(f"[model] name = {name!r}: choose one of {[*registry.MODELS, registry.BASELINE_MODEL]}")
     flavors = registry.flavors(name)
     if flavor not in flavors:
         raise ConfigError(f"[model] flavor = {flavor!r} for {name}: choose one of {list(flavors)}")
@@ -110,6 +110,8 @@ def check_job(job_config, world_size: int) -> None:
             "[activation_checkpoint] mode = 'selective' with selective_ac_option = 'op' fails with "
             "expert_parallel_degree > 1; use mode = 'full', 'none', or a layer-count selective_ac_option"
         )
+    if name == registry.BASELINE_MODEL:
+        return  # TorchTitan's own model: the [mok] section does not apply to it
     if job_config.mok.kernels == "triton" and not torch.cuda.is_available():
         raise ConfigError("[mok] kernels = 'triton' needs a CUDA GPU; use 'reference' or 'auto' on CPU")
     if job_config.mok.mxfp8_weight_cache and not routed_experts_on_triton(job_config.mok.kernels):

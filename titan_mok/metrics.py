@@ -50,6 +50,7 @@ from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
 from titan_mok.attached_loss import take_tally
+from titan_mok.baseline import BASELINE_MODEL
 from titan_mok.moe_stats import MoEStats
 from titan_mok.time_share import TimeShare
 
@@ -104,8 +105,10 @@ def wandb_run_settings(job_config, environ=os.environ) -> dict[str, Any]:
     """project/entity/name/group/tags/notes (environment over TOML) and the mode."""
     metrics = job_config.metrics
     par = job_config.parallelism
+    # [mok] configures titan-mok's MoE layers only: the baseline (TorchTitan's own model) ignores it
+    mok = "" if job_config.model.name == BASELINE_MODEL else f"-{job_config.mok.backend}-{job_config.mok.precision}"
     default_name = (
-        f"{job_config.model.name}-{job_config.model.flavor}-{job_config.mok.backend}-{job_config.mok.precision}"
+        f"{job_config.model.name}-{job_config.model.flavor}{mok}"
         f"-ep{par.expert_parallel_degree}-seed{job_config.debug.seed}"
     )
     settings = {

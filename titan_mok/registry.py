@@ -1,12 +1,15 @@
 """Registers titan-mok's models as TorchTitan TrainSpecs (user specs win in
 `get_train_spec`). Each name is a package `titan_mok.models.<name>` with a
-`get_train_spec()` and a `<name>_configs` dict of flavors."""
+`get_train_spec()` and a `<name>_configs` dict of flavors. Beside them, the
+end-to-end baseline: TorchTitan's own deepseek_v3 at Kimi K2.7 Code's flavors
+(`titan_mok.baseline`, registered as `BASELINE_MODEL`)."""
 
 import dataclasses
 import importlib
 
 from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
 
+from titan_mok.baseline import BASELINE_MODEL, baseline_flavors, baseline_train_spec
 from titan_mok.metrics import build_mok_metrics_processor
 
 MODELS = (
@@ -24,7 +27,9 @@ def model_module(name: str):
 
 
 def flavors(name: str) -> dict:
-    """The flavor → model args dict of a registered model."""
+    """The flavor → model args dict of a registered model (titan-mok's, or the baseline)."""
+    if name == BASELINE_MODEL:
+        return baseline_flavors()
     return getattr(model_module(name), f"{name}_configs")
 
 
@@ -38,3 +43,7 @@ def register_all() -> None:
             # Every titan-mok model logs through titan-mok's metrics processor.
             spec = dataclasses.replace(spec, build_metrics_processor_fn=build_mok_metrics_processor)
             register_train_spec(name, spec)
+    try:
+        get_train_spec(BASELINE_MODEL)
+    except ValueError:
+        register_train_spec(BASELINE_MODEL, baseline_train_spec(build_mok_metrics_processor))
