@@ -29,7 +29,7 @@ def kimi_closed_form(a, seq_len: int) -> tuple[int, int, int]:
     return total, active, flops
 
 
-@pytest.mark.parametrize("flavor", ["debug", "h200", "full"])
+@pytest.mark.parametrize("flavor", ["debug", "one_gpu", "h200", "full"])
 def test_kimi_counts_match_closed_form(flavor):
     report = inspect_model("kimi_k2_7_code", flavor, seq_len=4096)
     expected = kimi_closed_form(kimi_k2_7_code_configs[flavor], 4096)
@@ -58,7 +58,7 @@ def test_json_output(capsys):
 def test_unknown_model_or_flavor_lists_the_valid_ones(capsys):
     with pytest.raises(SystemExit, match="glm_5_2"):
         main(["--model", "gpt5", "--flavor", "full"])
-    with pytest.raises(SystemExit, match=r"\['debug', 'h200', 'full'\]"):
+    with pytest.raises(SystemExit, match=r"\['debug', 'one_gpu', 'h200', 'full'\]"):
         main(["--model", "glm_5_2", "--flavor", "huge"])
 
 

@@ -10,6 +10,17 @@ experts, no MTP module: 7.6 B parameters, ~122 GB of fp32 weights + grads +
 Adam state, ~61 GB per GPU under FSDP on 2×H200; ``full`` is the published
 architecture (61 layers, 384 experts, 1 MTP module).
 
+``one_gpu`` trains on one 80 GB GPU (train_configs/deepseek_v4_pro/one_gpu.toml: one process,
+AMP, full activation checkpointing, seq 4096 × batch 1). The MoE layer as published (H 7168,
+expert FFN 3072, top-6, shared expert 3072, sqrt(softplus) + bias, scale 2.5, SwiGLU clamp 10),
+the published attention shapes and hyper-connections. Cut: 61 → 2 layers (a hash-routed HCA
+layer, then a learned-router CSA layer: each router kind and each compressed attention once),
+384 → 16 experts, no MTP module, vocab 129280 → 32768 (``titan_mok.models.common.one_gpu``
+says why). 3.36 B parameters: 53.7 GB of fp32 weights + grads + AdamW states (16 B/param),
+~26 GB left for activations (mHC keeps 4 copies of the hidden state) and the allocator. At
+4096 tokens per step, 4096·6/16 = 1,536 rows per expert (the hash-routed layer's rows follow
+its token-id table).
+
 Training choice (``debug``, ``full``): the MTP module's loss is attached with weight 0.3
 (DeepSeek-V3's first-phase value). ``mtp_loss_coef = 0`` freezes it.
 """
@@ -19,6 +30,7 @@ from dataclasses import replace
 from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_mok.data import VOCAB_SIZE
+from titan_mok.models.common import one_gpu
 from titan_mok.models.common.train_spec import moe_train_spec
 
 from .args import DeepSeekV4ModelArgs
@@ -50,6 +62,8 @@ deepseek_v4_pro_configs = {
         moe_args=replace(_FULL.moe_args, num_experts=8, top_k=2, expert_dim=32, shared_expert_dim=32),
         mtp_loss_coef=0.3,
     ),
+    "one_gpu": replace(_FULL, vocab_size=one_gpu.VOCAB_SIZE, n_layers=2, n_hash_layers=1, compress_ratios=(128, 4),
+                       moe_args=replace(_FULL.moe_args, num_experts=16), n_mtp_layers=0, mtp_loss_coef=0.0),
     "h200": replace(_FULL, n_layers=4, compress_ratios=(128, 128, 4, 128), moe_args=replace(_FULL.moe_args, num_experts=16), n_mtp_layers=0, mtp_loss_coef=0.0),
     "full": _FULL,
 }

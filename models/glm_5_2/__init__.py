@@ -4,6 +4,17 @@ Shapes: shared/reference/model_shapes.json. Flavors:
 
 - ``debug``: tiny, trains on CPU (2 ranks, EP=2) in the test suite; a short
   ``index_topk`` and IndexShare every 2nd layer so the sparse path is exercised.
+- ``one_gpu``: trains on one 80 GB GPU (train_configs/glm_5_2/one_gpu.toml: one process,
+  AMP, full activation checkpointing, seq 4096 × batch 1, so DSA's indexer picks 2048 of up to
+  4096 keys). The MoE layer as published (H 6144, expert FFN 2048, top-8, shared expert 2048,
+  sigmoid + bias, scale 2.5), the published MLA, indexer and dense FFN. Cut: 78 → 4 layers
+  (1 dense, then 3 MoE; layers 0–2 run their own indexer, layer 3 reuses layer 2's top-k, as
+  IndexShare does from layer 3 on), 256 → 20 experts, no MTP block, vocab 154880 → 32768
+  (``titan_mok.models.common.one_gpu`` says why). 3.70 B parameters: 59.1 GB of fp32 weights +
+  grads + AdamW states (16 B/param), ~21 GB left for activations and the allocator (fewer
+  experts than Kimi's flavor: at seq 4096 a layer's indexer scores alone, [S, 32 heads, S] fp32,
+  take 2.1 GB, and DSA's masked attention does not run flash). At 4096 tokens per step,
+  4096·8/20 = 1,638 rows per expert.
 - ``h200``: per-layer shapes of the full model (H 6144, dense FFN 12288, expert
   FFN 2048, top-8, shared expert 2048, 64 heads, MLA and indexer dims, vocab,
   MTP). Cut: 78 → 5 main layers (the 3 dense ones, then 2 MoE; layers 3–4 reuse
@@ -31,6 +42,7 @@ transformers' MtpLayer input order (embedding first, then hidden state).
 from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_mok.data import VOCAB_SIZE
+from titan_mok.models.common import one_gpu
 from titan_mok.models.common.args import sigmoid_noaux_moe
 from titan_mok.models.common.train_spec import moe_train_spec
 
@@ -93,6 +105,8 @@ glm_5_2_configs = {
         mtp_loss_coef=0.3,
         moe_args=sigmoid_noaux_moe(num_experts=8, top_k=2, expert_dim=64, route_scale=2.5),
     ),
+    "one_gpu": GLM52Args(**{**_GLM_LAYER, "vocab_size": one_gpu.VOCAB_SIZE, "n_dense_layers": 1, "n_mtp_layers": 0},
+                         n_layers=4, mtp_loss_coef=0.0, moe_args=_glm_moe(20)),
     "h200": GLM52Args(**_GLM_LAYER, n_layers=5, mtp_loss_coef=0.3, moe_args=_glm_moe(48)),
     "full": GLM52Args(**_GLM_LAYER, n_layers=78, mtp_loss_coef=0.3, moe_args=_glm_moe(256)),
 }

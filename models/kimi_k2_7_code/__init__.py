@@ -5,6 +5,14 @@ Kimi-K2.5/K2.6). Flavors:
 
 - ``debug``: tiny (3 layers, 8 experts, top-2), trains on CPU (2 ranks, EP=2) in
   the test suite.
+- ``one_gpu``: trains on one 80 GB GPU (train_configs/kimi_k2_7_code/one_gpu.toml: one
+  process, AMP, full activation checkpointing, seq 4096 × batch 1). The MoE layer as published
+  (H 7168, expert FFN 2048, top-8, shared expert 2048, sigmoid + bias, scale 2.827), the
+  published MLA and dense FFN. Cut: 61 → 3 layers (the dense one, then 2 MoE), 384 → 32
+  experts, vocab 163840 → 32768 (``titan_mok.models.common.one_gpu`` says why). 4.08 B
+  parameters: 65.2 GB of fp32 weights + grads + AdamW states (16 B/param), ~15 GB left for
+  activations and the allocator. At 4096 tokens per step, 4096·8/32 = 1,024 rows per expert.
+  TorchTitan's deepseek_v3 at these dimensions is the end-to-end baseline (``titan_mok.baseline``).
 - ``h200``: every per-layer shape of the full model (H 7168, dense FFN 18432,
   expert FFN 2048, top-8, shared expert 2048, 64 MLA heads and ranks, YaRN,
   vocab 163840). Cut: 61 → 4 layers (the dense one, then 3 MoE) and 384 → 48
@@ -28,6 +36,7 @@ the reference code (TorchTitan uses the block eps).
 from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_mok.data import VOCAB_SIZE
+from titan_mok.models.common import one_gpu
 from titan_mok.models.common.args import sigmoid_noaux_moe
 from titan_mok.models.common.rope import YaRN
 from titan_mok.models.common.train_spec import moe_train_spec
@@ -81,6 +90,7 @@ kimi_k2_7_code_configs = {
         yarn=_YARN,
         moe_args=sigmoid_noaux_moe(num_experts=8, top_k=2, expert_dim=64, route_scale=2.827),
     ),
+    "one_gpu": KimiK27CodeArgs(**{**_KIMI_LAYER, "vocab_size": one_gpu.VOCAB_SIZE}, n_layers=3, moe_args=_kimi_moe(32)),
     "h200": KimiK27CodeArgs(**_KIMI_LAYER, n_layers=4, moe_args=_kimi_moe(48)),
     "full": KimiK27CodeArgs(**_KIMI_LAYER, n_layers=61, moe_args=_kimi_moe(384)),
 }

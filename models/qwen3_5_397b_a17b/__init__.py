@@ -7,6 +7,15 @@ parameters, ~93 GB of fp32 weights + grads + Adam state, i.e. ~47 GB per GPU
 under FSDP on 2×H200, leaving room for activations; ``full`` is the published
 architecture (60 layers, 512 experts, 1 MTP module).
 
+``one_gpu`` trains on one 80 GB GPU (train_configs/qwen3_5_397b_a17b/one_gpu.toml: one
+process, AMP, full activation checkpointing, seq 4096 × batch 1). The MoE layer as published
+(H 4096, expert FFN 1024, top-10 of softmax scores, sigmoid-gated shared expert 1024, aux loss
+1e-3), the published DeltaNet and gated attention. Cut: 60 → 4 layers (one [DeltaNet ×3, full
+attention] period), 512 → 64 experts, no MTP module, vocab 248320 → 32768
+(``titan_mok.models.common.one_gpu`` says why). 4.00 B parameters: 64.0 GB of fp32 weights +
+grads + AdamW states (16 B/param), ~16 GB left for activations and the allocator. At 4096
+tokens per step, 4096·10/64 = 640 rows per expert.
+
 Training choice (``debug``, ``full``): the MTP module's loss is attached with weight 0.3
 (DeepSeek-V3's first-phase value; Qwen publishes none). ``mtp_loss_coef = 0`` freezes it.
 """
@@ -16,6 +25,7 @@ from dataclasses import replace
 from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_mok.data import VOCAB_SIZE
+from titan_mok.models.common import one_gpu
 from titan_mok.models.common.train_spec import moe_train_spec
 
 from .args import Qwen35ModelArgs
@@ -41,6 +51,8 @@ qwen3_5_397b_a17b_configs = {
         n_mtp_layers=1,
         mtp_loss_coef=0.3,
     ),
+    "one_gpu": replace(_FULL, vocab_size=one_gpu.VOCAB_SIZE, n_layers=4, moe_args=replace(_FULL.moe_args, num_experts=64),
+                       n_mtp_layers=0, mtp_loss_coef=0.0),
     "h200": replace(_FULL, n_layers=4, moe_args=replace(_FULL.moe_args, num_experts=64), n_mtp_layers=0, mtp_loss_coef=0.0),
     "full": _FULL,
 }
