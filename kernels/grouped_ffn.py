@@ -40,6 +40,7 @@ from titan_mok.kernels.grouped_gemm import (
     ref_grouped_wgrad,
 )
 from titan_mok.kernels.mxfp8_quant import mxfp8_quantize, mxfp8_quantize_transposed
+from titan_mok.kernels.row_tiles import map_row_tiles
 
 PRECISIONS = ("bf16", "mxfp8")
 
@@ -59,8 +60,6 @@ def _swiglu_rows(gate_RI, up_RI, limit):
 
 def ref_swiglu(gate_RI: torch.Tensor, up_RI: torch.Tensor, limit: float | None) -> torch.Tensor:
     """silu(clamped gate) · clamped up in fp32, rounded once to the inputs' dtype (row tiles: batch-invariant)."""
-    from titan_mok.moe.tiles import map_row_tiles  # NOTE: here: titan_mok.moe imports this module
-
     return map_row_tiles(lambda g, u: _swiglu_rows(g, u, limit), gate_RI, up_RI)
 
 
@@ -77,8 +76,6 @@ def _swiglu_backward_rows(dh32_RI, gate_RI, up_RI, limit):
 
 def ref_swiglu_backward(dh32_RI, gate_RI, up_RI, limit: float | None):
     """(dgate, dup) in the inputs' dtype from fp32 dh; the clamp passes gradient only where it did not clip."""
-    from titan_mok.moe.tiles import map_row_tiles  # NOTE: here: titan_mok.moe imports this module
-
     return map_row_tiles(lambda d, g, u: _swiglu_backward_rows(d, g, u, limit), dh32_RI, gate_RI, up_RI)
 
 

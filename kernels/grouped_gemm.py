@@ -66,6 +66,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from titan_mok.kernels import grouped_mm_coop, grouped_mm_ws, grouped_wgrad_ws
 from titan_mok.kernels.grouped_tiles import _bf16_rne, _epilogue, _tile_of_program, _wgrad_job
+from titan_mok.kernels.mxfp8 import BLOCK, MXTensor, e8m0_values, fake_quantize_mxfp8
 from titan_mok.kernels.mxfp8_quant import (
     _COLS_BQ,
     _COLS_WARPS,
@@ -78,7 +79,7 @@ from titan_mok.kernels.mxfp8_quant import (
     mxfp8_fake_quantize,
     mxfp8_quantize,
 )
-from titan_mok.mxfp8 import BLOCK, MXTensor, e8m0_values, fake_quantize_mxfp8
+from titan_mok.kernels.row_tiles import tiled_mm
 
 # Kinds of grouped_mm (the MODE constexpr).
 PLAIN, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
@@ -321,15 +322,12 @@ def _operand_fp32(t: torch.Tensor, precision: str, dim: int, name: str) -> torch
 
 def ref_grouped_mm(a_RK: torch.Tensor, group_end_E: torch.Tensor, b_ENK: torch.Tensor, precision: str) -> torch.Tensor:
     """fp32 c_RN[r] = a_RK[r] @ b_ENK[e(r)].T on the exact operand values (MXFP8 along K)."""
-    # NOTE: imported here, not at the top: titan_mok.moe imports this module (an import cycle).
-    from titan_mok.moe.tiles import tiled_mm  # fixed row tiles: the reference is row-batch-invariant too
-
     a_RK = _operand_fp32(a_RK, precision, -1, "a_RK")
     b_ENK = _operand_fp32(b_ENK, precision, -1, "b_ENK")
     c_RN = a_RK.new_zeros(a_RK.shape[0], b_ENK.shape[1])
     for e, (start, end) in enumerate(_group_bounds_sync(group_end_E, a_RK.shape[0])):
         if end > start:
-            c_RN[start:end] = tiled_mm(a_RK[start:end], b_ENK[e].t())
+            c_RN[start:end] = tiled_mm(a_RK[start:end], b_ENK[e].t())  # row tiles: row-batch-invariant too
     return c_RN
 
 

@@ -198,7 +198,7 @@ def _first_step(l, loads_per_pair, k_steps, KB: gl.constexpr):
 
 @gluon.constexpr_function
 def _mma_order_layout():
-    """A [64, 32] block of a warpgroup's weight rows stored in MMA order (titan_mok.mxfp8.to_mma_order) as each
+    """A [64, 32] block of a warpgroup's weight rows stored in MMA order (titan_mok.kernels.mxfp8.to_mma_order) as each
     thread reads it: 8 adjacent bytes (t, c, h, l) of rows g and g + 8 of its warp's 16, lane 4g + t. Read back in
     index order (_index_order) it is the wgmma's register operand layout (DotOperandLayout, k_width 2)."""
     return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],

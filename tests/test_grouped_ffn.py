@@ -14,7 +14,7 @@ from titan_mok.kernels import grouped_gemm as gg
 from titan_mok.kernels import grouped_mm_ws
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, weight_operand
 from titan_mok.kernels.grouped_gemm import grouped_mm, mxfp8_fake_quantize_groups, ref_grouped_mm
-from titan_mok.mxfp8 import MXTensor, fake_quantize_mxfp8
+from titan_mok.kernels.mxfp8 import MXTensor, fake_quantize_mxfp8
 from titan_mok.kernels.mxfp8_quant import mxfp8_quantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

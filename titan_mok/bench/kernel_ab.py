@@ -11,7 +11,7 @@ signatures differ cannot be compared this way.)
 
 The baseline's ``.py`` files are copied into a temporary package, ``titan_mok_baseline_kernels``, with their imports
 of ``titan_mok.kernels`` pointed at it, and imported beside the working tree's (Triton reads a kernel's source from
-its file, so the copies are real files). The rest of titan_mok, ``titan_mok.mxfp8`` included, is the working tree's
+its file, so the copies are real files). The rest of titan_mok, ``titan_mok.kernels.mxfp8`` included, is the working tree's
 for both. Each side makes its own operands (the weights in the layouts its kernels read), from the same case, one
 GEMM's at a time: in MXFP8 both sides' copies of the weights that GEMM reads are held at once (Kimi K2.7 at EP=1:
 34 GB of bf16 weights and 2 x 11 GB of MXFP8 gate and up; bf16 operands are views). Per shape and case (the

@@ -20,13 +20,14 @@ from torchtitan.tools.utils import has_cuda_capability
 
 
 from titan_mok.attached_loss import attach_loss
+from titan_mok.kernels.mok_combine import ref_slot_reduce
+from titan_mok.kernels.row_tiles import autocast_dtype
 from titan_mok.moe.args import MoEArgs
 from titan_mok.moe.aux_loss import load_balance_aux_loss
-from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch, reduce_slots
+from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch
 from titan_mok.moe.experts import RoutedExperts, SharedExpert
 from titan_mok.moe.fused import fused_routed_experts
 from titan_mok.moe.router import TopKRouter
-from titan_mok.moe.tiles import autocast_dtype
 from titan_mok.moe.torchtitan_backend import TorchTitanExperts, routed_torchtitan
 
 
@@ -202,7 +203,7 @@ class MoE(nn.Module):
             y_TH = self._routed_mok(x_ffn_TH, weights_TK, topk_idx_TK, shared_TH, group, x_TH.dtype)
         else:
             y_TKH = routed_torchtitan(self.experts, x_ffn_TH, topk_idx_TK)
-            y_TH = reduce_slots(y_TKH, weights_TK, shared_TH, x_TH.dtype)
+            y_TH = ref_slot_reduce(y_TKH, weights_TK, shared_TH, x_TH.dtype)
         if self.args.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux_loss = load_balance_aux_loss(scores_TE, topk_idx_TK)
             y_TH = attach_loss(y_TH, aux_loss, self.args.aux_loss_coef, "moe_aux")
