@@ -104,15 +104,15 @@ class _ReferenceOps:
         return dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI
 
 
-def weight_operand(w_EXY: torch.Tensor, precision: str, along: int, name: str, mma_order: bool = True):
+def weight_operand(w_EXY: torch.Tensor, precision: str, along: int, name: str):
     """B operand [E, N, K] for grouped_mm: K = ``along`` (1 or 2) of the stored weight, MXFP8 blocked there,
-    its elements in MMA order unless told otherwise (MXTensor.mma_order: the warp-specialized kernel's
-    shared-memory loads take a thread's bytes of a block at once; E4M3 MMAs, ``fp8_mma``, need index order)."""
+    its elements in MMA order (MXTensor.mma_order: the warp-specialized kernel's shared-memory loads take a
+    thread's bytes of a block at once)."""
     if precision == "mxfp8":
         # along X (dim 1): the GEMM reads [E, Y, X], written contiguous so its tiles stream as the forward's
         if along == 1:
-            return mxfp8_quantize_transposed(w_EXY, name, mma_order=mma_order)
-        return mxfp8_quantize(w_EXY, along, name, mma_order=mma_order)
+            return mxfp8_quantize_transposed(w_EXY, name, mma_order=True)
+        return mxfp8_quantize(w_EXY, along, name, mma_order=True)
     return w_EXY.transpose(1, 2) if along == 1 else w_EXY
 
 

@@ -24,7 +24,7 @@ Two GEMM shapes cover the expert FFN's forward and backward:
 
 Precision: bf16 operands, or MXFP8 (DESIGN §6). Weights arrive as ``MXTensor`` blocked along
 K (quantized once per pass by ``mxfp8_quantize``, in the layout each GEMM reads; the MoE layer's
-in MMA order, ``MXTensor.mma_order``, which every kernel but the E4M3-MMA ones reads). Activations
+in MMA order, ``MXTensor.mma_order``). Activations
 are quantized once per GEMM by a one-pass kernel with the reference rule (``mx_quantize_block``),
 along K for grouped_mm and along the token axis for grouped_wgrad (blocks of 32 rows starting at
 each group's first row; a group's last block is zero-padded), so no tile re-quantizes its A.
@@ -35,12 +35,7 @@ MXFP8 values; the scales of block k+1 are loaded while block k runs. On CUDA, th
 with a ``"mxfp8_ws/<kind>"`` config and K a multiple of 128 run ``grouped_mm_ws`` instead: the same
 bits, computed transposed with the dequantized weights as the MMA's register operand, a TMA loader
 warp and two consumer warpgroups (for three kinds persistent: one program per SM looping over
-tiles). ``fp8_mma=True`` (``_grouped_mm_fp8_mma_kernel``): E4M3 x E4M3 MMAs per 32-wide K block,
-each partial sum promoted into the fp32 accumulator with its two scales (DeepGEMM-style); on CUDA
-the same bits from ``grouped_mm_ws`` (FP8_MMA, ``"mxfp8_fp8_ws/<kind>"``), the promotion overlapping
-the next block's MMA. Measured slower than the dequantizing kernel on H200 in every case (NOTES.md,
-session 13), so not the default.
-fp32 accumulation, each output tile computed by one program, fixed K order: no split-K, no
+tiles). fp32 accumulation, each output tile computed by one program, fixed K order: no split-K, no
 atomics, run-to-run deterministic.
 
 Row-batch invariance: every row goes through the same instruction sequence whatever its group's
@@ -66,7 +61,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from titan_mok.kernels import grouped_mm_coop, grouped_mm_ws, grouped_wgrad_ws
 from titan_mok.kernels.grouped_tiles import _bf16_rne, _epilogue, _tile_of_program, _wgrad_job
-from titan_mok.kernels.mxfp8 import BLOCK, MXTensor, e8m0_values, fake_quantize_mxfp8
+from titan_mok.kernels.mxfp8 import BLOCK, MXTensor, fake_quantize_mxfp8
 from titan_mok.kernels.mxfp8_quant import (
     _COLS_BQ,
     _COLS_WARPS,
@@ -75,9 +70,7 @@ from titan_mok.kernels.mxfp8_quant import (
     mx_dequantize_bits,
     mx_from_mma_order,
     mx_quantize_block,
-    mx_scale_of_bits,
     mxfp8_fake_quantize,
-    mxfp8_quantize,
 )
 from titan_mok.kernels.row_tiles import tiled_mm
 
@@ -148,18 +141,6 @@ _MM_CONFIGS = {
                                 HALF_TILES=True, SPLIT_TILES=True),
     "mxfp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=3, CONSUMER_REGS=232, num_warps=4,
                           HALF_TILES=True, SPLIT_TILES=True, ROW_BLOCKS=2),
-    "mxfp8_fp8_mma": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
-    # fp8_mma=True on CUDA: E4M3 x E4M3 wgmmas in the warp-specialized kernel (FP8_MMA), each 32-wide K
-    # block's partial sums promoted while the next block's wgmma runs. 1.2-2x slower than "mxfp8_ws" in
-    # all 40 (shape, case, kind) A/Bs, Kimi K2.7 and Qwen3.5 (NOTES.md, session 13).
-    "mxfp8_fp8_ws/plain": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4,
-                               HALF_TILES=True),
-    "mxfp8_fp8_ws/swiglu": dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=False, STAGES=4, CONSUMER_REGS=232,
-                                num_warps=4),
-    "mxfp8_fp8_ws/swiglu_bwd": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232,
-                                    num_warps=4, HALF_TILES=True),
-    "mxfp8_fp8_ws/dual": dict(BM=128, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=4, CONSUMER_REGS=232, num_warps=4,
-                              HALF_TILES=True),
     # At few rows per expert (below): 64-token tiles halve the accumulators, so two programs fit on an
     # SM (80 registers per thread, 104 for the consumers, two loads in flight) and hide each other's
     # latencies: the dgrad kinds 1-13% faster per kind and case (the dgrad 6-9% at EP=1; dual has since left
@@ -358,16 +339,6 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _fp8_mma_block(acc, a_ptrs, a_ok, sa_ptrs, sa_ok, b_ptrs, b_ok, sb_ptrs, sb_ok):
-    """acc += A @ B for one 32-wide scale block: an E4M3 x E4M3 MMA, then promotion with both scales."""
-    a = tl.load(a_ptrs, mask=a_ok, other=0.0)
-    b = tl.load(b_ptrs, mask=b_ok, other=0.0)
-    sa = mx_scale_of_bits(tl.load(sa_ptrs, mask=sa_ok, other=127))  # [BM]
-    sb = mx_scale_of_bits(tl.load(sb_ptrs, mask=sb_ok, other=127))  # [BN]
-    return tl.fma(tl.dot(a, b), sa[:, None] * sb[None, :], acc)
-
-
-@triton.jit
 def _grouped_mm_tma_kernel(
     # tensor descriptors (TMA): A operands [R, K] bf16 (MXFP8 values on that path), blocks [BM, KB]
     # (a1h/a2h: the same with [BM / 2, KB] blocks, for HALF_TILES); B operands bf16 or E4M3 as 2D
@@ -511,68 +482,6 @@ def _b_tile(b_desc, e, n0, k, N, K, s_bits, B_KN: tl.constexpr, MMA_ORDER: tl.co
 
 
 @triton.jit
-def _grouped_mm_fp8_mma_kernel(
-    # pointers: A operands [R, K] E4M3 row-major with E8M0 bits [R, K/32], B operands [E, N, K]
-    # (any strides) with E8M0 bits [E, N, K/32]
-    a1_ptr, a2_ptr, sa1_ptr, sa2_ptr, b1_ptr, b2_ptr, sb1_ptr, sb2_ptr,
-    # outputs [R, N] row-major; g/u inputs [R, N] of the SwiGLU backward
-    c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
-    group_end_ptr, tile_end_ptr,
-    # dimensions and strides
-    N, K, E,
-    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
-    limit,
-    # meta-parameters
-    MODE: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_E: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """MXFP8 with E4M3 MMAs: C [BM, BN] = A [BM, K] @ B[e]^T, one MMA and promotion per 32-wide block."""
-    t = tl.program_id(0)
-    e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN, GROUP_M)
-    valid = t < tl.load(tile_end_ptr + E - 1)  # see _mm_tile_at
-    k_end = tl.where(valid, K, 0)
-    rows = m0 + tl.arange(0, BM)
-    row_ok = (rows < row_end) & valid
-    offs_n = n0 + tl.arange(0, BN)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, 32)
-    a_off = rows[:, None].to(tl.int64) * K + offs_k[None, :]  # [BM, 32]
-    sa_off = rows.to(tl.int64) * (K // 32)  # [BM]
-    b_off = e.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk  # [32, BN]
-    sb_off = e.to(tl.int64) * stride_se + offs_n * stride_sn  # [BN]
-
-    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
-    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, k_end, BK):
-        for j in tl.static_range(BK // 32):
-            k = k0 + j * 32
-            k_ok = offs_k < K - k
-            a_ok = row_ok[:, None] & k_ok[None, :]
-            b_ok = k_ok[:, None] & n_ok[None, :]
-            sa_ok = row_ok & (k < K)
-            sb_ok = n_ok & (k < K)
-            acc1 = _fp8_mma_block(acc1, a1_ptr + a_off + k, a_ok, sa1_ptr + sa_off + k // 32, sa_ok,
-                                  b1_ptr + b_off + k * stride_bk, b_ok, sb1_ptr + sb_off + (k // 32) * stride_sk, sb_ok)
-            if MODE == 1:  # SWIGLU: the second B (w_up) shares the A tile (the loads coincide)
-                acc2 = _fp8_mma_block(acc2, a1_ptr + a_off + k, a_ok, sa1_ptr + sa_off + k // 32, sa_ok,
-                                      b2_ptr + b_off + k * stride_bk, b_ok, sb2_ptr + sb_off + (k // 32) * stride_sk,
-                                      sb_ok)
-    if MODE == 3:  # DUAL: acc1 += A2 @ B2, continuing the same fixed K order
-        for k0 in range(0, k_end, BK):
-            for j in tl.static_range(BK // 32):
-                k = k0 + j * 32
-                k_ok = offs_k < K - k
-                acc1 = _fp8_mma_block(acc1, a2_ptr + a_off + k, row_ok[:, None] & k_ok[None, :],
-                                      sa2_ptr + sa_off + k // 32, row_ok & (k < K), b2_ptr + b_off + k * stride_bk,
-                                      k_ok[:, None] & n_ok[None, :], sb2_ptr + sb_off + (k // 32) * stride_sk,
-                                      n_ok & (k < K))
-
-    c_off = rows[:, None].to(tl.int64) * N + offs_n[None, :]
-    _epilogue(acc1, acc2, c_off, row_ok[:, None] & n_ok[None, :], c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
-              HAS_LIMIT)
-
-
-@triton.jit
 def _mx_fake_quant_groups_kernel(
     x_ptr, y_ptr,  # x [R, N] row-major (any float), y [R, N] bf16
     group_end_ptr, block_end_ptr,
@@ -688,16 +597,11 @@ def _b_operand(b, name: str):
     return b, None, False
 
 
-def _a_operand(a, mx: bool, fp8_mma: bool, name: str):
-    """(A data [R, K], E8M0 bits [R, K/32] or None): bf16 as is, MXFP8 quantized along K once."""
+def _a_operand(a, mx: bool, name: str):
+    """A [R, K] as the kernels read it: bf16 as is, for MXFP8 its MXFP8 values (quantized along K once)."""
     if a.dtype != torch.bfloat16 or a.dim() != 2:
         raise ValueError(f"{name} must be bfloat16 [R, K], got {a.dtype} {tuple(a.shape)}")
-    if not mx:
-        return a.contiguous(), None
-    if fp8_mma:
-        mx_a = mxfp8_quantize(a, -1, name)
-        return mx_a.data, mx_a.scale.view(torch.uint8)
-    return mxfp8_fake_quantize(a, name), None
+    return mxfp8_fake_quantize(a, name) if mx else a.contiguous()
 
 
 def _tma_descriptor(t2d: torch.Tensor, block: list[int], name: str, gluon: bool = False):
@@ -735,14 +639,6 @@ def _weight_descriptors(b1_data: torch.Tensor, b2_data: torch.Tensor, block_n: i
     return kn[0], descs
 
 
-def _token_scales_t(bits_RB: torch.Tensor, pad: int) -> torch.Tensor:
-    """fp32 values of A's E8M0 bits [R, K/32], transposed: [K/32, R + pad], the pad columns zero."""
-    num_rows, blocks = bits_RB.shape
-    out = torch.zeros(blocks, num_rows + pad, dtype=torch.float32, device=bits_RB.device)
-    out[:, :num_rows] = e8m0_values(bits_RB).T
-    return out
-
-
 def _set_triton_allocator():
     """Device-made TMA descriptors need global scratch from Triton's allocator, a per-thread setting
     (autograd runs the backward on its own threads): torch memory, unless the caller set one."""
@@ -758,22 +654,18 @@ def _tile_ends(group_end_E: torch.Tensor, rows_per_tile: int, tiles_per_rows: in
     )
 
 
-def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_limit=None, fp8_mma=False,
-               warp_specialized=None):
+def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_limit=None, warp_specialized=None):
     """warp_specialized: the Gluon kernel of grouped_mm_ws; None picks it on CUDA outside Triton's interpreter
     where the kind's "<precision>_ws" config is not None (False: the Triton kernel it must match, for tests and
     benchmarks)."""
     b1_data, b1_s, mma_order = _b_operand(b1, "b1")
     b2_data, b2_s, mma_order2 = _b_operand(b2, "b2") if b2 is not None else (b1_data, b1_s, mma_order)
     mx = b1_s is not None
-    fp8_mma = fp8_mma and mx
     if mma_order != mma_order2:
         raise ValueError("b1 and b2 must both be in MMA order (MXTensor.mma_order) or both not")
-    if mma_order and fp8_mma:
-        raise ValueError("fp8_mma: E4M3 MMAs read the weights in index order; quantize them with mma_order=False")
     num_experts, n, k = b1_data.shape
     tier, chip = rows_tier(a1.shape[0], num_experts), chip_of(b1_data)
-    ws_key = mm_config_key(mode, mx, fp8_mma, True)
+    ws_key = mm_config_key(mode, mx, True)
     ws_cfg = _mm_config(ws_key, tier, chip)
     ws_k = 32 * grouped_mm_ws.KB  # its loads take K in blocks of ws_k
     # COOPERATIVE (the plain and SwiGLU gate/up kinds): grouped_mm_coop's kernel, which reads the weights as a
@@ -795,7 +687,7 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     if warp_specialized and not cooperative and k % ws_k:
         raise ValueError(f"the warp-specialized kernel needs K (here {k}) to be a multiple of {ws_k}; "
                          "the Triton kernel runs any K")
-    cfg = ws_cfg if warp_specialized else _mm_config(mm_config_key(mode, mx, fp8_mma), tier, chip)
+    cfg = ws_cfg if warp_specialized else _mm_config(mm_config_key(mode, mx), tier, chip)
     if cfg is not None and cfg.get("ROW_BLOCKS", 1) > 1 and not b1_data.is_contiguous():
         cfg = {**cfg, "ROW_BLOCKS": 1}  # two row blocks per tile: measured on [E, N, K] weights only (the FFN's)
     if a1.shape[1] != k:
@@ -804,8 +696,8 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
         raise ValueError(f"group_end_E must be [{num_experts}], got {tuple(group_end_E.shape)}")
     if num_experts == 0 or a1.shape[0] == 0:
         return
-    a1, sa1 = _a_operand(a1, mx, fp8_mma, "a1")
-    a2, sa2 = _a_operand(a2, mx, fp8_mma, "a2") if a2 is not None else (a1, sa1)
+    a1 = _a_operand(a1, mx, "a1")
+    a2 = _a_operand(a2, mx, "a2") if a2 is not None else a1
     bm, bn = cfg["BM"], cfg["BN"]
     n_tiles = triton.cdiv(n, bn * cfg.get("ROW_BLOCKS", 1))  # ROW_BLOCKS: BN-row weight blocks per tile
     tile_end_E = _tile_ends(group_end_E, bm, n_tiles)
@@ -821,17 +713,10 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     g, u = gu if gu[0] is not None else (c1, c1)
     common = dict(HAS_LIMIT=swiglu_limit is not None, LOG_E=num_experts.bit_length(), MODE=mode, **cfg)
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
-    if fp8_mma and not warp_specialized:
-        _grouped_mm_fp8_mma_kernel[grid](
-            a1, a2, sa1, sa2, b1_data, b2_data, b1_s, b2_s, c1, c2, c3, g, u, group_end_E, tile_end_E, n, k, num_experts,
-            *b1_data.stride(), *b1_s.stride(), limit, **common,
-        )
-        return
     # MXFP8 and the Gluon kernel load activations one 32-wide (scale) block at a time...
     block_k = 32 if mx or warp_specialized else cfg["BK"]
     block_kw = ws_k if warp_specialized else block_k  # ...the Gluon kernel's weights KB blocks at a time
-    block_ka = block_kw if fp8_mma else block_k  # (and its E4M3 activations too)
-    a_descs = [_tma_descriptor(a, [bm, block_ka], name, warp_specialized) for name, a in (("a1", a1), ("a2", a2))]
+    a_descs = [_tma_descriptor(a, [bm, block_k], name, warp_specialized) for name, a in (("a1", a1), ("a2", a2))]
     b_kn, b_descs = _weight_descriptors(b1_data, b2_data, bn, block_kw, warp_specialized)
     if b_kn and mma_order:
         raise ValueError("a weight in MMA order (MXTensor.mma_order) must be a contiguous [E, N, K], not a transposed "
@@ -841,20 +726,15 @@ def _launch_mm(mode, a1, a2, b1, b2, group_end_E, outs, gu=(None, None), swiglu_
     half = common["HALF_TILES"] = common.get("HALF_TILES", False) and (bm >= 128 or warp_specialized)
     if warp_specialized:
         persistent = common.pop("PERSISTENT")
-        if b_kn and fp8_mma:
-            raise ValueError("E4M3 MMAs read the weights K-major: pass them as a contiguous [E, N, K]")
         if mx:
-            # FP8_MMA: A's scales as fp32 [K/32, R + BM] (else unused)
-            sa_t1 = _token_scales_t(sa1, bm) if fp8_mma else b1_s
-            sa_t2 = _token_scales_t(sa2, bm) if fp8_mma and sa2 is not sa1 else sa_t1  # a2 given only for DUAL
-            wide_E = b1_s if fp8_mma else _wide_scale_experts(b1_s, *([] if b2_s is b1_s else [b2_s]))  # FP8_MMA: unused
+            wide_E = _wide_scale_experts(b1_s, *([] if b2_s is b1_s else [b2_s]))
             s1 = _scales_by_row(b1_s)
             s2 = s1 if b2_s is b1_s else _scales_by_row(b2_s)
         else:  # bf16: no scales (never read)
-            sa_t1 = sa_t2 = wide_E = s1 = s2 = a1
-        grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, sa_t1, sa_t2, sa_t1.stride(0), s1, s2, wide_E,
-                             *outs_and_groups, *s1.stride()[:2], limit, B_KN=b_kn, MMA_ORDER=mma_order,
-                             KB=grouped_mm_ws.KB, FP8_MMA=fp8_mma, MX=mx, **common)
+            wide_E = s1 = s2 = a1
+        grouped_mm_ws.launch(grid[0], persistent, *a_descs, *b_descs, s1, s2, wide_E, *outs_and_groups,
+                             *s1.stride()[:2], limit, B_KN=b_kn, MMA_ORDER=mma_order, KB=grouped_mm_ws.KB, MX=mx,
+                             **common)
     else:
         a_half = ([_tma_descriptor(a, [bm // 2, block_k], name) for name, a in (("a1", a1), ("a2", a2))] if half
                   else a_descs)
@@ -933,10 +813,8 @@ def _mm_config(key: str, tier: str, chip: str = "") -> dict | None:
     return {**cfg, "BM": min(cfg["BM"], _FEW_ROWS)}
 
 
-def mm_config_key(mode: int, mx: bool, fp8_mma: bool, warp_specialized: bool = False) -> str:
+def mm_config_key(mode: int, mx: bool, warp_specialized: bool = False) -> str:
     """The ``_MM_CONFIGS`` entry a grouped_mm of this kind and precision runs with."""
-    if fp8_mma:
-        return f"mxfp8_fp8_ws/{_MODE_NAMES[mode]}" if warp_specialized else "mxfp8_fp8_mma"
     precision = ("mxfp8" if mx else "bf16") + ("_ws" if warp_specialized else "")
     return f"{precision}/{_MODE_NAMES[mode]}"
 
@@ -971,37 +849,37 @@ def _zero_padding_rows(c_RN: torch.Tensor, group_end_E: torch.Tensor) -> torch.T
     return c_RN
 
 
-def grouped_mm(a_RK, group_end_E, b_ENK, *, fp8_mma: bool = False) -> torch.Tensor:
+def grouped_mm(a_RK, group_end_E, b_ENK) -> torch.Tensor:
     """c_RN[r] = a_RK[r] @ b_ENK[e(r)].T in bf16 (fp32 accumulation), padding rows zero; b bf16 or MXTensor
     (dim 2)."""
     c_RN = _new_rows(a_RK, _b_operand(b_ENK, "b_ENK")[0].shape[1])
-    _launch_mm(PLAIN, a_RK, None, b_ENK, None, group_end_E, [c_RN], fp8_mma=fp8_mma)
+    _launch_mm(PLAIN, a_RK, None, b_ENK, None, group_end_E, [c_RN])
     return _zero_padding_rows(c_RN, group_end_E)
 
 
-def grouped_mm_sum(a1_RK, a2_RK, group_end_E, b1_ENK, b2_ENK, *, fp8_mma: bool = False) -> torch.Tensor:
+def grouped_mm_sum(a1_RK, a2_RK, group_end_E, b1_ENK, b2_ENK) -> torch.Tensor:
     """c_RN = a1 @ b1[e].T + a2 @ b2[e].T in one fp32 accumulator (the input gradient of gate/up), padding rows
     zero."""
     c_RN = _new_rows(a1_RK, _b_operand(b1_ENK, "b1_ENK")[0].shape[1])
-    _launch_mm(DUAL, a1_RK, a2_RK, b1_ENK, b2_ENK, group_end_E, [c_RN], fp8_mma=fp8_mma)
+    _launch_mm(DUAL, a1_RK, a2_RK, b1_ENK, b2_ENK, group_end_E, [c_RN])
     return _zero_padding_rows(c_RN, group_end_E)
 
 
-def grouped_gate_up_swiglu(x_RH, group_end_E, w_gate_EIH, w_up_EIH, swiglu_limit, *, fp8_mma: bool = False):
+def grouped_gate_up_swiglu(x_RH, group_end_E, w_gate_EIH, w_up_EIH, swiglu_limit):
     """(gate_RI, up_RI, h_RI): gate/up GEMMs sharing x, h = silu(clamp gate) * clamp up, all bf16."""
     dim_i = _b_operand(w_gate_EIH, "w_gate_EIH")[0].shape[1]
     gate_RI, up_RI, h_RI = (_new_rows(x_RH, dim_i) for _ in range(3))
     _launch_mm(SWIGLU, x_RH, None, w_gate_EIH, w_up_EIH, group_end_E, [gate_RI, up_RI, h_RI],
-               swiglu_limit=swiglu_limit, fp8_mma=fp8_mma)
+               swiglu_limit=swiglu_limit)
     return gate_RI, up_RI, h_RI
 
 
-def grouped_down_dgrad_swiglu(dy_RH, group_end_E, w_down_EIH, gate_RI, up_RI, swiglu_limit, *, fp8_mma: bool = False):
+def grouped_down_dgrad_swiglu(dy_RH, group_end_E, w_down_EIH, gate_RI, up_RI, swiglu_limit):
     """(dgate_RI, dup_RI): dh = dy @ w_down[e] (w_down viewed [E, I, H]) through the SwiGLU backward."""
     dim_i = gate_RI.shape[1]
     dgate_RI, dup_RI = (_new_rows(dy_RH, dim_i) for _ in range(2))
     _launch_mm(SWIGLU_BWD, dy_RH, None, w_down_EIH, None, group_end_E, [dgate_RI, dup_RI], gu=(gate_RI, up_RI),
-               swiglu_limit=swiglu_limit, fp8_mma=fp8_mma)
+               swiglu_limit=swiglu_limit)
     return dgate_RI, dup_RI
 
 

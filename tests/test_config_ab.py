@@ -160,36 +160,12 @@ def test_each_case_is_released_before_the_next(monkeypatch, tmp_path):
     assert len(made) == 2 and len(rows) == 6
 
 
-def test_fp8_mma_has_no_weight_gradient(monkeypatch, capsys):
-    import sys
-
-    from titan_mok.bench import config_ab
-
-    argv = ["config_ab", "--precision", "mxfp8", "--fp8-mma", "--set", 'wgrad/flat={"BN": 64}']
-    monkeypatch.setattr(sys, "argv", argv)
-    with pytest.raises(SystemExit):
-        config_ab.main()
-    assert "--fp8-mma: the weight gradient has no E4M3-MMA path" in capsys.readouterr().err
-
-
-def test_fp8_mma_needs_mxfp8(monkeypatch, capsys):
-    """--fp8-mma A/Bs the E4M3-MMA configs of the MXFP8 kinds: with --precision bf16 it is refused by name."""
-    import sys
-
-    from titan_mok.bench import config_ab
-
-    monkeypatch.setattr(sys, "argv", ["config_ab", "--precision", "bf16", "--fp8-mma"])
-    with pytest.raises(SystemExit):
-        config_ab.main()
-    assert "--fp8-mma runs the MXFP8 kinds" in capsys.readouterr().err
-
-
-def test_fp8_mma_kinds_are_keyed_by_their_configs():
-    """With fp8_mma the benchmark's GEMMs are keyed by the entries that pick their kernel on CUDA, so
-    that config_ab and --tune vary the configs those GEMMs run."""
+def test_mxfp8_kinds_are_keyed_by_their_configs():
+    """The benchmark's GEMMs are keyed by the entries that pick their kernel on CUDA, so that config_ab and --tune
+    vary the configs those GEMMs run."""
     from titan_mok.bench.grouped_ffn import TUNE_VARIANTS, Case, gemms_by_kind
 
     c = Case(128, 64, torch.tensor([5, 0, 9]), dev="cpu")
-    keys = list(gemms_by_kind(c, "mxfp8", fp8_mma=True))
-    assert keys == [f"mxfp8_fp8_ws/{k}" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
+    keys = list(gemms_by_kind(c, "mxfp8"))
+    assert keys == [f"mxfp8_ws/{k}" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
     assert all(k in gg._MM_CONFIGS and k in TUNE_VARIANTS for k in keys)

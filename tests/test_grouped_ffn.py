@@ -13,7 +13,7 @@ import torch
 from titan_mok.kernels import grouped_gemm as gg
 from titan_mok.kernels import grouped_mm_ws
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, weight_operand
-from titan_mok.kernels.grouped_gemm import grouped_mm, mxfp8_fake_quantize_groups, ref_grouped_mm
+from titan_mok.kernels.grouped_gemm import grouped_mm, mxfp8_fake_quantize_groups
 from titan_mok.kernels.mxfp8 import MXTensor, fake_quantize_mxfp8
 from titan_mok.kernels.mxfp8_quant import mxfp8_quantize
 
@@ -124,14 +124,6 @@ def test_wgrads_quantize_each_operand_once(monkeypatch):
     together = list(gg.grouped_wgrads(pairs, group_end, "mxfp8"))
     assert [id(t) for t in quantized] == [id(dgate), id(x), id(dup), id(dy)]
     assert all(torch.equal(a, b) for a, b in zip(together, alone))
-
-
-def test_fp8_mma_path_matches_reference():
-    """The E4M3-MMA-with-promotion variant of the forward GEMM (benchmarked against the default)."""
-    (x, w_gate, *_), group_end = make_case(counts=[5, 0, 37], dim_h=64, dim_i=96)
-    ref = ref_grouped_mm(x, group_end, w_gate, "mxfp8")
-    tri = grouped_mm(x, group_end, mxfp8_quantize(w_gate, -1, "w_gate"), fp8_mma=True)
-    assert rel_err(tri, ref) < 1e-2, f"rel err {rel_err(tri, ref):.2e}"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
@@ -527,11 +519,8 @@ def _mx_kinds(counts, dim_h, dim_i, layout, wide=False):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("programs", ["per_sm", 3])
 @pytest.mark.parametrize("rings", ["committed", "small", "half", "split", "row_blocks"])
-# E4M3 MMAs read K-major weights in index order only (the refusals: test_fp8_mma_needs_k_major_weights,
-# test_mma_order_is_refused_where_it_cannot_be_read)
-@pytest.mark.parametrize("fp8_mma, layout", [(False, "mma"), (False, "index"), (False, "kn"), (True, "index"),
-                                             (False, "bf16"), (False, "bf16_index")])
-def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, rings, programs):
+@pytest.mark.parametrize("layout", ["mma", "index", "kn", "bf16", "bf16_index"])
+def test_warp_specialized_matches_triton_bits(monkeypatch, layout, rings, programs):
     """The Gluon warp-specialized kernel gives the Triton kernel's bits, MXFP8 and bf16, for every kind, every
     weight layout, an empty expert, partial N tiles and padding rows; with the committed configs and
     with 64-token tiles and a two-load ring (every kind persistent); with a program per SM (here one
@@ -542,11 +531,11 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
     the E4M3-MMA path ignores it). "row_blocks": the committed configs with every case on the 128-token ones (no
     "@few_rows" tier), so that plain's and dual's ROW_BLOCKS = 2 (two 128-row blocks of the weight per tile) meet
     case 3's N = 704, a second block partly and wholly past N (the committed ring meets it on plain's 64-token
-    tiles). fp8_mma: its E4M3-MMA path against the Triton E4M3-MMA kernel (weights K-major only)."""
+    tiles)."""
     small = dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232, num_warps=4)
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
-    prefix = "mxfp8_fp8_ws/" if fp8_mma else "bf16_ws/" if layout.startswith("bf16") else "mxfp8_ws/"
+    prefix = "bf16_ws/" if layout.startswith("bf16") else "mxfp8_ws/"
     table = gg.mm_configs()  # the table this GPU's launches read
     for key in [k for k in table if k.startswith(prefix)]:  # "@few_rows" too: case 2 has few rows
         # a kind that runs the Triton kernel but at many rows (bf16): its "@many_rows" config on these few rows
@@ -566,7 +555,7 @@ def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, ring
         group_end, kinds = _mx_kinds(counts, dim_h, dim_i, layout)
         for kind, (mode, a1, a2, b1, b2, outs, gu) in kinds.items():
             ref, ws = outs(), outs()
-            kw = dict(gu=gu, swiglu_limit=7.0, fp8_mma=fp8_mma)
+            kw = dict(gu=gu, swiglu_limit=7.0)
             ws_cfg = gg._mm_config(f"{prefix}{kind}", gg.rows_tier(a1.shape[0], len(counts)))
             if ws_cfg is None:
                 continue  # this tier runs the Triton kernel: nothing to compare
@@ -673,13 +662,11 @@ def test_mma_order_keeps_bits():
 
 
 def test_mma_order_is_refused_where_it_cannot_be_read():
-    """E4M3 MMAs read weights in index order, and MMA order is defined on contiguous [E, N, K]: both refused by
-    name, as is a pair of weights in different orders."""
+    """MMA order is defined on contiguous [E, N, K]: a transposed view is refused by name, as is a pair of weights
+    in different orders."""
     (x, w_gate, w_up, w_down, _), group_end = make_case(counts=[3, 5], dim_h=128, dim_i=128, device="cpu")
     c = torch.zeros(8, 128, dtype=torch.bfloat16)
     mma = weight_operand(w_down, "mxfp8", 2, "w")
-    with pytest.raises(ValueError, match="fp8_mma: E4M3 MMAs read the weights in index order"):
-        gg._launch_mm(gg.PLAIN, x, None, mma, None, group_end, [c], fp8_mma=True, warp_specialized=False)
     mma_kn = MXTensor(mma.data.transpose(1, 2).contiguous().transpose(1, 2), mma.scale, dim=2, mma_order=True)
     with pytest.raises(ValueError, match="MMA order .* must be a contiguous"):
         gg._launch_mm(gg.PLAIN, x, None, mma_kn, None, group_end, [c], warp_specialized=False)
@@ -707,17 +694,6 @@ def test_warp_specialized_without_config_is_refused(monkeypatch):
     c = torch.zeros(140, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="mxfp8_ws/plain has no config"):
         gg._launch_mm(gg.PLAIN, x, None, mxfp8_quantize(w_down, 2, "w"), None, group_end, [c], warp_specialized=True)
-
-
-def test_fp8_mma_needs_k_major_weights():
-    """E4M3 wgmmas read both operands K-major: the warp-specialized E4M3-MMA path refuses a transposed weight
-    view by name."""
-    (x, _, _, w_down, _), group_end = make_case(counts=[3, 5], dim_h=128, dim_i=128, device="cpu")
-    m = mxfp8_quantize(w_down, 1, "w")
-    w_kn = MXTensor(m.data.transpose(1, 2), m.scale.transpose(1, 2), dim=2)
-    c = torch.zeros(8, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="K-major"):
-        gg._launch_mm(gg.PLAIN, x, None, w_kn, None, group_end, [c], fp8_mma=True, warp_specialized=True)
 
 
 def test_warp_specialized_needs_whole_loads_of_k():

@@ -3,7 +3,6 @@
 
     python3 -m titan_mok.bench.config_ab --precision bf16 --set 'bf16/plain={"HALF_TILES": false}'
     python3 -m titan_mok.bench.config_ab --precision mxfp8 --unset mxfp8_ws/dual@few_rows --shapes kimi
-    python3 -m titan_mok.bench.config_ab --precision mxfp8 --fp8-mma --set 'mxfp8_fp8_ws/swiglu={"BM": 128}'
 
     python3 -m titan_mok.bench.config_ab --precision bf16 --set 'wgrad/flat={"BN": 64, "num_warps": 4}'
 
@@ -15,7 +14,7 @@ runs the Triton kernel, but in a rows tier with its own "@<tier>" entry; a None 
 flat loop, a None "wgrad/flat_ws_long" the "flat_ws" config, a None "wgrad/rows_ws" the Triton kernel's row loop);
 ``--unset KEY`` removes a grouped_mm entry. The GEMMs compared are those of the tables the variant
 changes (both for a run without ``--set``/``--unset``): grouped_mm's four kinds, and each weight's
-gradient (not with ``--fp8-mma``: the weight gradient has no E4M3-MMA path). Per shape and case (the
+gradient. Per shape and case (the
 grouped_ffn benchmark's MoE-regime cases and 8 × 4096 rows), each GEMM's outputs under both configs
 are compared with ``torch.equal`` and then both are timed in ``--rounds`` rounds of
 ``bench(fn, --rep-ms)``, their order alternating; the median round is reported, with the fastest and
@@ -143,8 +142,8 @@ def gemms_to_compare(c, args) -> dict:
     """The GEMMs of case c whose config table the variant changes (both tables' for an A/A run)."""
     changed = _changed_keys(args)
     mm = not changed or any(not k.startswith(WGRAD) for k in changed)
-    wgrad = (not changed or any(k.startswith(WGRAD) for k in changed)) and not args.fp8_mma
-    return {**(gemms_by_kind(c, args.precision, args.fp8_mma) if mm else {}),
+    wgrad = not changed or any(k.startswith(WGRAD) for k in changed)
+    return {**(gemms_by_kind(c, args.precision) if mm else {}),
             **(wgrads_by_weight(c, args.precision) if wgrad else {})}
 
 
@@ -156,7 +155,6 @@ def add_ab_args(p: argparse.ArgumentParser, rounds: int, rep_ms: float):
     """The flags of the GEMM A/B tools (this one and kernel_ab): precision, E4M3 MMAs, shapes, cases, rounds,
     output folder."""
     p.add_argument("--precision", choices=["bf16", "mxfp8"], required=True)
-    p.add_argument("--fp8-mma", action="store_true", help="the MXFP8 kinds on E4M3 MMAs (mxfp8_fp8_ws/<kind>)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     p.add_argument("--rounds", type=int, default=rounds)
@@ -175,8 +173,6 @@ def add_variant_args(p: argparse.ArgumentParser):
 
 def ab_shapes_and_cases(p: argparse.ArgumentParser, args) -> tuple[list[str], list[str]]:
     """add_ab_args' flags checked: (shapes, cases)."""
-    if args.fp8_mma and args.precision != "mxfp8":
-        p.error("--fp8-mma runs the MXFP8 kinds: it needs --precision mxfp8")
     return comma_choices(p, "--shapes", args.shapes, SHAPES), comma_choices(p, "--cases", args.cases, CASES)
 
 
@@ -187,8 +183,6 @@ def main():
     add_variant_args(p)
     args = p.parse_args()
     shapes, cases = ab_shapes_and_cases(p, args)
-    if args.fp8_mma and _changed_keys(args) and all(k.startswith(WGRAD) for k in _changed_keys(args)):
-        p.error("--fp8-mma: the weight gradient has no E4M3-MMA path; A/B its loops without --fp8-mma")
     committed = committed_configs()
     try:
         configs = {"committed": committed, "variant": variant_configs(committed, args.sets, args.unsets)}
@@ -197,8 +191,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     # line-buffered: a run cut short by a time limit keeps the lines it measured
     with open(os.path.join(args.out, "config_ab.jsonl"), "a", buffering=1) as log:
-        log.write(json.dumps({"sets": args.sets, "unsets": args.unsets, "precision": args.precision,
-                              "fp8_mma": args.fp8_mma}) + "\n")
+        log.write(json.dumps({"sets": args.sets, "unsets": args.unsets, "precision": args.precision}) + "\n")
         skipped = run_cases(shapes, cases, lambda shape, case: ab_case(shape, case, args, configs, log), log)
     if skipped:
         sys.exit(f"config_ab: {skipped} case(s) did not fit the GPU's memory (their \"skipped\" lines)")

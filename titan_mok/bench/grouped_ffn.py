@@ -128,37 +128,37 @@ class Case:
         return 3 * self.E * self.H * self.I
 
 
-def weight_as_read(c, name, along, precision, fp8_mma=False, kernels=OUR_KERNELS):
+def weight_as_read(c, name, along, precision, kernels=OUR_KERNELS):
     """Case c's weight ``name`` as our GEMMs read it, K = its dim ``along`` (2: the forward's [E, N, K]; 1: the
     dgrad's transposed view), MXFP8 quantized in that layout. kernels: the grouped_gemm and grouped_ffn modules that
     make it (a baseline revision's in bench.kernel_ab)."""
-    return kernels[1].weight_operand(getattr(c, name), precision, along, name, mma_order=not fp8_mma)
+    return kernels[1].weight_operand(getattr(c, name), precision, along, name)
 
 
-def _activations(c, wg, wu, wd_t, fp8_mma, mm):
+def _activations(c, wg, wu, wd_t, mm):
     """g, u, h and dgate, dup as the FFN's forward and backward save them, by mm's GEMMs on these weights."""
-    g, u, h = mm.grouped_gate_up_swiglu(c.x, c.group_end, wg, wu, None, fp8_mma=fp8_mma)
+    g, u, h = mm.grouped_gate_up_swiglu(c.x, c.group_end, wg, wu, None)
     dg, du = mm.grouped_down_dgrad_swiglu(c.dy, c.group_end, wd_t, g, u, None)
     return g, u, h, dg, du
 
 
-def saved_activations(c, precision, fp8_mma=False, kernels=OUR_KERNELS):
+def saved_activations(c, precision, kernels=OUR_KERNELS):
     """_activations by kernels' GEMMs, on weights made for them and dropped on return."""
-    wg, wu, wd_t = (weight_as_read(c, name, along, precision, fp8_mma, kernels)
+    wg, wu, wd_t = (weight_as_read(c, name, along, precision, kernels)
                     for name, along in (("w_gate", 2), ("w_up", 2), ("w_down", 1)))
-    return _activations(c, wg, wu, wd_t, fp8_mma, kernels[0])
+    return _activations(c, wg, wu, wd_t, kernels[0])
 
 
-def ffn_operands(c, precision, fp8_mma=False):
+def ffn_operands(c, precision):
     """Our GEMMs' operands for case c: the six weights as the GEMMs read them (weight_as_read: w_gate, w_up,
     w_down forward, then transposed) and the saved activations, computed from those same weights."""
-    weights = tuple(weight_as_read(c, name, along, precision, fp8_mma) for along in (2, 1)
+    weights = tuple(weight_as_read(c, name, along, precision) for along in (2, 1)
                     for name in ("w_gate", "w_up", "w_down"))
     wg, wu, _, _, _, wd_t = weights
-    return weights, _activations(c, wg, wu, wd_t, fp8_mma, gg)
+    return weights, _activations(c, wg, wu, wd_t, gg)
 
 
-def phases_ours(c, precision, fp8_mma=False):
+def phases_ours(c, precision):
     phases = {}
     if precision == "mxfp8":
         def wquant():  # both layouts of all three weights, as the FFN quantizes them each pass
@@ -167,23 +167,21 @@ def phases_ours(c, precision, fp8_mma=False):
                 ffn_kernels.weight_operand(w, "mxfp8", 1, "w")
 
         phases["wquant"] = wquant
-    (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision, fp8_mma)
+    (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision)
     ge = c.group_end
 
     def fwd():
-        _, _, h_ = gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None, fp8_mma=fp8_mma)
-        return gg.grouped_mm(h_, ge, wd, fp8_mma=fp8_mma)
+        _, _, h_ = gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None)
+        return gg.grouped_mm(h_, ge, wd)
 
     def dgrad():
-        dg_, du_ = gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None, fp8_mma=fp8_mma)
-        return gg.grouped_mm_sum(dg_, du_, ge, wg_t, wu_t, fp8_mma=fp8_mma)
+        dg_, du_ = gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None)
+        return gg.grouped_mm_sum(dg_, du_, ge, wg_t, wu_t)
 
     def wgrad():  # as the FFN's backward, but one gradient alive at a time (memory)
         for dw in gg.grouped_wgrads(ffn_kernels.wgrad_operands(c.x, h, c.dy, dg, du).values(), ge, precision):
             del dw  # before the next is made (a loop variable would hold it meanwhile: two alive)
 
-    if fp8_mma:  # wgrad has no fp8-MMA variant (its operands are token-axis MXFP8 values in bf16)
-        return {"fwd": fwd, "dgrad": dgrad}
     return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, **phases}
 
 
@@ -299,7 +297,6 @@ _IMPL_PHASES = {
     "scaled_grouped_mm_fp8": (phases_scaled_grouped_mm, "fp8"),
     "ours_bf16": (lambda c: phases_ours(c, "bf16"), "bf16"),
     "ours_mxfp8": (lambda c: phases_ours(c, "mxfp8"), "mxfp8"),
-    "ours_mxfp8_fp8mma": (lambda c: phases_ours(c, "mxfp8", fp8_mma=True), "mxfp8"),
 }
 IMPLS = tuple(_IMPL_PHASES)
 
@@ -426,40 +423,34 @@ TUNE_VARIANTS = {
     "mxfp8_ws/plain@many_rows": [_ws(stages=2, regs=240, bm=256), _ws(stages=2, regs=232, bm=256), _ws()],
     "mxfp8_ws/dual@many_rows": [_ws(stages=2, regs=240, bm=256, HALF_TILES=True),
                                 _ws(stages=2, regs=232, bm=256, HALF_TILES=True), _ws(HALF_TILES=True)],
-    # fp8_mma=True on CUDA (E4M3 MMAs, the same kernel); not swept at few rows per expert (no "@few_rows")
-    "mxfp8_fp8_ws/plain": [_ws(HALF_TILES=True), _ws(), _ws(stages=3, HALF_TILES=True), _ws(bm=64)],
-    "mxfp8_fp8_ws/swiglu": [_ws(bm=64, persistent=False), _ws(bm=64), _ws(bm=64, stages=3, persistent=False)],
-    "mxfp8_fp8_ws/swiglu_bwd": [_ws(HALF_TILES=True), _ws(), _ws(stages=3, regs=248, HALF_TILES=True), _ws(bm=64)],
-    "mxfp8_fp8_ws/dual": [_ws(HALF_TILES=True), _ws(), _ws(stages=3, HALF_TILES=True), _ws(bm=64)],
 }
 
 
-def gemm_makers(c, precision, fp8_mma=False, kernels=OUR_KERNELS) -> dict:
+def gemm_makers(c, precision, kernels=OUR_KERNELS) -> dict:
     """Per kind of grouped GEMM in this precision, keyed by the ``_MM_CONFIGS`` entry that picks its kernel on
-    CUDA ("bf16/<kind>", for MXFP8 "mxfp8_ws/<kind>", with fp8_mma "mxfp8_fp8_ws/<kind>"), a function that makes the
+    CUDA ("bf16/<kind>", for MXFP8 "mxfp8_ws/<kind>"), a function that makes the
     weights that kind reads and returns the GEMM as a callable: a caller holding one kind's GEMM at a time holds one
     kind's weights (bench.kernel_ab: two revisions' MXFP8 copies of all six did not fit an 80 GB H100 at Kimi K2.7
     EP=1, NOTES.md session 33)."""
     mm = kernels[0]
 
     def w(name, along):
-        return weight_as_read(c, name, along, precision, fp8_mma, kernels)
+        return weight_as_read(c, name, along, precision, kernels)
 
-    g, u, h, dg, du = saved_activations(c, precision, fp8_mma, kernels)
+    g, u, h, dg, du = saved_activations(c, precision, kernels)
     ge = c.group_end
-    key = ("mxfp8_fp8_ws" if fp8_mma else "mxfp8_ws") if precision == "mxfp8" else precision
-    f8 = dict(fp8_mma=fp8_mma)
+    key = "mxfp8_ws" if precision == "mxfp8" else precision
     return {
-        f"{key}/swiglu": lambda: partial(mm.grouped_gate_up_swiglu, c.x, ge, w("w_gate", 2), w("w_up", 2), None, **f8),
-        f"{key}/plain": lambda: partial(mm.grouped_mm, h, ge, w("w_down", 2), **f8),
-        f"{key}/swiglu_bwd": lambda: partial(mm.grouped_down_dgrad_swiglu, c.dy, ge, w("w_down", 1), g, u, None, **f8),
-        f"{key}/dual": lambda: partial(mm.grouped_mm_sum, dg, du, ge, w("w_gate", 1), w("w_up", 1), **f8),
+        f"{key}/swiglu": lambda: partial(mm.grouped_gate_up_swiglu, c.x, ge, w("w_gate", 2), w("w_up", 2), None),
+        f"{key}/plain": lambda: partial(mm.grouped_mm, h, ge, w("w_down", 2)),
+        f"{key}/swiglu_bwd": lambda: partial(mm.grouped_down_dgrad_swiglu, c.dy, ge, w("w_down", 1), g, u, None),
+        f"{key}/dual": lambda: partial(mm.grouped_mm_sum, dg, du, ge, w("w_gate", 1), w("w_up", 1)),
     }
 
 
-def gemms_by_kind(c, precision, fp8_mma=False, kernels=OUR_KERNELS):
+def gemms_by_kind(c, precision, kernels=OUR_KERNELS):
     """One grouped GEMM of each kind (gemm_makers' keys), all made at once."""
-    return {key: make() for key, make in gemm_makers(c, precision, fp8_mma, kernels).items()}
+    return {key: make() for key, make in gemm_makers(c, precision, kernels).items()}
 
 
 def wgrads_by_weight(c, precision, kernels=OUR_KERNELS):
@@ -488,10 +479,9 @@ def tune(log, kernels):
         tier = gg.rows_tier(int(counts.sum()), counts.numel())
         c = Case(H, I, counts)
         timed = {}
-        for precision, prefix, fp8_mma in (("bf16", "bf16/", False), ("mxfp8", "mxfp8_ws/", False),
-                                           ("mxfp8", "mxfp8_fp8_ws/", True)):
+        for precision, prefix in (("bf16", "bf16/"), ("mxfp8", "mxfp8_ws/")):
             if any(key.startswith(prefix) for key in kernels):
-                timed.update(gemms_by_kind(c, precision, fp8_mma))
+                timed.update(gemms_by_kind(c, precision))
         for key in kernels:
             kind_key, _, variant = key.partition("@")
             if variant != (tier if f"{kind_key}@{tier}" in table else ""):
@@ -575,8 +565,7 @@ def main():
                     "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}))
     if args.tune:
         kernels = {"ours_bf16": [k for k in TUNE_VARIANTS if k.startswith("bf16/")],
-                   "ours_mxfp8": [k for k in TUNE_VARIANTS if k.startswith("mxfp8_ws/")],
-                   "ours_mxfp8_fp8mma": [k for k in TUNE_VARIANTS if k.startswith("mxfp8_fp8_ws/")]}
+                   "ours_mxfp8": [k for k in TUNE_VARIANTS if k.startswith("mxfp8_ws/")]}
         tune(log, [key for i in impls for key in kernels.get(i, [])])
     results = []
     for shape in shapes if args.regime != "compute" else []:

@@ -18,7 +18,7 @@ GEMM's at a time: in MXFP8 both sides' copies of the weights that GEMM reads are
 grouped_ffn benchmark's MoE-regime cases and 8 × 4096 rows), each GEMM's outputs are compared with ``torch.equal``,
 then both sides are timed in ``--rounds`` rounds of ``bench(fn, --rep-ms)``, their order alternating; the median
 round is reported, with the fastest and slowest, and "working/baseline", the ratio of the medians. ``--gemms`` picks
-grouped_mm's four kinds ("mm"), the three weight gradients ("wgrad"; not with ``--fp8-mma``) or both. One JSON line
+grouped_mm's four kinds ("mm"), the three weight gradients ("wgrad") or both. One JSON line
 per (shape, case, GEMM) goes to stdout and ``$OUT/kernel_ab.jsonl`` (or ``--out``); a case that does not fit the
 GPU's memory gets a "skipped" line instead (config_ab.run_cases), the other cases still run, and the exit status is 1.
 """
@@ -80,8 +80,8 @@ def gemm_makers(c, args, kernels) -> dict:
     function that makes its operands and returns it, so that each side holds one GEMM's weights at a time."""
     out = {}
     if args.gemms in ("mm", "all"):
-        out.update(grouped_ffn.gemm_makers(c, args.precision, args.fp8_mma, kernels))
-    if args.gemms in ("wgrad", "all") and not args.fp8_mma:  # their operands are activations: made already
+        out.update(grouped_ffn.gemm_makers(c, args.precision, kernels))
+    if args.gemms in ("wgrad", "all"):  # their operands are activations: made already
         out.update({key: (lambda fn=fn: fn) for key, fn in wgrads_by_weight(c, args.precision, kernels).items()})
     return out
 
@@ -104,8 +104,6 @@ def main():
     p.add_argument("--gemms", choices=["mm", "wgrad", "all"], default="all")
     args = p.parse_args()
     shapes, cases = ab_shapes_and_cases(p, args)
-    if args.fp8_mma and args.gemms == "wgrad":
-        p.error("--fp8-mma: the weight gradient has no E4M3-MMA path; A/B it without --fp8-mma")
     try:
         check_baseline(args.baseline)
     except ValueError as e:
@@ -115,7 +113,7 @@ def main():
     with baseline_kernels(args.baseline) as kernels, open(os.path.join(args.out, "kernel_ab.jsonl"), "a",
                                                            buffering=1) as log:
         log.write(json.dumps({"baseline": os.path.abspath(args.baseline), "precision": args.precision,
-                              "fp8_mma": args.fp8_mma, "gemms": args.gemms}) + "\n")
+                              "gemms": args.gemms}) + "\n")
         skipped = run_cases(shapes, cases, lambda shape, case: ab_case(shape, case, args, kernels, log), log)
     if skipped:
         sys.exit(f"kernel_ab: {skipped} case(s) did not fit the GPU's memory (their \"skipped\" lines)")

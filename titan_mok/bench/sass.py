@@ -120,10 +120,9 @@ def programs_per_sm(report: dict) -> int:
 
 
 def ffn_pass_kernels(shape: str, rows_per_expert: int, precision: str, num_experts: int = 2,
-                     fp8_mma: bool = False, chip: str = "") -> list[dict]:
+                     chip: str = "") -> list[dict]:
     """Compile the grouped GEMMs (and MXFP8 quantizations) of one forward and backward of the routed
-    experts at this many rows per expert, as CUDA on chip would launch them; one report per kernel. fp8_mma: the
-    MXFP8 grouped_mm kinds on E4M3 MMAs."""
+    experts at this many rows per expert, as CUDA on chip would launch them; one report per kernel."""
     dim_h, dim_i, _, _ = SHAPES[shape]
     rows = rows_per_expert * num_experts
     bf16 = dict(dtype=torch.bfloat16)
@@ -146,18 +145,16 @@ def ffn_pass_kernels(shape: str, rows_per_expert: int, precision: str, num_exper
                     reports.append({"step": label, **kernel_report(name, kernel)})
             return result
 
-        order = dict(mma_order=not fp8_mma)  # E4M3 MMAs read the weights in index order
         fwd = step("weights: forward layout",
-                   lambda: {n: weight_operand(w, precision, 2, n, **order) for n, w in weights.items()})
+                   lambda: {n: weight_operand(w, precision, 2, n) for n, w in weights.items()})
         bwd = step("weights: dgrad layout",
-                   lambda: {n: weight_operand(w, precision, 1, n, **order) for n, w in weights.items()})
-        f8 = dict(fp8_mma=fp8_mma)
+                   lambda: {n: weight_operand(w, precision, 1, n) for n, w in weights.items()})
         step("fwd: gate/up + SwiGLU",
-             lambda: gg.grouped_gate_up_swiglu(x, group_end, fwd["w_gate"], fwd["w_up"], None, **f8))
-        step("fwd: down", lambda: gg.grouped_mm(h, group_end, fwd["w_down"], **f8))
+             lambda: gg.grouped_gate_up_swiglu(x, group_end, fwd["w_gate"], fwd["w_up"], None))
+        step("fwd: down", lambda: gg.grouped_mm(h, group_end, fwd["w_down"]))
         step("dgrad: down + SwiGLU bwd",
-             lambda: gg.grouped_down_dgrad_swiglu(dy, group_end, bwd["w_down"], g, u, None, **f8))
-        step("dgrad: gate/up (dual)", lambda: gg.grouped_mm_sum(dg, du, group_end, bwd["w_gate"], bwd["w_up"], **f8))
+             lambda: gg.grouped_down_dgrad_swiglu(dy, group_end, bwd["w_down"], g, u, None))
+        step("dgrad: gate/up (dual)", lambda: gg.grouped_mm_sum(dg, du, group_end, bwd["w_gate"], bwd["w_up"]))
         step("wgrad", lambda: [gg.grouped_wgrad(a, b, group_end, precision) for a, b in ((dg, x), (dy, h))])
     return reports
 
@@ -167,7 +164,6 @@ def main() -> None:
     parser.add_argument("--shape", default="kimi", choices=sorted(SHAPES))
     parser.add_argument("--rows-per-expert", type=int, default=43, help="43: Kimi at EP=1, 2048 tokens/GPU")
     parser.add_argument("--precision", default="mxfp8", choices=("bf16", "mxfp8"))
-    parser.add_argument("--fp8-mma", action="store_true", help="MXFP8 grouped_mm kinds on E4M3 MMAs")
     parser.add_argument("--sass-dir", help="also write each kernel's SASS here")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON (no SASS text)")
     parser.add_argument("--chip", default="", choices=["", *gg._CHIP_MM_CONFIGS],
@@ -182,7 +178,7 @@ def main() -> None:
         parser.error(f"--rows-per-expert must be >= 1, got {opts.rows_per_expert}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         parser.error("TRITON_INTERPRET=1 interprets the kernels instead of compiling them: unset it")
-    reports = ffn_pass_kernels(opts.shape, opts.rows_per_expert, opts.precision, fp8_mma=opts.fp8_mma, chip=opts.chip)
+    reports = ffn_pass_kernels(opts.shape, opts.rows_per_expert, opts.precision, chip=opts.chip)
     if opts.json:
         print(json.dumps([{**{k: v for k, v in r.items() if k != "sass"}, "programs_per_sm": programs_per_sm(r)}
                           for r in reports]))
