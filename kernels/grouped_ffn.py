@@ -29,7 +29,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from titan_mok.kernels import weight_cache
+from titan_mok.kernels import tile_configs, weight_cache
 from titan_mok.kernels.grouped_gemm import (
     grouped_down_dgrad_swiglu,
     grouped_gate_up_swiglu,
@@ -41,8 +41,7 @@ from titan_mok.kernels.grouped_gemm import (
 )
 from titan_mok.kernels.mxfp8_quant import mxfp8_quantize, mxfp8_quantize_transposed
 from titan_mok.kernels.row_tiles import map_row_tiles
-
-PRECISIONS = ("bf16", "mxfp8")
+from titan_mok.kernels.tile_configs import PRECISIONS
 
 
 def _clamped(gate_RI: torch.Tensor, up_RI: torch.Tensor, limit: float | None):
@@ -155,6 +154,26 @@ class _TritonOps:
             wgrad_operands(x_RH, h_RI, dy_RH, dgate_RI, dup_RI).values(), group_end_E, precision
         )
         return dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI
+
+
+def selections(precision: str, rows_per_expert: float, chip: str | None, dim_h: int, dim_i: int,
+               table: tile_configs.ChipTable | None = None) -> dict[str, tile_configs.Selection]:
+    """The kernel and tile config of each grouped GEMM the Triton path launches in one forward and backward at these
+    sizes, by GEMM: tile_configs.select's answers (chip: a GPU's name, None for Triton's interpreter; table: None,
+    the chip's), e.g. to log what a run uses."""
+    def pick(kind, n, k, contiguous=True):
+        return tile_configs.select(kind, precision, rows_per_expert, chip, n=n, k=k, contiguous=contiguous,
+                                   table=table)
+
+    dgrad_contiguous = precision == "mxfp8"  # weight_operand: bf16 dgrad weights are transposed views
+    return {
+        "fwd gate/up + SwiGLU": pick("swiglu", dim_i, dim_h),
+        "fwd down": pick("plain", dim_h, dim_i),
+        "dgrad down + SwiGLU bwd": pick("swiglu_bwd", dim_i, dim_h, dgrad_contiguous),
+        "dgrad gate/up": pick("dual", dim_h, dim_i, dgrad_contiguous),
+        **{f"wgrad {name}": pick("wgrad", dim_i, dim_h) for name in ("w_gate", "w_up")},
+        "wgrad w_down": pick("wgrad", dim_h, dim_i),
+    }
 
 
 def wgrad_operands(x_RH, h_RI, dy_RH, dgate_RI, dup_RI) -> dict:

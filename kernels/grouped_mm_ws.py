@@ -1,8 +1,6 @@
-"""Warp-specialized MXFP8 grouped GEMM for Hopper (Gluon): ``grouped_mm``'s MXFP8 kinds on CUDA where
-``_MM_CONFIGS["mxfp8_ws/<kind>"]`` gives it a config and K is a multiple of 32 * KB (NOTES.md,
-"MXFP8 with register-sourced weights, session 7", and "Session 8"); bf16 kinds (``MX = False``: the
-wgmmas read the weights from shared memory, nothing to dequantize) where ``"bf16_ws/<kind>"`` does
-(session 23).
+"""Warp-specialized grouped GEMM for Hopper (Gluon): ``grouped_mm``'s kinds on CUDA where ``tile_configs`` picks it
+(every MXFP8 kind for K a multiple of 32 * KB; the bf16 SwiGLU backward, ``MX = False``: the wgmmas read the bf16
+weights from shared memory, nothing to dequantize).
 
 Same contract and K order as ``grouped_gemm._grouped_mm_tma_kernel`` (same MX), which stays the
 definition it must match bit for bit (GPU test) and the path Triton's CPU interpreter runs (Gluon has
