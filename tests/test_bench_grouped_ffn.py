@@ -1,12 +1,12 @@
-"""bench.grouped_ffn's timing rounds (CPU: the phases and the timer stubbed, the bookkeeping real)."""
+"""benchmarks.tools.grouped_ffn's timing rounds (CPU: the phases and the timer stubbed, the bookkeeping real)."""
 
 import weakref
 
 import pytest
 import torch
 
-from titan_mok.bench import grouped_ffn
-from titan_mok.bench.grouped_ffn import Case
+from benchmarks.tools import grouped_ffn
+from benchmarks.tools.grouped_ffn import Case
 
 CEIL = {"bf16_tflops": 1.0, "fp8_tflops": 2.0, "hbm_tbps": 1.0}
 

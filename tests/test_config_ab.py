@@ -1,12 +1,12 @@
-"""bench.config_ab's variant tables and cases (its timing needs a GPU; this is the CPU part)."""
+"""benchmarks.tools.config_ab's variant tables and cases (its timing needs a GPU; this is the CPU part)."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from titan_mok.bench.config_ab import case_counts, committed_table, compare, variant_table
-from titan_mok.bench.grouped_ffn import SHAPES, TOKENS_PER_GPU
+from benchmarks.tools.config_ab import case_counts, committed_table, compare, variant_table
+from benchmarks.tools.grouped_ffn import SHAPES, TOKENS_PER_GPU
 from titan_mok.kernels import tile_configs as tc
 
 
@@ -108,7 +108,7 @@ def tracked_cpu_cases(made: list):
     still alive when the next one is built."""
     import weakref
 
-    from titan_mok.bench.grouped_ffn import Case
+    from benchmarks.tools.grouped_ffn import Case
 
     def make(h, i, counts):
         assert all(ref() is None for ref in made), "an earlier case's tensors are still held"
@@ -124,8 +124,8 @@ def _run_tiny(monkeypatch, tmp_path, *flags, cases="EP=2 skewed", make_case=None
     import json
     import sys
 
-    from titan_mok.bench import config_ab
-    from titan_mok.bench.grouped_ffn import Case
+    from benchmarks.tools import config_ab
+    from benchmarks.tools.grouped_ffn import Case
 
     monkeypatch.setattr(config_ab, "SHAPES", {"tiny": (128, 64, 8, 2)})
     monkeypatch.setattr(config_ab, "TOKENS_PER_GPU", 48)
@@ -172,7 +172,7 @@ def test_each_case_is_released_before_the_next(monkeypatch, tmp_path):
 def test_gemms_are_keyed_by_the_entries_they_read(counts, tier):
     """The benchmark's GEMMs are keyed by the table entries they read at the case's rows per expert, so that
     config_ab and --tune vary the configs those GEMMs run; each runs with the table it is given."""
-    from titan_mok.bench.grouped_ffn import TUNE_VARIANTS, Case, gemms_by_kind
+    from benchmarks.tools.grouped_ffn import TUNE_VARIANTS, Case, gemms_by_kind
 
     c = Case(128, 64, torch.tensor(counts), dev="cpu")
     gemms = gemms_by_kind(c, "mxfp8")

@@ -1,4 +1,4 @@
-"""bench.kernel_ab: a baseline revision's kernels imported beside the working tree's, their bits compared (the
+"""benchmarks.tools.kernel_ab: a baseline revision's kernels imported beside the working tree's, their bits compared (the
 timing needs a GPU and is stubbed; the kernels run on Triton's interpreter at a tiny shape)."""
 
 import json
@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
+from benchmarks.tools import config_ab, kernel_ab
+from benchmarks.tools.grouped_ffn import Case
+from tests.test_config_ab import tracked_cpu_cases
 from titan_mok import kernels as kernels_package
-from titan_mok.bench import config_ab, kernel_ab
-from titan_mok.bench.grouped_ffn import Case
 from titan_mok.kernels import grouped_gemm as gg
 from titan_mok.kernels import tile_configs as tc
-from tests.test_config_ab import tracked_cpu_cases
 
 # the flat loop's store of a weight-gradient tile (both of its lines open this way)
 WGRAD_STORE = "tl.store(c_rows + offs_k[None, :], _bf16_rne(acc),"
@@ -138,7 +138,7 @@ def test_each_side_holds_one_gemms_weights_at_a_time(monkeypatch, tmp_path):
     six per side did not fit an 80 GB H100 at Kimi K2.7 EP=1), and the bits still match."""
     import weakref
 
-    from titan_mok.bench import grouped_ffn
+    from benchmarks.tools import grouped_ffn
 
     made, most_alive = [], [0]
     real = grouped_ffn.weight_as_read

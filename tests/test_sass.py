@@ -1,4 +1,4 @@
-"""The offline sm_90 report (titan_mok.bench.sass): the kernels of an MXFP8 pass compiled on a
+"""The offline sm_90 report (benchmarks.tools.sass): the kernels of an MXFP8 pass compiled on a
 CPU-only machine, the two-programs-per-SM promise of the register-capped few-rows configs kept, the
 many-rows configs free of spills, the H100's cooperative forward kernels (Gluon: no interpreter runs them, so
 this is where CI compiles them), and the weight gradient's kernel choice."""
@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from titan_mok.bench import sass
+from benchmarks.tools import sass
+from tests.torchrun import REPO
 from titan_mok.kernels import tile_configs as tc
 
 pytestmark = pytest.mark.skipif(
@@ -23,8 +24,8 @@ def _report(*args):
     """The tool's JSON, run without the interpreter (tests set TRITON_INTERPRET=1 before any kernel
     is defined, and interpreted kernels cannot be compiled)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "titan_mok.bench.sass", "--json", *args], env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.tools.sass", "--json", *args], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 
@@ -92,8 +93,8 @@ def test_set_compiles_the_variant_and_names_a_bad_key():
           if r["kernel"] == "_grouped_mm_mx_ws_kernel"}
     assert regs in ws["fwd: down"]["setmaxnreg"], ws["fwd: down"]
     assert regs not in ws["dgrad: gate/up (dual)"]["setmaxnreg"], ws["dgrad: gate/up (dual)"]
-    out = subprocess.run([sys.executable, "-m", "titan_mok.bench.sass", "--set", "mxfp8/nope={}"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.tools.sass", "--set", "mxfp8/nope={}"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 2 and "--set mxfp8/nope: not a config key" in out.stderr, out.stderr[-2000:]
 
 
@@ -121,6 +122,6 @@ def test_chip_compiles_that_chips_configs():
                      if r["kernel"] == "_grouped_mm_mx_ws_kernel"} for chip in ("", h100)}
     step = "fwd: gate/up + SwiGLU"
     assert shared[h100][step] > shared[""][step], shared
-    out = subprocess.run([sys.executable, "-m", "titan_mok.bench.sass", "--chip", "NVIDIA B200"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.tools.sass", "--chip", "NVIDIA B200"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 2 and "--chip: invalid choice" in out.stderr, out.stderr[-2000:]

@@ -3,7 +3,7 @@ working tree's kernels and by a baseline's (an earlier revision's ``kernels/`` f
 compared.
 
     mkdir -p _scratch/base && git archive 0ba1787 kernels | tar -x -C _scratch/base
-    python3 -m titan_mok.bench.kernel_ab --baseline _scratch/base/kernels --precision bf16 --gemms wgrad
+    python3 -m benchmarks.tools.kernel_ab --baseline _scratch/base/kernels --precision bf16 --gemms wgrad
 
 (The GPU machine has no git: make the baseline folder here and pass it with the device tool's carry. The
 baseline's grouped_gemm, grouped_ffn and tile_configs functions are called as the working tree's are: a revision
@@ -34,10 +34,10 @@ import tempfile
 
 import torch
 
-from titan_mok.bench import grouped_ffn
-from titan_mok.bench.config_ab import (_outputs, ab_shapes_and_cases, add_ab_args, case_counts, run_cases,
+from benchmarks.tools import grouped_ffn
+from benchmarks.tools.config_ab import (_outputs, ab_shapes_and_cases, add_ab_args, case_counts, run_cases,
                                       timed_rounds)
-from titan_mok.bench.grouped_ffn import OUR_KERNELS, SHAPES, Case, bench, use_growing_segments, wgrads_by_weight
+from benchmarks.tools.grouped_ffn import OUR_KERNELS, SHAPES, Case, bench, use_growing_segments, wgrads_by_weight
 
 BASELINE_PACKAGE = "titan_mok_baseline_kernels"
 

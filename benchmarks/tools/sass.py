@@ -1,8 +1,8 @@
 """What ptxas makes of the grouped expert GEMMs for Hopper, without a GPU: registers, spill stack,
 shared memory and SASS instruction mix of every kernel one MoE FFN pass would launch.
 
-    python3 -m titan_mok.bench.sass [--shape kimi] [--rows-per-expert 43] [--precision mxfp8] [--sass-dir DIR] [--json]
-    python3 -m titan_mok.bench.sass --rows-per-expert 85 --set 'mxfp8/plain@mid_rows={"CONSUMER_REGS": 200}'
+    python3 -m benchmarks.tools.sass [--shape kimi] [--rows-per-expert 43] [--precision mxfp8] [--sass-dir DIR] [--json]
+    python3 -m benchmarks.tools.sass --rows-per-expert 85 --set 'mxfp8/plain@mid_rows={"CONSUMER_REGS": 200}'
 
 Why: device time is scarce. A tile config that spills, or that cannot fit two programs on an SM,
 shows here first (benchmarks/NOTES.md, session 11). Triton's wheel carries ptxas, nvdisasm and
@@ -31,8 +31,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
-from titan_mok.bench.config_ab import add_variant_args, variant_table
-from titan_mok.bench.grouped_ffn import SHAPES
+from benchmarks.tools.config_ab import add_variant_args, variant_table
+from benchmarks.tools.grouped_ffn import SHAPES
 from titan_mok.kernels import grouped_gemm as gg
 from titan_mok.kernels import grouped_mm_ws
 from titan_mok.kernels import tile_configs as tc

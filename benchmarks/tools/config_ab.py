@@ -1,12 +1,12 @@
 """A/B of grouped-GEMM tile configs on a GPU: each kind of grouped_mm and each weight's gradient timed with the
 committed tile table (tile_configs, this GPU's) and with a variant of it, in one process, bits compared.
 
-    python3 -m titan_mok.bench.config_ab --precision bf16 --set 'bf16/plain@mid_rows={"HALF_TILES": false}'
-    python3 -m titan_mok.bench.config_ab --precision mxfp8 --unset mxfp8/dual@few_rows --shapes kimi
-    python3 -m titan_mok.bench.config_ab --precision bf16 \
+    python3 -m benchmarks.tools.config_ab --precision bf16 --set 'bf16/plain@mid_rows={"HALF_TILES": false}'
+    python3 -m benchmarks.tools.config_ab --precision mxfp8 --unset mxfp8/dual@few_rows --shapes kimi
+    python3 -m benchmarks.tools.config_ab --precision bf16 \
         --set 'bf16/dual@mid_rows={"kernel": "warp_specialized", "BM": 128, "PERSISTENT": true, "STAGES": 3,
                                    "CONSUMER_REGS": 232}'
-    python3 -m titan_mok.bench.config_ab --precision bf16 --set 'wgrad/flat={"BN": 64, "num_warps": 4}'
+    python3 -m benchmarks.tools.config_ab --precision bf16 --set 'wgrad/flat={"BN": 64, "num_warps": 4}'
 
 Entries: the table's grouped_mm entries "<precision>/<kind>@<tier>" (tiers few_rows, mid_rows, many_rows) and the
 weight gradient's configs "wgrad/flat", "wgrad/rows", "wgrad/flat_ws", "wgrad/flat_ws_long", "wgrad/rows_ws".
@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from titan_mok.bench.grouped_ffn import (SHAPES, TOKENS_PER_GPU, Case, bench, comma_choices, committed_table,
+from benchmarks.tools.grouped_ffn import (SHAPES, TOKENS_PER_GPU, Case, bench, comma_choices, committed_table,
                                         gemms_by_kind, route_counts, use_growing_segments, wgrads_by_weight)
 from titan_mok.kernels import tile_configs as tc
 

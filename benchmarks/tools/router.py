@@ -1,7 +1,7 @@
 """Benchmark: the router's routing step on one GPU, all tokens in one call (the CUDA default)
 against 64-row tiles (the CPU path; every device's path before 2026-12-01).
 
-    python3 -m titan_mok.bench.router [--tokens 2048] [--iters 50]
+    python3 -m benchmarks.tools.router [--tokens 2048] [--iters 50]
 
 Per shape (full flavor, top-k routing, the expert bias where the model has one): forward
 (scores → expert choice → combine weights) and forward + backward (fixed cotangents on the
@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from titan_mok.bench.mok_fused import _median_ms
+from benchmarks.tools.timing import median_ms
 from titan_mok.moe.router import TopKRouter
 from titan_mok.registry import MODELS, flavors
 
@@ -48,8 +48,8 @@ def main() -> None:
                 torch.autograd.backward([weights_TK, scores_TE], [torch.ones_like(weights_TK), torch.ones_like(scores_TE)])
 
             name = "tiles" if row_tiles else "one_call"
-            row[f"{name}_fwd_ms"] = _median_ms(forward, opts.iters, 5)
-            row[f"{name}_fwd_bwd_ms"] = _median_ms(forward_backward, opts.iters, 5)
+            row[f"{name}_fwd_ms"] = median_ms(forward, opts.iters, 5)
+            row[f"{name}_fwd_bwd_ms"] = median_ms(forward_backward, opts.iters, 5)
         print(json.dumps(row), flush=True)
 
 

@@ -1,6 +1,6 @@
 """Benchmark: routed-expert grouped GEMMs (kernels/grouped_ffn.py) against torch's grouped GEMMs, with roofline floors.
 
-    python3 -m titan_mok.bench.grouped_ffn [--out DIR] [--quick] [--tune] [--regime all|moe|compute] [--rounds N]
+    python3 -m benchmarks.tools.grouped_ffn [--out DIR] [--quick] [--tune] [--regime all|moe|compute] [--rounds N]
         [--shapes kimi,glm,qwen,deepseek] [--impls ...] [--compute-case 8x4096]
 
 Regimes (issue 6): the MoE regime — each shape's expert GEMMs at 2048 tokens/GPU × top-k rows over
@@ -131,7 +131,7 @@ class Case:
 def weight_as_read(c, name, along, precision, kernels=OUR_KERNELS):
     """Case c's weight ``name`` as our GEMMs read it, K = its dim ``along`` (2: the forward's [E, N, K]; 1: the
     dgrad's transposed view), MXFP8 quantized in that layout. kernels: the grouped_gemm and grouped_ffn modules that
-    make it (a baseline revision's in bench.kernel_ab)."""
+    make it (a baseline revision's in kernel_ab)."""
     return kernels[1].weight_operand(getattr(c, name), precision, along, name)
 
 

@@ -1,6 +1,6 @@
 """Benchmark: the HBM write rate of the weight gradient's output pattern, with nothing else running.
 
-    python3 -m titan_mok.bench.write_tiles [--shapes kimi,...] [--tiles 128x256,64x256,32x512,16x1024] [--iters 20]
+    python3 -m benchmarks.tools.write_tiles [--shapes kimi,...] [--tiles 128x256,64x256,32x512,16x1024] [--iters 20]
 
 grouped_wgrad's flat loop writes each expert's gradient c [E, N, K] (bf16) in [BN, BK] tiles. One program per SM
 loops over jobs (an expert's BN features and a run of its K tiles, consecutive jobs on the same expert's
@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_mok.bench.grouped_ffn import SHAPES, comma_choices
-from titan_mok.bench.mok_fused import _median_ms  # one timing loop for the benches
+from benchmarks.tools.grouped_ffn import SHAPES, comma_choices
+from benchmarks.tools.timing import median_ms
 
 CONTIGUOUS_ROW = 2048  # elements: every shape's expert gradient is a multiple of it
 
@@ -92,13 +92,13 @@ def main():
             c = torch.empty(num_experts // 2, n, k, dtype=torch.bfloat16, device="cuda")
             # the same bytes as 64 KB contiguous tiles (torch's fill_ is slower: 3.4 TB/s, NOTES.md session 29)
             rows = c.view(1, -1, CONTIGUOUS_ROW)
-            ms = _median_ms(lambda: write_tiles(rows, 16, CONTIGUOUS_ROW, 1, programs), args.iters, 3)
+            ms = median_ms(lambda: write_tiles(rows, 16, CONTIGUOUS_ROW, 1, programs), args.iters, 3)
             rec = {"shape": shape, "weight": weight, "E": c.shape[0], "N": n, "K": k, "GB": c.numel() * 2 / 1e9,
                    "contiguous_tbps": c.numel() * 2 / ms / 1e9}
             for bn, bk in tiles:
                 k_tiles = triton.cdiv(k, bk)  # the flat loop's jobs at EP=2: each expert's K tiles in one run
                 for ef in (False, True):
-                    ms = _median_ms(lambda: write_tiles(c, bn, bk, k_tiles, programs, ef), args.iters, 3)
+                    ms = median_ms(lambda: write_tiles(c, bn, bk, k_tiles, programs, ef), args.iters, 3)
                     rec[f"{bn}x{bk}{'_evict_first' if ef else ''}_tbps"] = c.numel() * 2 / ms / 1e9
             assert torch.equal(c, written_reference(*c.shape, device="cuda")), "write_tiles missed elements"
             print(json.dumps({key: round(v, 3) if isinstance(v, float) else v for key, v in rec.items()}), flush=True)
