@@ -36,8 +36,8 @@ python3 -c "import xdist" 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-8}")
 run gpu_tests python3 -m pytest -q -m "gpu and not two_gpus" "${workers[@]}" --durations=15 tests
 # alone, so that no worker's test shares its GPUs (they skip on one GPU)
 run gpu_tests_two python3 -m pytest -q -m two_gpus tests
-run router python3 -m titan_mok.bench.router --iters 50
-run write_tiles python3 -m titan_mok.bench.write_tiles
+run router python3 -m benchmarks.tools.router --iters 50
+run write_tiles python3 -m benchmarks.tools.write_tiles
 run layer_kimi python3 -m titan_mok.bench.layer --shape kimi_k2_7_code --impl titan,auto,triton --precision bf16 \
     --json "$LOGS/layer_kimi.jsonl"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then

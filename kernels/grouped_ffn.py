@@ -29,7 +29,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from titan_mok.kernels import weight_cache
+from titan_mok.kernels import tile_configs, weight_cache
 from titan_mok.kernels.grouped_gemm import (
     grouped_down_dgrad_swiglu,
     grouped_gate_up_swiglu,
@@ -40,8 +40,8 @@ from titan_mok.kernels.grouped_gemm import (
     ref_grouped_wgrad,
 )
 from titan_mok.kernels.mxfp8_quant import mxfp8_quantize, mxfp8_quantize_transposed
-
-PRECISIONS = ("bf16", "mxfp8")
+from titan_mok.kernels.row_tiles import map_row_tiles
+from titan_mok.kernels.tile_configs import PRECISIONS
 
 
 def _clamped(gate_RI: torch.Tensor, up_RI: torch.Tensor, limit: float | None):
@@ -59,8 +59,6 @@ def _swiglu_rows(gate_RI, up_RI, limit):
 
 def ref_swiglu(gate_RI: torch.Tensor, up_RI: torch.Tensor, limit: float | None) -> torch.Tensor:
     """silu(clamped gate) · clamped up in fp32, rounded once to the inputs' dtype (row tiles: batch-invariant)."""
-    from titan_mok.moe.tiles import map_row_tiles  # NOTE: here: titan_mok.moe imports this module
-
     return map_row_tiles(lambda g, u: _swiglu_rows(g, u, limit), gate_RI, up_RI)
 
 
@@ -77,8 +75,6 @@ def _swiglu_backward_rows(dh32_RI, gate_RI, up_RI, limit):
 
 def ref_swiglu_backward(dh32_RI, gate_RI, up_RI, limit: float | None):
     """(dgate, dup) in the inputs' dtype from fp32 dh; the clamp passes gradient only where it did not clip."""
-    from titan_mok.moe.tiles import map_row_tiles  # NOTE: here: titan_mok.moe imports this module
-
     return map_row_tiles(lambda d, g, u: _swiglu_backward_rows(d, g, u, limit), dh32_RI, gate_RI, up_RI)
 
 
@@ -107,15 +103,15 @@ class _ReferenceOps:
         return dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI
 
 
-def weight_operand(w_EXY: torch.Tensor, precision: str, along: int, name: str, mma_order: bool = True):
+def weight_operand(w_EXY: torch.Tensor, precision: str, along: int, name: str):
     """B operand [E, N, K] for grouped_mm: K = ``along`` (1 or 2) of the stored weight, MXFP8 blocked there,
-    its elements in MMA order unless told otherwise (MXTensor.mma_order: the warp-specialized kernel's
-    shared-memory loads take a thread's bytes of a block at once; E4M3 MMAs, ``fp8_mma``, need index order)."""
+    its elements in MMA order (MXTensor.mma_order: the warp-specialized kernel's shared-memory loads take a
+    thread's bytes of a block at once)."""
     if precision == "mxfp8":
         # along X (dim 1): the GEMM reads [E, Y, X], written contiguous so its tiles stream as the forward's
         if along == 1:
-            return mxfp8_quantize_transposed(w_EXY, name, mma_order=mma_order)
-        return mxfp8_quantize(w_EXY, along, name, mma_order=mma_order)
+            return mxfp8_quantize_transposed(w_EXY, name, mma_order=True)
+        return mxfp8_quantize(w_EXY, along, name, mma_order=True)
     return w_EXY.transpose(1, 2) if along == 1 else w_EXY
 
 
@@ -158,6 +154,26 @@ class _TritonOps:
             wgrad_operands(x_RH, h_RI, dy_RH, dgate_RI, dup_RI).values(), group_end_E, precision
         )
         return dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI
+
+
+def selections(precision: str, rows_per_expert: float, chip: str | None, dim_h: int, dim_i: int,
+               table: tile_configs.ChipTable | None = None) -> dict[str, tile_configs.Selection]:
+    """The kernel and tile config of each grouped GEMM the Triton path launches in one forward and backward at these
+    sizes, by GEMM: tile_configs.select's answers (chip: a GPU's name, None for Triton's interpreter; table: None,
+    the chip's), e.g. to log what a run uses."""
+    def pick(kind, n, k, contiguous=True):
+        return tile_configs.select(kind, precision, rows_per_expert, chip, n=n, k=k, contiguous=contiguous,
+                                   table=table)
+
+    dgrad_contiguous = precision == "mxfp8"  # weight_operand: bf16 dgrad weights are transposed views
+    return {
+        "fwd gate/up + SwiGLU": pick("swiglu", dim_i, dim_h),
+        "fwd down": pick("plain", dim_h, dim_i),
+        "dgrad down + SwiGLU bwd": pick("swiglu_bwd", dim_i, dim_h, dgrad_contiguous),
+        "dgrad gate/up": pick("dual", dim_h, dim_i, dgrad_contiguous),
+        **{f"wgrad {name}": pick("wgrad", dim_i, dim_h) for name in ("w_gate", "w_up")},
+        "wgrad w_down": pick("wgrad", dim_h, dim_i),
+    }
 
 
 def wgrad_operands(x_RH, h_RI, dy_RH, dgate_RI, dup_RI) -> dict:

@@ -1,7 +1,7 @@
 """Cooperative warp-specialized bf16 grouped GEMM for Hopper (Gluon): ``grouped_mm``'s bf16 plain kind, and SwiGLU
-gate/up (``SWIGLU``: two weights against the same A, three outputs), on CUDA where ``"bf16_ws/<kind><@tier>"``'s
-config says ``COOPERATIVE`` (the H100's many-rows tier: the forward's GEMMs in the compute regime; NOTES.md,
-sessions 37-38). C [R, N] = A [R, K] @ B[e]^T; SWIGLU: g = A @ B1[e]^T, u = A @ B2[e]^T, h = silu(g) * u.
+gate/up (``SWIGLU``: two weights against the same A, three outputs), on CUDA where ``tile_configs`` picks it (the
+H100's many-rows tier: the forward's GEMMs in the compute regime). C [R, N] = A [R, K] @ B[e]^T; SWIGLU:
+g = A @ B1[e]^T, u = A @ B2[e]^T, h = silu(g) * u.
 
 Same tiles, tile order (``grouped_tiles._tile_of_program``), K order and epilogue rounding as
 ``grouped_gemm._grouped_mm_tma_kernel`` on the same BM x BN config, which stays the definition it must match bit for
@@ -139,23 +139,17 @@ def _grouped_mm_coop_kernel(a_desc, b1_desc, b2_desc, c1_desc, c2_desc, c3_desc,
     ], [4, 1], [CONSUMER_REGS, 40])
 
 
-def launch(descs, outs, group_end_E: torch.Tensor, tile_end_E: torch.Tensor, max_tiles: int, swiglu_limit,
-           BM: int, BN: int, BK: int, GROUP_M: int, STAGES: int, CONSUMER_REGS: int, num_warps: int,
-           COOPERATIVE: bool):
-    """outs = A @ B[e]^T per expert's rows (SWIGLU: two weights, outs (g, u, h)), one program per SM (none past
-    max_tiles) looping over the tiles. descs, TMA descriptors (grouped_gemm makes and checks them): A [R, K] in
-    [BM, BK] blocks, each weight as [E * N, K] in [BN, BK], each output [R, N] in [BM / 2, BN]. The arguments after
-    swiglu_limit are the config's (COOPERATIVE: the key that chose this kernel)."""
-    if BM != 128:
-        raise ValueError(f"the cooperative kernel's BM must be 128 (two warpgroups of 64 rows), got {BM}")
-    a_desc, b_descs, c_descs = descs
-    swiglu = len(outs) == 3
-    c1, c2, c3 = outs if swiglu else outs * 3
+def launch(a_desc, b_descs, c_descs, outs, group_end_E: torch.Tensor, tile_end_E: torch.Tensor, max_tiles: int,
+           swiglu_limit, swiglu: bool, cfg):
+    """outs = A @ B[e]^T per expert's rows (swiglu: two weights, outs (g, u, h)), one program per SM (none past
+    max_tiles) looping over the tiles; cfg: a tile_configs.CoopMM. TMA descriptors (grouped_gemm makes and checks
+    them): a_desc A [R, K] in [BM, BK] blocks; b_descs two weights as [E * N, K] in [BN, BK] (plain: the one twice);
+    c_descs and outs three outputs [R, N], descriptors in [BM / 2, BN] blocks (plain: the one thrice)."""
+    c1, c2, c3 = outs
     num_experts = group_end_E.shape[0]
     grid = (min(max_tiles, grouped_mm_ws.sm_count(c1.device.index)),)
-    _grouped_mm_coop_kernel[grid](a_desc, *(b_descs * 2)[:2], *(c_descs * 3)[:3], c1, c2, c3, group_end_E, tile_end_E,
-                                  c1.shape[1], a_desc.shape[1], num_experts,
-                                  float(swiglu_limit) if swiglu_limit is not None else 0.0,
-                                  HAS_LIMIT=swiglu_limit is not None, LOG_E=num_experts.bit_length(), BM=BM, BN=BN,
-                                  BK=BK, GROUP_M=GROUP_M, STAGES=STAGES, SWIGLU=swiglu, CONSUMER_REGS=CONSUMER_REGS,
-                                  num_warps=num_warps)
+    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
+    _grouped_mm_coop_kernel[grid](a_desc, *b_descs, *c_descs, c1, c2, c3, group_end_E, tile_end_E, c1.shape[1],
+                                  a_desc.shape[1], num_experts, limit, HAS_LIMIT=swiglu_limit is not None, LOG_E=num_experts.bit_length(), BM=cfg.BM,
+                                  BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, STAGES=cfg.STAGES, SWIGLU=swiglu,
+                                  CONSUMER_REGS=cfg.CONSUMER_REGS, num_warps=cfg.num_warps)

@@ -1,8 +1,6 @@
-"""Warp-specialized MXFP8 grouped GEMM for Hopper (Gluon): ``grouped_mm``'s MXFP8 kinds on CUDA where
-``_MM_CONFIGS["mxfp8_ws/<kind>"]`` gives it a config and K is a multiple of 32 * KB (NOTES.md,
-"MXFP8 with register-sourced weights, session 7", and "Session 8"); bf16 kinds (``MX = False``: the
-wgmmas read the weights from shared memory, nothing to dequantize) where ``"bf16_ws/<kind>"`` does
-(session 23).
+"""Warp-specialized grouped GEMM for Hopper (Gluon): ``grouped_mm``'s kinds on CUDA where ``tile_configs`` picks it
+(every MXFP8 kind for K a multiple of 32 * KB; the bf16 SwiGLU backward, ``MX = False``: the wgmmas read the bf16
+weights from shared memory, nothing to dequantize).
 
 Same contract and K order as ``grouped_gemm._grouped_mm_tma_kernel`` (same MX), which stays the
 definition it must match bit for bit (GPU test) and the path Triton's CPU interpreter runs (Gluon has
@@ -31,14 +29,6 @@ Every partition walks the program's tiles t, t + grid, ... (one tile each unless
 persistent), its ring position carried across tiles. HALF_TILES: the consumers run a tile that holds
 at most BM / 2 of its expert's rows on BM / 2-token MMAs against the first half of the loaded
 activation tiles (the loader is unchanged), with the same instructions per token: the same bits.
-
-FP8_MMA (``grouped_mm(..., fp8_mma=True)``): E4M3 x E4M3 wgmmas instead, the DeepGEMM-style path, with
-the bits of ``grouped_gemm._grouped_mm_fp8_mma_kernel`` (GPU test). The loader brings E4M3 activation
-tiles [BM, 32 * KB] and, by plain loads into shared memory (the full barrier's second arrival), their
-fp32 scales; each consumer runs one wgmma per 32-wide K block into a partial-sum register set (two sets
-taken in turn) and promotes the previous block's set with both scales while the next one runs. It is
-slower than the dequantizing path in every case measured (NOTES.md, session 13): the promotion costs
-two FP32 instructions per partial element per 32-wide block, as many as the MMA saves.
 """
 
 import functools
@@ -50,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from titan_mok.kernels.grouped_tiles import _bf16_rne, _epilogue, _swiglu_out, _tile_of_program
-from titan_mok.kernels.mxfp8_quant import mx_dequantize_bits_sm90, mx_scale_of_bits
+from titan_mok.kernels.mxfp8_quant import mx_dequantize_bits_sm90
 
 KB = 4  # 32-wide K blocks per load: [BN, 128] E4M3 weight tiles
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
@@ -113,12 +103,10 @@ def launch(max_tiles: int, persistent: bool, *args, **kwargs):
 
 
 @gluon.jit
-def _load_a(a_desc, a_bufs, bar, s, m0, kb0, KB: gl.constexpr, FP8_MMA: gl.constexpr):
-    if FP8_MMA:  # one E4M3 tile [BM, 32 * KB]
-        tma.async_copy_global_to_shared(a_desc, [m0, kb0 * 32], bar, a_bufs.index(s))
-    else:  # KB bf16 tiles [BM, 32]
-        for q in gl.static_range(KB):
-            tma.async_copy_global_to_shared(a_desc, [m0, (kb0 + q) * 32], bar, a_bufs.index(s * KB + q))
+def _load_a(a_desc, a_bufs, bar, s, m0, kb0, KB: gl.constexpr):
+    """A load's KB bf16 activation tiles [BM, 32] into slot s."""
+    for q in gl.static_range(KB):
+        tma.async_copy_global_to_shared(a_desc, [m0, (kb0 + q) * 32], bar, a_bufs.index(s * KB + q))
 
 
 @gluon.jit
@@ -131,25 +119,11 @@ def _load_w(b_desc, w_at, bar, w_bufs, s, next_row, kb0, NB: gl.constexpr, ROW_B
 
 
 @gluon.jit
-def _token_scales(sa_ptr, m0, kb0, stride_sak, KB: gl.constexpr, BM: gl.constexpr):
-    """FP8_MMA: the fp32 scales [KB, BM] of a load's K blocks for the tile's tokens (rows of A's scales
-    [K/32, R + BM], padded so that no tile reads past them)."""
-    L: gl.constexpr = gl.BlockedLayout([1, BM // 32], [1, 32], [1, 1], [1, 0])
-    kb = kb0 + gl.arange(0, KB, layout=gl.SliceLayout(1, L))
-    tok = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, L))
-    return gl.load(sa_ptr + gl.expand_dims(kb.to(gl.int64) * stride_sak, 1) + gl.expand_dims(tok, 0))
-
-
-@gluon.jit
-def _loader(a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_bufs, w_bufs, full, empty, group_end_ptr,
-            tile_end_ptr, N, K, E, stride_sak, loads_per_pair, n_loads, MODE: gl.constexpr, B_KN: gl.constexpr,
-            NB: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr,
-            BN: gl.constexpr, GROUP_M: gl.constexpr, FP8_MMA: gl.constexpr, ROW_BLOCKS: gl.constexpr):
-    if FP8_MMA:
-        a_bytes: gl.constexpr = a1_desc.block_type.nbytes
-    else:
-        a_bytes: gl.constexpr = KB * a1_desc.block_type.nbytes
-    load_bytes: gl.constexpr = a_bytes + NB * b1_desc.block_type.nbytes
+def _loader(a1_desc, a2_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, empty, group_end_ptr, tile_end_ptr, N, K, E,
+            loads_per_pair, n_loads, MODE: gl.constexpr, B_KN: gl.constexpr, NB: gl.constexpr, KB: gl.constexpr,
+            STAGES: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr,
+            ROW_BLOCKS: gl.constexpr):
+    load_bytes: gl.constexpr = KB * a1_desc.block_type.nbytes + NB * b1_desc.block_type.nbytes
     c = 0  # loads issued by this program, over all its tiles: the ring position
     for t in range(gl.program_id(0), gl.load(tile_end_ptr + E - 1), gl.num_programs(0)):
         e, m0, _, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN * ROW_BLOCKS, GROUP_M)
@@ -157,14 +131,6 @@ def _loader(a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_buf
             s = c % STAGES
             second = l >= loads_per_pair  # DUAL: the (A2, B2) pair follows (A1, B1) in the same accumulator
             kb0 = (l - gl.where(second, loads_per_pair, 0)) * KB
-            # FP8_MMA: A's scales by plain loads, issued before the slot wait so that it hides their latency (not
-            # by TMA: its innermost coordinate, the tile's first token, need not be 16-byte aligned)
-            if FP8_MMA:
-                if MODE == 3:
-                    sa_ptr = gl.where(second, sa2_ptr, sa1_ptr)
-                else:
-                    sa_ptr = sa1_ptr
-                sa = _token_scales(sa_ptr, m0, kb0, stride_sak, KB, BM)
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
             mbarrier.expect(full.index(s), load_bytes)
             if B_KN:
@@ -173,19 +139,16 @@ def _loader(a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_buf
                 w_at = [e * N + n0, kb0 * 32]
             if MODE == 3:
                 if second:
-                    _load_a(a2_desc, a_bufs, full.index(s), s, m0, kb0, KB, FP8_MMA)
+                    _load_a(a2_desc, a_bufs, full.index(s), s, m0, kb0, KB)
                     _load_w(b2_desc, w_at, full.index(s), w_bufs, s, e * N + n0 + BN, kb0, NB, ROW_BLOCKS)
                 else:
-                    _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB, FP8_MMA)
+                    _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB)
                     _load_w(b1_desc, w_at, full.index(s), w_bufs, s, e * N + n0 + BN, kb0, NB, ROW_BLOCKS)
             else:
-                _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB, FP8_MMA)
+                _load_a(a1_desc, a_bufs, full.index(s), s, m0, kb0, KB)
                 _load_w(b1_desc, w_at, full.index(s), w_bufs, s, e * N + n0 + BN, kb0, NB, ROW_BLOCKS)
                 if NB == 2 and ROW_BLOCKS == 1:  # SWIGLU's second weight
                     tma.async_copy_global_to_shared(b2_desc, w_at, full.index(s), w_bufs.index(s * NB + 1))
-            if FP8_MMA:  # the full barrier's second arrival: the scales are in shared memory
-                sa_bufs.index(s).store(sa)
-                mbarrier.arrive(full.index(s), count=1)
             c += 1
 
 
@@ -198,7 +161,7 @@ def _first_step(l, loads_per_pair, k_steps, KB: gl.constexpr):
 
 @gluon.constexpr_function
 def _mma_order_layout():
-    """A [64, 32] block of a warpgroup's weight rows stored in MMA order (titan_mok.mxfp8.to_mma_order) as each
+    """A [64, 32] block of a warpgroup's weight rows stored in MMA order (titan_mok.kernels.mxfp8.to_mma_order) as each
     thread reads it: 8 adjacent bytes (t, c, h, l) of rows g and g + 8 of its warp's 16, lane 4g + t. Read back in
     index order (_index_order) it is the wgmma's register operand layout (DotOperandLayout, k_width 2)."""
     return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
@@ -268,13 +231,12 @@ def _mma_load(a_bufs, s, w1a, w2a, w1b, w2b, w1c, w2c, w1d, w2d, acc1, acc2, NB:
 
 
 @gluon.jit
-def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
-              u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
-              stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
-              B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-              HALF_TILES: gl.constexpr, SPLIT_TILES: gl.constexpr, FP8_MMA: gl.constexpr, half: gl.constexpr,
-              ROW_BLOCKS: gl.constexpr, MX: gl.constexpr):
+def _consumer(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+              group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads, stride_se, stride_sn, limit,
+              MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, B_KN: gl.constexpr, MMA_ORDER: gl.constexpr,
+              NB: gl.constexpr, LOG_E: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr,
+              KB: gl.constexpr, STAGES: gl.constexpr, HALF_TILES: gl.constexpr, SPLIT_TILES: gl.constexpr,
+              half: gl.constexpr, ROW_BLOCKS: gl.constexpr, MX: gl.constexpr):
     """One warpgroup: for each of the program's tiles, weight rows [n0 + 64 * half, +64) against its
     BM tokens (HALF_TILES: against the first BM / 2 where the tile holds no more of its expert's
     rows: half the MMA work, the same instructions per token; SPLIT_TILES: against the first
@@ -285,60 +247,53 @@ def _consumer(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, 
         e, m0, row_end, n0 = _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E, BM, BN * ROW_BLOCKS,
                                               GROUP_M)
         if HALF_TILES and row_end - m0 <= BM // 2:
-            c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
+            c = _consume_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, 0, KB, STAGES,
-                              FP8_MMA, half, ROW_BLOCKS, MX)
+                              half, ROW_BLOCKS, MX)
         elif SPLIT_TILES and row_end - m0 <= BM // 2 + BM // 4:
-            c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
+            c = _consume_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM // 2, BM // 4, KB,
-                              STAGES, FP8_MMA, half, ROW_BLOCKS, MX)
+                              STAGES, half, ROW_BLOCKS, MX)
         else:
-            c = _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
+            c = _consume_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr,
                               g_ptr, u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
                               stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, BM, 0, KB, STAGES,
-                              FP8_MMA, half, ROW_BLOCKS, MX)
+                              half, ROW_BLOCKS, MX)
 
 
 @gluon.jit
-def _consume_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
-                  u_ptr, e, m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads,
-                  stride_se, stride_sn, limit, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                  B_KN: gl.constexpr, MMA_ORDER: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr,
-                  BMT2: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, FP8_MMA: gl.constexpr,
+def _consume_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, e,
+                  m0, row_end, n0, c, N, k_steps, n_steps, loads_per_pair, n_loads, stride_se, stride_sn, limit,
+                  MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, B_KN: gl.constexpr, MMA_ORDER: gl.constexpr,
+                  NB: gl.constexpr, BMT: gl.constexpr, BMT2: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
                   half: gl.constexpr, ROW_BLOCKS: gl.constexpr, MX: gl.constexpr):
     """One tile's loads (ring positions c, c + 1, ...) against its first BMT tokens (and, BMT2 > 0, the next
     BMT2 in a second set of accumulators), and its epilogue; returns the ring position after them."""
-    gl.static_assert(BMT2 == 0 or not FP8_MMA, "split tiles run on the dequantizing path only")
-    offs_n = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _acc_layout(BMT, FP8_MMA)))
-    if FP8_MMA:
-        acc1, acc2, c = _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_n, c, N, k_steps,
-                                  n_steps, loads_per_pair, n_loads, stride_se, stride_sn, MODE, NB, BMT, KB,
-                                  STAGES, half)
+    offs_n = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _acc_layout(BMT)))
+    # one branch per tile around two copies of the loop: a branch per block keeps ptxas from interleaving
+    # the HGMMA issue with the dequantization (NOTES.md, session 15); bf16 weights (not MX): one copy
+    if MX:
+        wide = gl.load(wide_ptr + e) != 0
     else:
-        # one branch per tile around two copies of the loop: a branch per block keeps ptxas from interleaving
-        # the HGMMA issue with the dequantization (NOTES.md, session 15); bf16 weights (not MX): one copy
-        if MX:
-            wide = gl.load(wide_ptr + e) != 0
-        else:
-            wide = False
-        if wide:
-            acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
-                                                        k_steps, n_steps, loads_per_pair, n_loads, stride_se,
-                                                        stride_sn, MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES,
-                                                        True, half, ROW_BLOCKS, MX)
-        else:
-            acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
-                                                        k_steps, n_steps, loads_per_pair, n_loads, stride_se,
-                                                        stride_sn, MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES,
-                                                        False, half, ROW_BLOCKS, MX)
-        if BMT2 > 0:
-            _tile_epilogue(acc1b, acc2b, m0 + BMT, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
-                           MODE, HAS_LIMIT, BMT2)
-            if ROW_BLOCKS == 2:  # acc2b: the second row block's (BN = 128 rows on), stored as plain's acc1b
-                _tile_epilogue(acc2b, acc2b, m0 + BMT, row_end, offs_n + 128, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
-                               limit, MODE, HAS_LIMIT, BMT2)
+        wide = False
+    if wide:
+        acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
+                                                    k_steps, n_steps, loads_per_pair, n_loads, stride_se, stride_sn,
+                                                    MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES, True, half,
+                                                    ROW_BLOCKS, MX)
+    else:
+        acc1, acc2, acc1b, acc2b, c = _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N,
+                                                    k_steps, n_steps, loads_per_pair, n_loads, stride_se, stride_sn,
+                                                    MODE, B_KN, MMA_ORDER, NB, BMT, BMT2, KB, STAGES, False, half,
+                                                    ROW_BLOCKS, MX)
+    if BMT2 > 0:
+        _tile_epilogue(acc1b, acc2b, m0 + BMT, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit,
+                       MODE, HAS_LIMIT, BMT2)
+        if ROW_BLOCKS == 2:  # acc2b: the second row block's (BN = 128 rows on), stored as plain's acc1b
+            _tile_epilogue(acc2b, acc2b, m0 + BMT, row_end, offs_n + 128, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+                           limit, MODE, HAS_LIMIT, BMT2)
     _tile_epilogue(acc1, acc2, m0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE, HAS_LIMIT,
                    BMT)
     if ROW_BLOCKS == 2:
@@ -373,10 +328,9 @@ def _tile_epilogue(acc1, acc2, r0, row_end, offs_n, N, c1_ptr, c2_ptr, c3_ptr, g
 
 
 @gluon.constexpr_function
-def _acc_layout(BMT, FP8_MMA):
-    """The accumulator [64 weight rows, BMT tokens] of a warpgroup's wgmmas (K 32 per E4M3 instruction, 16 per
-    bf16 one)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BMT, 32 if FP8_MMA else 16])
+def _acc_layout(BMT):
+    """The accumulator [64 weight rows, BMT tokens] of a warpgroup's bf16 wgmmas (K 16 per instruction)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BMT, 16])
 
 
 @gluon.jit
@@ -388,7 +342,7 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
     BMT2 > 0, else aliases) by bf16 MMAs on dequantized weights (not MX: on the bf16 weights in shared memory),
     and the ring position. WIDE: the expert has scales above 2^7 (mx_dequantize_bits_sm90's second multiply)."""
     gl.static_assert(KB == 4, "_dequant_tile unrolls four K blocks per load")
-    ACC: gl.constexpr = _acc_layout(BMT, False)
+    ACC: gl.constexpr = _acc_layout(BMT)
     W_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     offs_w = n0 + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _mma_order_layout()))
     n_ok = offs_w < N
@@ -408,9 +362,9 @@ def _dequant_tile(a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, n0, c, N, k_
     if NB == 2:
         acc2 = gl.zeros([64, BMT], gl.float32, ACC)
     if BMT2 > 0:
-        acc1b = gl.zeros([64, BMT2], gl.float32, _acc_layout(BMT2, False))
+        acc1b = gl.zeros([64, BMT2], gl.float32, _acc_layout(BMT2))
         if NB == 2:
-            acc2b = gl.zeros([64, BMT2], gl.float32, _acc_layout(BMT2, False))
+            acc2b = gl.zeros([64, BMT2], gl.float32, _acc_layout(BMT2))
     for l in range(n_loads):
         s = c % STAGES
         if MX:  # the next load's scale bits: their global-load latency overlaps this load's conversions and MMAs
@@ -481,83 +435,11 @@ def _load_bits(sb1_ptr, sb2_ptr, s_off, s_off2, n_ok, n_ok2, l, loads_per_pair, 
 
 
 @gluon.jit
-def _fp8_partials(a_bufs, w_bufs, s, q: gl.constexpr, half: gl.constexpr, p1, p2, NB: gl.constexpr, BMT: gl.constexpr):
-    """K block q of slot s: this warpgroup's 64 E4M3 weight rows (of each weight) times the first BMT E4M3
-    tokens, into p1's (p2's) registers: use_acc=False, their values are dead."""
-    x = a_bufs.index(s).slice(0, BMT, dim=0).slice(q * 32, 32, dim=1).permute((1, 0))
-    p1 = warpgroup_mma(w_bufs.index(s * NB).slice(half * 64, 64, dim=0).slice(q * 32, 32, dim=1), x, p1,
-                       use_acc=False, is_async=True)
-    if NB == 2:
-        p2 = warpgroup_mma(w_bufs.index(s * NB + 1).slice(half * 64, 64, dim=0).slice(q * 32, 32, dim=1), x, p2,
-                           use_acc=False, is_async=True)
-    return p1, p2
-
-
-@gluon.jit
-def _promote(acc1, acc2, p1, p2, bits, sa_bufs, s, q: gl.constexpr, NB: gl.constexpr, BMT: gl.constexpr):
-    """acc += p * (2^w * s_a): block q's partial sums with their weight-row and token scales, one FMA per
-    element, as the Triton kernel's _fp8_mma_block."""
-    sa = sa_bufs.index(s).slice(q, 1, dim=0).slice(0, BMT, dim=1).load(_acc_layout(BMT, True))  # [1, BMT]
-    acc1 = gl.fma(p1, gl.expand_dims(mx_scale_of_bits(bits[0]), 1) * sa, acc1)
-    if NB == 2:
-        acc2 = gl.fma(p2, gl.expand_dims(mx_scale_of_bits(bits[1]), 1) * sa, acc2)
-    return acc1, acc2
-
-
-@gluon.jit
-def _fp8_tile(a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, e, offs_w, c, N, k_steps, n_steps,
-              loads_per_pair, n_loads, stride_se, stride_sn, MODE: gl.constexpr, NB: gl.constexpr,
-              BMT: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, half: gl.constexpr):
-    """The tile's accumulators by E4M3 x E4M3 wgmmas, one per 32-wide K block, and the ring position. Each
-    block's partial sums land in one of two register sets taken in turn, and are promoted into the fp32
-    accumulator (both scales) while the next block's wgmma runs."""
-    gl.static_assert(KB == 4, "_fp8_tile unrolls four K blocks per load")
-    ACC: gl.constexpr = _acc_layout(BMT, True)
-    n_ok = offs_w < N
-    s_off = e.to(gl.int64) * stride_se + offs_w * stride_sn
-    acc1 = gl.zeros([64, BMT], gl.float32, ACC)
-    pa1 = gl.zeros([64, BMT], gl.float32, ACC)
-    pb1 = gl.zeros([64, BMT], gl.float32, ACC)
-    if NB == 2:
-        acc2 = gl.zeros([64, BMT], gl.float32, ACC)
-        pa2 = gl.zeros([64, BMT], gl.float32, ACC)
-        pb2 = gl.zeros([64, BMT], gl.float32, ACC)
-    else:  # no second set carried through the loop
-        acc2, pa2, pb2 = acc1, pa1, pb1
-    bits = _load_bits(sb1_ptr, sb2_ptr, s_off, s_off, n_ok, n_ok, 0, loads_per_pair, k_steps, n_steps, MODE, NB, KB,
-                      1)
-    for l in range(n_loads):
-        s = c % STAGES
-        # the next load's scale bits: their global-load latency overlaps this load's MMAs
-        nxt = _load_bits(sb1_ptr, sb2_ptr, s_off, s_off, n_ok, n_ok, l + 1, loads_per_pair, k_steps, n_steps, MODE, NB,
-                         KB, 1)
-        mbarrier.wait(full.index(s), (c // STAGES) & 1)
-        pa1, pa2 = _fp8_partials(a_bufs, w_bufs, s, 0, half, pa1, pa2, NB, BMT)
-        pb1, pb2 = _fp8_partials(a_bufs, w_bufs, s, 1, half, pb1, pb2, NB, BMT)
-        pa1, pa2 = warpgroup_mma_wait(NB, deps=(pa1, pa2))
-        acc1, acc2 = _promote(acc1, acc2, pa1, pa2, bits[0], sa_bufs, s, 0, NB, BMT)
-        pa1, pa2 = _fp8_partials(a_bufs, w_bufs, s, 2, half, pa1, pa2, NB, BMT)
-        pb1, pb2 = warpgroup_mma_wait(NB, deps=(pb1, pb2))
-        acc1, acc2 = _promote(acc1, acc2, pb1, pb2, bits[1], sa_bufs, s, 1, NB, BMT)
-        pb1, pb2 = _fp8_partials(a_bufs, w_bufs, s, 3, half, pb1, pb2, NB, BMT)
-        pa1, pa2 = warpgroup_mma_wait(NB, deps=(pa1, pa2))
-        acc1, acc2 = _promote(acc1, acc2, pa1, pa2, bits[2], sa_bufs, s, 2, NB, BMT)
-        pb1, pb2 = warpgroup_mma_wait(0, deps=(pb1, pb2))
-        acc1, acc2 = _promote(acc1, acc2, pb1, pb2, bits[3], sa_bufs, s, 3, NB, BMT)
-        mbarrier.arrive(empty.index(s), count=1)
-        c += 1
-        bits = nxt
-    return acc1, acc2, c
-
-
-@gluon.jit
 def _grouped_mm_mx_ws_kernel(
-    # TMA: A [R, K] bf16 blocks [BM, 32] (FP8_MMA: E4M3 blocks [BM, 32 * KB]); B E4M3 (not MX: bf16) blocks
-    # [BN, 32 * KB] (or [32 * KB, BN], B_KN)
+    # TMA: A [R, K] bf16 blocks [BM, 32]; B E4M3 (not MX: bf16) blocks [BN, 32 * KB] (or [32 * KB, BN], B_KN)
     a1_desc, a2_desc, b1_desc, b2_desc,
-    sa1_ptr, sa2_ptr, stride_sak,  # FP8_MMA: A's scales as fp32 [K/32, R + BM] (row stride stride_sak); else unused
     sb1_ptr, sb2_ptr,  # E8M0 bits of the B operands, contiguous [E, N, K/32] (grouped_gemm._scales_by_row); not MX: unused
-    wide_ptr,  # int32 [E]: 1 where an expert's B scales pass 2^7 (grouped_gemm._wide_scale_experts); FP8_MMA, not MX: unused
+    wide_ptr,  # int32 [E]: 1 where an expert's B scales pass 2^7 (grouped_gemm._wide_scale_experts); not MX: unused
     c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
     group_end_ptr, tile_end_ptr,
     N, K, E,
@@ -565,14 +447,13 @@ def _grouped_mm_mx_ws_kernel(
     limit,
     MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, LOG_E: gl.constexpr, B_KN: gl.constexpr, MMA_ORDER: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, HALF_TILES: gl.constexpr, FP8_MMA: gl.constexpr, num_warps: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, HALF_TILES: gl.constexpr, num_warps: gl.constexpr,
     SPLIT_TILES: gl.constexpr = False, ROW_BLOCKS: gl.constexpr = 1, MX: gl.constexpr = True,
 ):
     gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 weight rows each")
-    gl.static_assert(not (FP8_MMA and B_KN), "E4M3 wgmmas read both operands K-major: weights [E, N, K]")
-    gl.static_assert(MX or not (FP8_MMA or MMA_ORDER), "bf16 weights (not MX) are bf16 MMAs' operands in index order")
-    gl.static_assert(ROW_BLOCKS == 1 or (ROW_BLOCKS == 2 and MODE != 1 and not FP8_MMA and not B_KN),
-                     "ROW_BLOCKS = 2: the one-weight kinds on the dequantizing path, weights [E, N, K]")
+    gl.static_assert(MX or not MMA_ORDER, "bf16 weights (not MX) are bf16 MMAs' operands in index order")
+    gl.static_assert(ROW_BLOCKS == 1 or (ROW_BLOCKS == 2 and MODE != 1 and not B_KN),
+                     "ROW_BLOCKS = 2: the one-weight kinds, weights [E, N, K]")
     NB: gl.constexpr = 2 if MODE == 1 or ROW_BLOCKS == 2 else 1  # weight tiles per load (SWIGLU: gate and up)
     k_steps = K // 32
     pairs = 2 if MODE == 3 else 1
@@ -580,29 +461,23 @@ def _grouped_mm_mx_ws_kernel(
     loads_per_pair = k_steps // KB  # the launcher checks K % (32 * KB) == 0
     n_loads = loads_per_pair * pairs
 
-    if FP8_MMA:
-        a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES] + a1_desc.block_type.shape, a1_desc.layout)
-        sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, KB, BM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    else:
-        a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES * KB] + a1_desc.block_type.shape, a1_desc.layout)
-        sa_bufs = a_bufs  # unused
+    a_bufs = gl.allocate_shared_memory(a1_desc.dtype, [STAGES * KB] + a1_desc.block_type.shape, a1_desc.layout)
     w_bufs = gl.allocate_shared_memory(b1_desc.dtype, [STAGES * NB] + b1_desc.block_type.shape, b1_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(full.index(s), count=2 if FP8_MMA else 1)  # FP8_MMA: the TMA bytes and the loader's scales
+        mbarrier.init(full.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups
 
     gl.warp_specialize([
-        (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
-                     u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
-                     stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 0, ROW_BLOCKS, MX)),
-        (_consumer, (a_bufs, sa_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr,
-                     u_ptr, group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads,
-                     stride_se, stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB,
-                     STAGES, HALF_TILES, SPLIT_TILES and not FP8_MMA, FP8_MMA, 1, ROW_BLOCKS, MX)),
-        (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, sa1_ptr, sa2_ptr, a_bufs, sa_bufs, w_bufs, full, empty,
-                   group_end_ptr, tile_end_ptr, N, K, E, stride_sak, loads_per_pair, n_loads, MODE, B_KN, NB, KB,
-                   STAGES, LOG_E, BM, BN, GROUP_M, FP8_MMA, ROW_BLOCKS)),
-    ], [4, 1], [CONSUMER_REGS, 40 if FP8_MMA else 24])
+        (_consumer, (a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+                     group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads, stride_se,
+                     stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB, STAGES,
+                     HALF_TILES, SPLIT_TILES, 0, ROW_BLOCKS, MX)),
+        (_consumer, (a_bufs, w_bufs, full, empty, sb1_ptr, sb2_ptr, wide_ptr, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr,
+                     group_end_ptr, tile_end_ptr, N, E, k_steps, n_steps, loads_per_pair, n_loads, stride_se,
+                     stride_sn, limit, MODE, HAS_LIMIT, B_KN, MMA_ORDER, NB, LOG_E, BM, BN, GROUP_M, KB, STAGES,
+                     HALF_TILES, SPLIT_TILES, 1, ROW_BLOCKS, MX)),
+        (_loader, (a1_desc, a2_desc, b1_desc, b2_desc, a_bufs, w_bufs, full, empty, group_end_ptr, tile_end_ptr, N, K,
+                   E, loads_per_pair, n_loads, MODE, B_KN, NB, KB, STAGES, LOG_E, BM, BN, GROUP_M, ROW_BLOCKS)),
+    ], [4, 1], [CONSUMER_REGS, 24])

@@ -1,7 +1,6 @@
 """Warp-specialized bf16 weight gradient for Hopper (Gluon): ``grouped_wgrad``'s flat loop (few rows per
-expert, the MoE regime) on CUDA where ``_WGRAD_CONFIGS["flat_ws"]`` gives it a config (from 128 rows per expert
-on average, ``"flat_ws_long"``'s: 64-row MMA steps); and, where ``_WGRAD_CONFIGS["rows_ws"]`` gives a config, the
-row loop's programs (many rows per expert: one K tile each).
+expert, the MoE regime; configs "flat_ws" and, with 64-row MMA steps, "flat_ws_long") and the row loop's programs
+(many rows per expert, one K tile each; "rows_ws") on CUDA where ``tile_configs`` picks them.
 
 Same programs, K tiles and row order as ``grouped_gemm._grouped_wgrad_kernel`` (FLAT; for "rows_ws" its row
 loop), which stays the definition it must match bit for bit (GPU tests) and the path Triton's CPU interpreter runs.

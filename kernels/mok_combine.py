@@ -9,8 +9,8 @@ Legend: T tokens, K top-k (slots per token), H hidden.
   the slots it read to ``copy_TKH`` (the rows combine's backward keeps).
 - ``slot_scale``: ``dy[t,j] = cast(w[t,j]·dout[t])`` (the rows the experts pull in backward).
 
-Both equal the reference backend's PyTorch expressions bit for bit (``dispatch.reduce_slots``
-and ``_Combine.backward``): same operations, same order, one rounding each.
+Both equal their references bit for bit (``ref_slot_reduce``, ``ref_slot_scale``: the reference backend's
+combine, ``titan_mok.moe.dispatch``): same operations, same order, one rounding each.
 """
 
 import torch
@@ -24,17 +24,22 @@ _BLOCK_H = 1024
 
 def ref_slot_reduce(slots_TKH: torch.Tensor, weights_TK: torch.Tensor | None, shared_TH: torch.Tensor | None,
                     out_dtype: torch.dtype) -> torch.Tensor:
-    """The reference backend's reduction (``dispatch.reduce_slots``)."""
-    from titan_mok.moe.dispatch import reduce_slots  # NOTE: here: titan_mok.moe imports this module
-
-    return reduce_slots(slots_TKH, weights_TK, shared_TH, out_dtype)
+    """out[t] = Σ_j (w[t,j] ·) slots[t,j] (ascending j) + shared[t], in fp32, cast once: the reference backend's
+    combine (and, without weights and shared, its dispatch backward)."""
+    acc_TH = None
+    for j in range(slots_TKH.shape[1]):
+        term_TH = slots_TKH[:, j].float()
+        if weights_TK is not None:
+            term_TH = weights_TK[:, j : j + 1] * term_TH
+        acc_TH = term_TH if acc_TH is None else acc_TH + term_TH
+    if shared_TH is not None:
+        acc_TH = acc_TH + shared_TH.float()
+    return acc_TH.to(out_dtype)
 
 
 def ref_slot_scale(weights_TK: torch.Tensor, dout_TH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The reference backend's w·dY (``dispatch.scale_slots``)."""
-    from titan_mok.moe.dispatch import scale_slots  # NOTE: here: titan_mok.moe imports this module
-
-    return scale_slots(weights_TK, dout_TH, dtype)
+    """dy[t, j] = w[t, j] · dout[t] in fp32, rounded once to dtype: the reference backend's combine backward."""
+    return (weights_TK.unsqueeze(-1) * dout_TH.float().unsqueeze(1)).to(dtype)
 
 
 @triton.jit

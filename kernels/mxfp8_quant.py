@@ -1,6 +1,6 @@
 """MXFP8 quantization in Triton, along rows and along columns, beside its reference.
 
-The reference (the definition) is ``titan_mok.mxfp8.to_mxfp8``; ``mxfp8_quantize`` must
+The reference (the definition) is ``titan_mok.kernels.mxfp8.to_mxfp8``; ``mxfp8_quantize`` must
 equal it bit for bit. ``mx_quantize_block`` is the per-block rule as a ``@triton.jit``
 function, so GEMM kernels quantize activations on load with the very same code.
 
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 import torch
 
-from titan_mok.mxfp8 import BLOCK, SCALE_DTYPE, MXTensor, _check_blockable, fake_quantize_mxfp8, to_mxfp8
+from titan_mok.kernels.mxfp8 import BLOCK, SCALE_DTYPE, MXTensor, _check_blockable, fake_quantize_mxfp8, to_mxfp8
 
 ref_mxfp8_quantize = to_mxfp8
 
@@ -165,7 +165,7 @@ def mx_dequantize_bf16(q, e, bad):
 
 @triton.jit
 def mx_to_mma_order(q, AXIS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Tile q [ROWS, COLS] with each 32-block along AXIS in MMA order (titan_mok.mxfp8.to_mma_order:
+    """Tile q [ROWS, COLS] with each 32-block along AXIS in MMA order (titan_mok.kernels.mxfp8.to_mma_order:
     element 16c + 8h + 2t + l of a block to 8t + 4c + 2h + l)."""
     if AXIS == 1:
         q = tl.reshape(tl.permute(tl.reshape(q, (ROWS, COLS // 32, 2, 2, 4, 2)), (0, 1, 4, 2, 3, 5)), (ROWS, COLS))
@@ -176,7 +176,7 @@ def mx_to_mma_order(q, AXIS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexp
 
 @triton.jit
 def mx_from_mma_order(w, ROWS: tl.constexpr):
-    """Block w [ROWS, 32] stored in MMA order, back in index order (titan_mok.mxfp8.from_mma_order)."""
+    """Block w [ROWS, 32] stored in MMA order, back in index order (titan_mok.kernels.mxfp8.from_mma_order)."""
     return tl.reshape(tl.permute(tl.reshape(w, (ROWS, 4, 2, 2, 2)), (0, 2, 3, 1, 4)), (ROWS, 32))
 
 

@@ -1,12 +1,12 @@
-"""bench.grouped_ffn's timing rounds (CPU: the phases and the timer stubbed, the bookkeeping real)."""
+"""benchmarks.tools.grouped_ffn's timing rounds (CPU: the phases and the timer stubbed, the bookkeeping real)."""
 
 import weakref
 
 import pytest
 import torch
 
-from titan_mok.bench import grouped_ffn
-from titan_mok.bench.grouped_ffn import Case
+from benchmarks.tools import grouped_ffn
+from benchmarks.tools.grouped_ffn import Case
 
 CEIL = {"bf16_tflops": 1.0, "fp8_tflops": 2.0, "hbm_tbps": 1.0}
 
@@ -16,7 +16,7 @@ def _stub(monkeypatch, times):
     if it is an exception) and logs the order."""
     order = []
     monkeypatch.setattr(grouped_ffn, "_phases",
-                        lambda impl, c: ({ph: (impl, ph) for ph in ("fwd", "wgrad")}, "bf16"))
+                        lambda impl, c, table=None: ({ph: (impl, ph) for ph in ("fwd", "wgrad")}, "bf16"))
 
     def bench(fn, rep_ms):
         order.append(fn)
@@ -53,7 +53,7 @@ def test_one_round_times_each_phase_once_without_a_range(monkeypatch):
 def test_a_failing_implementation_is_recorded_not_raised(monkeypatch):
     _stub(monkeypatch, {})
 
-    def phases(impl, c):
+    def phases(impl, c, table=None):
         raise RuntimeError("torch rejects this case")
 
     monkeypatch.setattr(grouped_ffn, "_phases", phases)
@@ -118,7 +118,7 @@ def test_our_weight_gradients_are_timed_one_alive_at_a_time(monkeypatch):
         refs.append(weakref.ref(t))
         return t
 
-    def grouped_wgrads(pairs, group_end, precision):
+    def grouped_wgrads(pairs, group_end, precision, table=None):
         for _ in pairs:
             yield made()
 
@@ -126,3 +126,14 @@ def test_our_weight_gradients_are_timed_one_alive_at_a_time(monkeypatch):
     c = Case(32, 16, torch.tensor([3, 0, 5]), dev="cpu")
     grouped_ffn.phases_ours(c, "bf16")["wgrad"]()
     assert len(refs) == 3
+
+
+def test_tune_sweeps_every_entry_and_hold_the_committed_configs():
+    """`--tune` puts the fastest of each table entry's list in place, so each list must hold the committed config
+    of every chip's table: else a tune could only move away from it. Every grouped_mm entry has a list."""
+    from titan_mok.kernels import tile_configs as tc
+
+    assert set(grouped_ffn.TUNE_VARIANTS) == set(tc.H200.mm)
+    for table in (tc.H200, tc.H100):
+        for key, variants in grouped_ffn.TUNE_VARIANTS.items():
+            assert table.mm[key].cuda in variants, f"{key}: the committed config {table.mm[key].cuda} is not swept"

@@ -1,51 +1,68 @@
-"""bench.config_ab's config variants and cases (its timing needs a GPU; this is the CPU part)."""
+"""benchmarks.tools.config_ab's variant tables and cases (its timing needs a GPU; this is the CPU part)."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from titan_mok.bench.config_ab import case_counts, committed_configs, compare, variant_configs
-from titan_mok.bench.grouped_ffn import SHAPES, TOKENS_PER_GPU
-from titan_mok.kernels import grouped_gemm as gg
+from benchmarks.tools.config_ab import case_counts, committed_table, compare, variant_table
+from benchmarks.tools.grouped_ffn import SHAPES, TOKENS_PER_GPU
+from titan_mok.kernels import tile_configs as tc
 
 
 def test_variant_merges_sets_and_unsets():
-    committed = dict(gg._MM_CONFIGS)
-    v = variant_configs(committed, ['bf16/plain={"HALF_TILES": false, "num_stages": 4}', "mxfp8_ws/plain=null",
-                                    'bf16/dual@few_rows={"BM": 64}', 'bf16/swiglu@many_rows={"BM": 256}'],
-                         ["mxfp8_ws/dual@few_rows", "mxfp8_ws/plain@many_rows"])
-    assert v["bf16/plain"] == {**committed["bf16/plain"], "HALF_TILES": False, "num_stages": 4}
-    assert v["mxfp8_ws/plain"] is None and v["bf16/dual@few_rows"] == {"BM": 64}
-    assert v["bf16/swiglu@many_rows"] == {"BM": 256}
-    assert "mxfp8_ws/dual@few_rows" not in v and "mxfp8_ws/plain@many_rows" not in v
-    assert committed == gg._MM_CONFIGS, "the committed configs are left as they were"
+    committed = tc.H200
+    v = variant_table(committed, ['bf16/plain@mid_rows={"HALF_TILES": false, "num_stages": 4}',
+                                  'mxfp8/plain@few_rows={"STAGES": 2}',
+                                  'bf16/dual@few_rows={"kernel": "warp_specialized", "BM": 64, "PERSISTENT": true, '
+                                  '"STAGES": 2, "CONSUMER_REGS": 232}'],
+                      ["mxfp8/dual@few_rows", "mxfp8/plain@many_rows"])
+    plain = dataclasses.replace(committed.mm["bf16/plain@mid_rows"].cuda, HALF_TILES=False, num_stages=4)
+    assert v.mm["bf16/plain@mid_rows"] == tc.MMEntry(plain, plain), "one config where the Triton kernel runs on CUDA"
+    assert v.mm["mxfp8/plain@few_rows"] == tc.MMEntry(committed.mm["mxfp8/plain@few_rows"].triton, dataclasses.replace(
+        committed.mm["mxfp8/plain@few_rows"].cuda, STAGES=2))
+    assert v.mm["bf16/dual@few_rows"] == tc.MMEntry(committed.mm["bf16/dual@few_rows"].triton, tc.GluonMM(
+        BM=64, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232))
+    for key in ("mxfp8/dual@few_rows", "mxfp8/plain@many_rows"):
+        assert v.mm[key].cuda == v.mm[key].triton == committed.mm[key].triton
+    assert committed is tc.H200 and committed.mm["mxfp8/plain@few_rows"].cuda.STAGES == 4, "the committed table stays"
 
 
 def test_variant_reaches_the_weight_gradient():
-    committed = committed_configs()
-    v = variant_configs(committed, ['wgrad/flat={"BN": 64, "num_warps": 4}'], [])
-    assert v["wgrad/flat"] == {**gg._WGRAD_CONFIGS["flat"], "BN": 64, "num_warps": 4}
-    assert v["wgrad/rows"] == gg._WGRAD_CONFIGS["rows"] and v["bf16/plain"] == gg._MM_CONFIGS["bf16/plain"]
-    # the warp-specialized flat loop: a config over a None entry, or None (the Triton kernel)
-    assert variant_configs(committed, ['wgrad/flat_ws={"STAGES": 3}'], [])["wgrad/flat_ws"] == {
-        **(gg._WGRAD_CONFIGS["flat_ws"] or {}), "STAGES": 3}
-    assert variant_configs(committed, ["wgrad/flat_ws=null"], [])["wgrad/flat_ws"] is None
+    committed = committed_table()
+    v = variant_table(committed, ['wgrad/flat={"BN": 64, "num_warps": 4}'], [])
+    assert v.wgrad["flat"] == dataclasses.replace(committed.wgrad["flat"], BN=64, num_warps=4)
+    assert v.wgrad["rows"] == committed.wgrad["rows"] and v.mm == committed.mm
+    assert variant_table(committed, ['wgrad/flat_ws={"STAGES": 3}'], []).wgrad["flat_ws"] == dataclasses.replace(
+        committed.wgrad["flat_ws"], STAGES=3)
+    # --unset: the loop's Triton config
+    assert variant_table(committed, [], ["wgrad/flat_ws"]).wgrad["flat_ws"] == committed.wgrad["flat"]
+    assert variant_table(committed, [], ["wgrad/rows_ws"]).wgrad["rows_ws"] == committed.wgrad["rows"]
+    rows = variant_table(committed, ['wgrad/rows_ws={"kernel": "triton", "BR": 64, "BN": 128, "BK": 128, '
+                                     '"num_warps": 8, "num_stages": 3}'], []).wgrad["rows_ws"]
+    assert rows == tc.TritonWgrad(loop="rows", BR=64, BN=128, BK=128, num_warps=8, num_stages=3)
 
 
 @pytest.mark.parametrize("sets, unsets, match", [
-    (["bf16/plain"], [], r"--set 'bf16/plain': expected KEY=JSON"),
-    (["bf16/plian={}"], [], r"--set bf16/plian: not a config key"),
-    (["bf16/plain@slow={}"], [], r"--set bf16/plain@slow: not a config key"),
+    (["bf16/plain@mid_rows"], [], r"--set 'bf16/plain@mid_rows': expected KEY=JSON"),
+    (["bf16/plian@mid_rows={}"], [], r"--set bf16/plian@mid_rows: not a config key"),
+    (["bf16/plain={}"], [], r"--set bf16/plain: not a config key"),
     (["wgrad/flat@few_rows={}"], [], r"--set wgrad/flat@few_rows: not a config key"),
     (["wgrad/flat=null"], [], r"--set wgrad/flat: the value must be a JSON object, got 'null'"),
-    ([], ["wgrad/rows"], r"--unset wgrad/rows: the weight gradient's entries stay"),
-    ([], ["wgrad/flat_ws"], r"--unset wgrad/flat_ws: the weight gradient's entries stay"),
-    (["bf16/plain={BM: 64}"], [], r"--set bf16/plain: '\{BM: 64\}' is not JSON"),
-    (["bf16/plain=64"], [], r"--set bf16/plain: the value must be a JSON object or null"),
-    ([], ["bf16/plain@few_rows"], r"--unset bf16/plain@few_rows: no such entry"),
+    (["bf16/plain@mid_rows={BM: 64}"], [], r"--set bf16/plain@mid_rows: '\{BM: 64\}' is not JSON"),
+    (["bf16/plain@mid_rows=64"], [], r"--set bf16/plain@mid_rows: the value must be a JSON object"),
+    (['bf16/plain@mid_rows={"BMM": 64}'], [], r"--set bf16/plain@mid_rows: .*'BMM'.*the fields of TritonMM: \['BM'"),
+    (['bf16/plain@mid_rows={"kernel": "tma"}'], [], r"kernel must be one of \['triton', 'warp_specialized', "
+                                                     r"'cooperative'\], got 'tma'"),
+    (['wgrad/flat_ws={"kernel": "cooperative"}'], [], r"kernel must be one of \['triton', 'warp_specialized'\]"),
+    (['bf16/dual@mid_rows={"kernel": "cooperative", "BN": 128, "BK": 64, "STAGES": 3, "CONSUMER_REGS": 232}'], [],
+     r"the variant table: bf16/dual@mid_rows: the cooperative kernel runs the plain and SwiGLU gate/up kinds only"),
+    ([], ["wgrad/rows"], r"--unset wgrad/rows: it runs the Triton kernel already"),
+    ([], ["bf16/plain@slow_rows"], r"--unset bf16/plain@slow_rows: not a config key"),
 ])
 def test_bad_variants_are_refused_by_name(sets, unsets, match):
     with pytest.raises(ValueError, match=match):
-        variant_configs(committed_configs(), sets, unsets)
+        variant_table(committed_table(), sets, unsets)
 
 
 def test_cases_are_the_benchmarks():
@@ -56,42 +73,32 @@ def test_cases_are_the_benchmarks():
     assert torch.equal(case_counts("glm", "8x4096"), torch.full((8,), 4096, dtype=torch.int64))
 
 
-def test_compare_reports_changed_bits():
-    """compare() runs fn under each config: outputs that follow the config are told apart."""
-    committed = committed_configs()
-    for variant, equal in (({"HALF_TILES": False}, True), ({"BK": 32}, False)):
-        configs = {"committed": committed, "variant": {**committed, "bf16/plain": {**committed["bf16/plain"], **variant}}}
-        fn = lambda: torch.tensor([gg._MM_CONFIGS["bf16/plain"]["BK"]])  # noqa: E731
-        assert compare(fn, configs, rounds=1, rep_ms=1, bench=lambda f, rep_ms: (f(), 1.0)[1])["bits_equal"] is equal
-    assert committed_configs() == committed, "the committed configs are restored"
-
-
-def test_the_ab_runs_on_the_table_its_chip_reads(monkeypatch):
-    """On a chip with a table of its own (here the H100, as if this process ran on one), the committed configs are
-    that table's and a variant is installed into it, so that the launches meet it; _MM_CONFIGS stays as it was."""
-    h100 = "NVIDIA H100 80GB HBM3"
-    own = gg._CHIP_MM_CONFIGS[h100]
-    monkeypatch.setattr(gg, "current_chip", lambda: h100)
-    monkeypatch.setitem(gg._CHIP_MM_CONFIGS, h100, dict(own))  # the variant is installed into this copy
-    base = dict(gg._MM_CONFIGS)
-    committed = committed_configs()
-    assert committed["mxfp8_ws/dual@few_rows"] == own["mxfp8_ws/dual@few_rows"] != base["mxfp8_ws/dual@few_rows"]
-    configs = {"committed": committed,
-               "variant": variant_configs(committed, ['mxfp8_ws/dual@few_rows={"STAGES": 2}'], [])}
+def test_compare_runs_each_side_on_its_table():
+    """compare() runs fn on each table, the bits first, then the timed rounds alternating (each side's rounds on
+    its own table), and tells outputs that follow the table apart."""
+    committed = committed_table()
+    variant = variant_table(committed, ['bf16/plain@mid_rows={"BK": 32}'], [])
     seen = []
-    fn = lambda: torch.tensor([gg._mm_config("mxfp8_ws/dual", "few_rows", h100)["STAGES"]])  # noqa: E731
-    compare(fn, configs, rounds=2, rep_ms=1, bench=lambda f, rep_ms: (seen.append(int(f())), 1.0)[1])
-    assert sorted(seen) == [2, 2, 3, 3], "each side's rounds ran on its own config"
-    assert committed_configs() == committed and gg._MM_CONFIGS == base
+
+    def fn(table):
+        seen.append(table.mm["bf16/plain@mid_rows"].cuda.BK)
+        return torch.tensor([seen[-1]])
+
+    rec = compare(fn, {"committed": committed, "variant": variant}, rounds=2, rep_ms=1,
+                  bench=lambda f, rep_ms: (f(), 1.0)[1])
+    assert not rec["bits_equal"] and seen == [64, 32, 64, 32, 32, 64]
+    same = compare(fn, {"committed": committed, "variant": committed}, rounds=1, rep_ms=1,
+                   bench=lambda f, rep_ms: (f(), 1.0)[1])
+    assert same["bits_equal"]
 
 
-def test_compare_reports_median_and_range_per_config():
-    """Each config's median round and its fastest and slowest, from the rounds that config ran."""
-    committed = committed_configs()
-    configs = {"committed": committed, "variant": {**committed, "bf16/plain": {**committed["bf16/plain"], "BK": 32}}}
-    times = {64: iter([3.0, 1.0, 2.0]), 32: iter([5.0, 6.0, 4.0])}  # per config's BK, in its rounds' order
-    rec = compare(lambda: torch.zeros(1), configs, rounds=3, rep_ms=1,
-                  bench=lambda f, rep_ms: next(times[gg._MM_CONFIGS["bf16/plain"]["BK"]]))
+def test_compare_reports_median_and_range_per_table():
+    """Each table's median round and its fastest and slowest, from the rounds that table ran."""
+    committed = committed_table()
+    tables = {"committed": committed, "variant": variant_table(committed, ['bf16/plain@mid_rows={"BK": 32}'], [])}
+    times = {64: iter([3.0, 1.0, 2.0]), 32: iter([5.0, 6.0, 4.0])}  # per table's BK, in its rounds' order
+    rec = compare(lambda table: torch.tensor([table.mm["bf16/plain@mid_rows"].cuda.BK]), tables, rounds=3, rep_ms=1,
+                  bench=lambda f, rep_ms: next(times[int(f())]))
     assert rec["committed_ms"] == 2.0 and rec["committed_range_ms"] == [1.0, 3.0]
     assert rec["variant_ms"] == 5.0 and rec["variant_range_ms"] == [4.0, 6.0]
 
@@ -101,7 +108,7 @@ def tracked_cpu_cases(made: list):
     still alive when the next one is built."""
     import weakref
 
-    from titan_mok.bench.grouped_ffn import Case
+    from benchmarks.tools.grouped_ffn import Case
 
     def make(h, i, counts):
         assert all(ref() is None for ref in made), "an earlier case's tensors are still held"
@@ -117,8 +124,8 @@ def _run_tiny(monkeypatch, tmp_path, *flags, cases="EP=2 skewed", make_case=None
     import json
     import sys
 
-    from titan_mok.bench import config_ab
-    from titan_mok.bench.grouped_ffn import Case
+    from benchmarks.tools import config_ab
+    from benchmarks.tools.grouped_ffn import Case
 
     monkeypatch.setattr(config_ab, "SHAPES", {"tiny": (128, 64, 8, 2)})
     monkeypatch.setattr(config_ab, "TOKENS_PER_GPU", 48)
@@ -132,23 +139,23 @@ def _run_tiny(monkeypatch, tmp_path, *flags, cases="EP=2 skewed", make_case=None
 
 
 def test_config_ab_runs_every_kind(monkeypatch, tmp_path):
-    """Every kind of grouped_mm reported (and no weight gradient: the variant leaves its loops), the
-    bits kept by variants that only move tile shapes (the kernels' contract)."""
-    rows = _run_tiny(monkeypatch, tmp_path, "--precision", "bf16", "--set", 'bf16/plain={"HALF_TILES": false}',
-                     "--set", 'bf16/dual={"BN": 128}')
-    assert [r["kind"] for r in rows] == [f"bf16/{k}" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
+    """Every kind of grouped_mm reported by the table entry it reads (the tiny case: 24 rows per expert), and no
+    weight gradient (the variant leaves its configs), the bits kept by variants that only move tile shapes (the
+    kernels' contract)."""
+    rows = _run_tiny(monkeypatch, tmp_path, "--precision", "bf16", "--set",
+                     'bf16/plain@few_rows={"HALF_TILES": false}', "--set", 'bf16/dual@few_rows={"BN": 128}')
+    assert [r["kind"] for r in rows] == [f"bf16/{k}@few_rows" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
     assert all(r["bits_equal"] and r["committed_ms"] == r["variant_ms"] == 1.0 for r in rows)
-    assert gg._MM_CONFIGS["bf16/dual"]["BN"] == 256, "the committed configs are restored"
+    assert tc.DEFAULT.mm["bf16/dual@few_rows"].triton.BN == 256, "the committed table stays"
 
 
 def test_config_ab_runs_the_weight_gradients(monkeypatch, tmp_path):
     """A weight-gradient variant compares each weight's gradient under the loop the case runs (the
     tiny case's experts hold few rows: the flat loop), and only those."""
-    committed = dict(gg._WGRAD_CONFIGS["flat"])
     rows = _run_tiny(monkeypatch, tmp_path, "--precision", "mxfp8", "--set", 'wgrad/flat={"num_stages": 2}')
     assert [r["kind"] for r in rows] == [f"wgrad/flat:{w}" for w in ("w_gate", "w_up", "w_down")]
     assert all(r["bits_equal"] for r in rows)
-    assert gg._WGRAD_CONFIGS["flat"] == committed, "the committed configs are restored"
+    assert tc.DEFAULT.wgrad["flat"].num_stages == 3, "the committed table stays"
 
 
 def test_each_case_is_released_before_the_next(monkeypatch, tmp_path):
@@ -160,36 +167,19 @@ def test_each_case_is_released_before_the_next(monkeypatch, tmp_path):
     assert len(made) == 2 and len(rows) == 6
 
 
-def test_fp8_mma_has_no_weight_gradient(monkeypatch, capsys):
-    import sys
+@pytest.mark.parametrize("counts, tier", [([5, 0, 9], "few_rows"), ([100, 0, 200], "mid_rows"),
+                                          ([3000, 2000, 1700], "many_rows")])
+def test_gemms_are_keyed_by_the_entries_they_read(counts, tier):
+    """The benchmark's GEMMs are keyed by the table entries they read at the case's rows per expert, so that
+    config_ab and --tune vary the configs those GEMMs run; each runs with the table it is given."""
+    from benchmarks.tools.grouped_ffn import TUNE_VARIANTS, Case, gemms_by_kind
 
-    from titan_mok.bench import config_ab
-
-    argv = ["config_ab", "--precision", "mxfp8", "--fp8-mma", "--set", 'wgrad/flat={"BN": 64}']
-    monkeypatch.setattr(sys, "argv", argv)
-    with pytest.raises(SystemExit):
-        config_ab.main()
-    assert "--fp8-mma: the weight gradient has no E4M3-MMA path" in capsys.readouterr().err
-
-
-def test_fp8_mma_needs_mxfp8(monkeypatch, capsys):
-    """--fp8-mma A/Bs the E4M3-MMA configs of the MXFP8 kinds: with --precision bf16 it is refused by name."""
-    import sys
-
-    from titan_mok.bench import config_ab
-
-    monkeypatch.setattr(sys, "argv", ["config_ab", "--precision", "bf16", "--fp8-mma"])
-    with pytest.raises(SystemExit):
-        config_ab.main()
-    assert "--fp8-mma runs the MXFP8 kinds" in capsys.readouterr().err
-
-
-def test_fp8_mma_kinds_are_keyed_by_their_configs():
-    """With fp8_mma the benchmark's GEMMs are keyed by the entries that pick their kernel on CUDA, so
-    that config_ab and --tune vary the configs those GEMMs run."""
-    from titan_mok.bench.grouped_ffn import TUNE_VARIANTS, Case, gemms_by_kind
-
-    c = Case(128, 64, torch.tensor([5, 0, 9]), dev="cpu")
-    keys = list(gemms_by_kind(c, "mxfp8", fp8_mma=True))
-    assert keys == [f"mxfp8_fp8_ws/{k}" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
-    assert all(k in gg._MM_CONFIGS and k in TUNE_VARIANTS for k in keys)
+    c = Case(128, 64, torch.tensor(counts), dev="cpu")
+    gemms = gemms_by_kind(c, "mxfp8")
+    assert list(gemms) == [f"mxfp8/{k}@{tier}" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
+    assert all(k in tc.DEFAULT.mm and k in TUNE_VARIANTS for k in gemms)
+    if tier == "few_rows":
+        key = "mxfp8/plain@few_rows"
+        bn64 = dataclasses.replace(tc.DEFAULT.mm[key].triton, BN=64)
+        table = tc.DEFAULT.replace(mm={key: tc.MMEntry(bn64, bn64)})
+        assert torch.equal(gemms[key](), gemms[key](table))

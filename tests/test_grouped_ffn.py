@@ -7,14 +7,17 @@ accumulation, so what remains is the summation order and the rounding of bf16
 intermediates (g, u, h, dgate, dup), which can flip an occasional MXFP8 element downstream.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from titan_mok.kernels import grouped_gemm as gg
 from titan_mok.kernels import grouped_mm_ws
+from titan_mok.kernels import tile_configs as tc
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, weight_operand
-from titan_mok.kernels.grouped_gemm import grouped_mm, mxfp8_fake_quantize_groups, ref_grouped_mm
-from titan_mok.mxfp8 import MXTensor, fake_quantize_mxfp8
+from titan_mok.kernels.grouped_gemm import grouped_mm, mxfp8_fake_quantize_groups
+from titan_mok.kernels.mxfp8 import MXTensor, fake_quantize_mxfp8
 from titan_mok.kernels.mxfp8_quant import mxfp8_quantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -23,6 +26,31 @@ NAMES = ("y", "dx", "dw_gate", "dw_up", "dw_down")
 
 def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def chip_table() -> tc.ChipTable:
+    """The table this process's launches read: its GPU's, or on the CPU the default."""
+    return tc.table_for(tc.chip_of(torch.zeros(1, device=DEVICE)))
+
+
+def triton_only(table: tc.ChipTable) -> tc.ChipTable:
+    """table with the Triton kernel everywhere: the definition the Gluon kernels are held to."""
+    return table.replace(mm={key: tc.MMEntry(e.triton, e.triton) for key, e in table.mm.items()},
+                         wgrad={"flat_ws": table.wgrad["flat"], "flat_ws_long": table.wgrad["flat"],
+                                "rows_ws": table.wgrad["rows"]})
+
+
+def use_table(monkeypatch, table: tc.ChipTable):
+    """Launches given no table (the FFN's) read this one, on any chip."""
+    monkeypatch.setattr(tc, "TABLES", {})
+    monkeypatch.setattr(tc, "DEFAULT", table)
+
+
+def launched(monkeypatch) -> list:
+    """The tile_configs.Selection of each launch that follows, in order."""
+    made, select = [], tc.select
+    monkeypatch.setattr(tc, "select", lambda *args, **kwargs: made.append(select(*args, **kwargs)) or made[-1])
+    return made
 
 
 def make_case(counts, dim_h, dim_i, padding=0, seed=0, device=DEVICE):
@@ -126,14 +154,6 @@ def test_wgrads_quantize_each_operand_once(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(together, alone))
 
 
-def test_fp8_mma_path_matches_reference():
-    """The E4M3-MMA-with-promotion variant of the forward GEMM (benchmarked against the default)."""
-    (x, w_gate, *_), group_end = make_case(counts=[5, 0, 37], dim_h=64, dim_i=96)
-    ref = ref_grouped_mm(x, group_end, w_gate, "mxfp8")
-    tri = grouped_mm(x, group_end, mxfp8_quantize(w_gate, -1, "w_gate"), fp8_mma=True)
-    assert rel_err(tri, ref) < 1e-2, f"rel err {rel_err(tri, ref):.2e}"
-
-
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 def test_weight_layouts(precision):
     """Weights are read by TMA: [E, N, K] contiguous and the transposed view of [E, K, N] give the
@@ -181,22 +201,19 @@ def test_wgrad_loop_shapes_keep_bits(monkeypatch):
     loops with one tile config: the interpreter's fp32 dots round per row block; the GPU's row
     blocks are test_wgrad_row_blocks_keep_bits_on_gpu.) Each also persistent: one program looping over
     the (features, K tiles) pairs."""
-    monkeypatch.setitem(gg._WGRAD_CONFIGS, "rows", gg._WGRAD_CONFIGS["flat"])
-
+    flat = tc.DEFAULT.wgrad["flat"]
     g = torch.Generator().manual_seed(3)
     a, b = (torch.randn(45, n, generator=g).to(torch.bfloat16).to(DEVICE) for n in (32, 3 * 128 + 16))
     group_end = torch.tensor([40, 40, 45]).to(DEVICE)
     outs = []
-    for flat_max_rows, min_programs in ((10**6, 1), (10**6, 4), (10**6, 10**6), (0, 1)):
+    for rows_loop, min_programs in ((10**6, 1), (10**6, 4), (10**6, 10**6), (0, 1)):
         # flat with 4, 2, 1 K tiles per program (3 output tiles of 4 K tiles each), then one K tile per program
-        monkeypatch.setattr(gg, "_WGRAD_FLAT_MAX_ROWS", flat_max_rows)
         monkeypatch.setattr(gg, "_WGRAD_MIN_PROGRAMS", min_programs)
-        outs.append(gg.grouped_wgrad(a, b, group_end, "bf16"))
-        # persistent: interpreted, one program looping over every (n, p) pair
-        loop = gg.wgrad_loop(a.shape[0], group_end.numel(), a.shape[1], b.shape[1])
-        with monkeypatch.context() as m:
-            m.setitem(gg._WGRAD_CONFIGS, loop, {**gg._WGRAD_CONFIGS[loop], "PERSISTENT": True})
-            outs.append(gg.grouped_wgrad(a, b, group_end, "bf16"))
+        for persistent in (False, True):  # persistent: interpreted, one program looping over every (n, p) pair
+            loops = {loop: dataclasses.replace(flat, loop=loop, PERSISTENT=persistent) for loop in ("flat", "rows")}
+            table = triton_only(tc.DEFAULT.replace(wgrad=loops, wgrad_ws=0, wgrad_long_steps=0,
+                                                   wgrad_rows_loop=rows_loop))
+            outs.append(gg.grouped_wgrad(a, b, group_end, "bf16", table=table))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert rel_err(outs[0], gg.ref_grouped_wgrad(a, b, group_end, "bf16")) < 1e-2
     assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1])), "an expert with no rows gets a zero gradient"
@@ -211,45 +228,20 @@ def test_wgrad_row_blocks_keep_bits_on_gpu(monkeypatch):
     a, b = (torch.randn(2100, n, generator=g).to(torch.bfloat16).cuda() for n in (384, 1024 + 64))
     group_end = torch.tensor([300, 300, 1011, 2100]).cuda()  # an empty expert, partial row blocks
     outs = []
-    for flat_max_rows in (10**6, 0):
-        monkeypatch.setattr(gg, "_WGRAD_FLAT_MAX_ROWS", flat_max_rows)
-        outs.append(gg.grouped_wgrad(a, b, group_end, "bf16"))
-    assert gg._WGRAD_CONFIGS["flat"]["BR"] != gg._WGRAD_CONFIGS["rows"]["BR"]
+    for rows_loop in (10**6, 0):
+        table = triton_only(chip_table()).replace(wgrad_ws=0, wgrad_long_steps=0, wgrad_rows_loop=rows_loop)
+        outs.append(gg.grouped_wgrad(a, b, group_end, "bf16", table=table))
+        assert table.wgrad["flat"].BR != table.wgrad["rows"].BR
     assert torch.equal(outs[0], outs[1])
     assert rel_err(outs[0], gg.ref_grouped_wgrad(a, b, group_end, "bf16")) < 1e-2
 
 
-def test_wgrad_loop_follows_rows_per_expert(monkeypatch):
-    """The weight gradient's entry: the warp-specialized kernel on CUDA from _WGRAD_WS_MIN_ROWS rows per expert
-    on, and below it for a gradient with more features than K columns (w_down's), only with a config; the Triton
-    flat loop otherwise and off CUDA; the row loop from _WGRAD_FLAT_MAX_ROWS on (on CUDA warp-specialized too, with a
-    "rows_ws" config, which is committed; the Triton row loop where it is None)."""
-    ws_min, long_min, flat_max, experts = (gg._WGRAD_WS_MIN_ROWS, gg._WGRAD_WS_LONG_STEPS_MIN_ROWS,
-                                           gg._WGRAD_FLAT_MAX_ROWS, 4)
-    assert all(gg._WGRAD_CONFIGS[loop] is not None for loop in ("flat_ws", "flat_ws_long", "rows_ws"))
-    rows = [r * experts for r in (ws_min - 1, ws_min, long_min - 1, long_min, flat_max - 1, flat_max)]
-    w_gate, w_down = (2048, 7168), (7168, 2048)  # (n, k) of Kimi K2.7's [E, I, H] and [E, H, I] gradients
-    ws = ["flat_ws", "flat_ws_long", "flat_ws_long", "rows_ws"]
-    assert [gg.wgrad_loop(r, experts, *w_gate, True) for r in rows] == ["flat", "flat_ws", *ws]
-    assert [gg.wgrad_loop(r, experts, *w_down, True) for r in rows] == ["flat_ws", "flat_ws", *ws]
-    for n_k in (w_gate, w_down):
-        assert [gg.wgrad_loop(r, experts, *n_k) for r in rows] == ["flat"] * 5 + ["rows"]
-    monkeypatch.setitem(gg._WGRAD_CONFIGS, "rows_ws", None)
-    assert [gg.wgrad_loop(flat_max * experts, experts, *n_k, True) for n_k in (w_gate, w_down)] == ["rows"] * 2
-    monkeypatch.setitem(gg._WGRAD_CONFIGS, "flat_ws_long", None)
-    assert gg.wgrad_loop(long_min * experts, experts, *w_gate, True) == "flat_ws"
-    monkeypatch.setitem(gg._WGRAD_CONFIGS, "flat_ws", None)
-    assert gg.wgrad_loop(long_min * experts, experts, *w_gate, True) == "flat"
-    assert gg.wgrad_loop(ws_min * experts, experts, *w_gate, True) == "flat"
-    assert gg.wgrad_loop(experts, experts, *w_down, True) == "flat"
-
-
 # warp-specialized weight-gradient configs the GPU test holds to the Triton kernel's bits (besides the committed
 # ones): 64-row MMA steps on 128-wide K tiles, 32-row steps on a two-slot ring with a one-warp storer
-WGRAD_WS_RINGS = {"br64": dict(BR=64, BN=128, BK=128, STAGES=4, CONSUMER_REGS=232, STORER_WARPS=2, STORER_REGS=64,
-                               num_warps=4),
-                  "br32_2": dict(BR=32, BN=128, BK=128, STAGES=2, CONSUMER_REGS=232, STORER_WARPS=1, STORER_REGS=80,
-                                 num_warps=4)}
+WGRAD_WS_RINGS = {"br64": tc.GluonWgrad(loop="flat", BR=64, BK=128, STAGES=4, CONSUMER_REGS=232, STORER_WARPS=2,
+                                        STORER_REGS=64),
+                  "br32_2": tc.GluonWgrad(loop="flat", BR=32, BK=128, STAGES=2, CONSUMER_REGS=232, STORER_WARPS=1,
+                                          STORER_REGS=80)}
 
 
 @pytest.mark.gpu
@@ -261,23 +253,22 @@ def test_warp_specialized_wgrad_matches_triton_bits(monkeypatch, ring, programs)
     whatever the row block): an empty expert, one-row and 129-row experts, partial feature and K tiles, a heavy
     expert whose K tiles the launcher splits among more programs; with a program
     per SM and with 3 programs looping over every job (the ring's phases carried across jobs and experts)."""
-    cfg = gg._WGRAD_CONFIGS[ring] if ring in gg._WGRAD_CONFIGS else WGRAD_WS_RINGS[ring]  # committed, or a variant
-    assert cfg is not None, f"no committed {ring} config: nothing would run the Gluon kernel"
+    base = chip_table()
+    cfg = base.wgrad[ring] if ring in base.wgrad else WGRAD_WS_RINGS[ring]  # committed, or a variant
+    assert cfg.KERNEL == "warp_specialized", f"the committed {ring} config does not run the Gluon kernel"
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
-    monkeypatch.setattr(gg, "_WGRAD_FLAT_MAX_ROWS", 10**6)  # every case on the flat loop,
-    monkeypatch.setattr(gg, "_WGRAD_WS_MIN_ROWS", 0)  # and on the warp-specialized kernel
-    monkeypatch.setitem(gg._WGRAD_CONFIGS, "flat_ws", cfg)  # every case on this config
-    monkeypatch.setitem(gg._WGRAD_CONFIGS, "flat_ws_long", None)
+    # every case on the flat loop, on the warp-specialized kernel with this config
+    table = base.replace(wgrad={"flat_ws": cfg, "flat_ws_long": cfg}, wgrad_ws=0, wgrad_rows_loop=10**6)
+    made = launched(monkeypatch)
     g = torch.Generator().manual_seed(11)
     for n, k, counts in ((192, 200, [1, 129, 0, 64]), (384, 1088, [300, 0, 711, 1089]), (2048, 1024, [85] * 20),
                          (256, 512, [3] * 30 + [700])):
         a, b = (torch.randn(sum(counts), d, generator=g).to(torch.bfloat16).cuda() for d in (n, k))
         group_end = torch.tensor(counts).cumsum(0).cuda()
-        with monkeypatch.context() as m:
-            m.setitem(gg._WGRAD_CONFIGS, "flat_ws", None)
-            ref = gg.grouped_wgrad(a, b, group_end, "bf16")
-        assert torch.equal(gg.grouped_wgrad(a, b, group_end, "bf16"), ref), (n, k, counts)
+        ref = gg.grouped_wgrad(a, b, group_end, "bf16", table=triton_only(table))
+        assert torch.equal(gg.grouped_wgrad(a, b, group_end, "bf16", table=table), ref), (n, k, counts)
+        assert made[-1].config == cfg and made[-2].kernel == "triton"
 
 
 @pytest.mark.gpu
@@ -288,16 +279,15 @@ def test_warp_specialized_wgrad_on_row_loop_programs_matches_triton_bits(monkeyp
     an empty expert, partial feature and K tiles, experts of 1 to 1711 rows."""
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
+    made = launched(monkeypatch)
     g = torch.Generator().manual_seed(12)
     for n, k, counts in ((384, 1088, [300, 0, 1711, 1089]), (2048, 1024, [700] * 3 + [1])):
         a, b = (torch.randn(sum(counts), d, generator=g).to(torch.bfloat16).cuda() for d in (n, k))
         group_end = torch.tensor(counts).cumsum(0).cuda()
-        with monkeypatch.context() as m:
-            m.setitem(gg._WGRAD_CONFIGS, "rows_ws", None)
-            assert gg.wgrad_loop(a.shape[0], len(counts), n, k, True) == "rows"
-            ref = gg.grouped_wgrad(a, b, group_end, "bf16")
-        assert gg.wgrad_loop(a.shape[0], len(counts), n, k, True) == "rows_ws"  # the committed config
+        ref = gg.grouped_wgrad(a, b, group_end, "bf16", table=triton_only(chip_table()))
+        assert made[-1].key == "wgrad/rows_ws" and made[-1].kernel == "triton"
         assert torch.equal(gg.grouped_wgrad(a, b, group_end, "bf16"), ref), (n, k, counts)
+        assert made[-1].key == "wgrad/rows_ws" and made[-1].kernel == "warp_specialized"  # the committed config
 
 
 def test_wgrad_needs_aligned_rows():
@@ -349,78 +339,33 @@ def test_gpu_real_sizes(name, dim_h, dim_i, counts, precision):
     assert torch.equal(alone[0], tri[0][: counts[0]]) and torch.equal(alone[1], tri[1][: counts[0]])
 
 
-_TIERS = {"": (0, 2**31), "few_rows": (2**31, 2**31), "many_rows": (0, 0)}  # (_FEW_ROWS, _MANY_ROWS) forcing it
+# thresholds that put any rows per expert in the tier
+_TIERS = {"mid_rows": dict(few_rows=0, many_rows=2**31), "few_rows": dict(few_rows=2**31, many_rows=2**31 + 1),
+          "many_rows": dict(few_rows=-1, many_rows=0)}
 
 
-def _tile_runs(monkeypatch, tensors, group_end, tiers, **kw):
-    """Forward and backward with each rows tier's configs, whatever the rows (grouped_gemm._mm_config):
-    "" the 128-token tiles, "few_rows" 64-token tiles (on the GPU two programs per SM for the MXFP8
-    dgrad kinds), "many_rows" (on the GPU 256-token tiles for the MXFP8 plain and dual kinds)."""
+def _tile_runs(monkeypatch, table, tensors, group_end, tiers, **kw):
+    """Forward and backward on each rows tier's configs of table, whatever the rows: "mid_rows" the 128-token
+    tiles, "few_rows" 64-token tiles (on the GPU two programs per SM for the MXFP8 dgrad kinds), "many_rows" (on
+    the GPU 256-token tiles for the MXFP8 plain and dual kinds)."""
     runs = []
+    made = launched(monkeypatch)
     for tier in tiers:
-        few, many = _TIERS[tier]
-        monkeypatch.setattr(gg, "_FEW_ROWS", few)
-        monkeypatch.setattr(gg, "_MANY_ROWS", many)
-        assert gg.rows_tier(int(group_end[-1]), group_end.numel()) == tier
+        use_table(monkeypatch, table.replace(**_TIERS[tier]))
         runs.append(run(tensors, group_end, use_triton=True, **kw))
+        assert {sel.key.split("@")[-1] for sel in made if not sel.key.startswith("wgrad/")} == {tier}
+        made.clear()
     return runs
 
 
-def test_rows_tiers_pick_their_configs(monkeypatch):
-    """The experts' average rows pick the tier; a tier's "@<tier>" config where there is one (also under a None
-    kind: that tier alone runs the warp-specialized kernel), else the kind's (with few rows capped at
-    _FEW_ROWS-token tiles unless its half tiles cover them)."""
-    assert [gg.rows_tier(r, 4) for r in (0, 4 * 64, 4 * 64 + 1, 4 * 2048 - 1, 4 * 2048)] == \
-        ["few_rows", "few_rows", "", "", "many_rows"]
-    monkeypatch.setattr(gg, "_MM_CONFIGS", {"k": dict(BM=128), "k@many_rows": dict(BM=256),
-                                            "h": dict(BM=128, HALF_TILES=True), "none": None,
-                                            "none@few_rows": dict(BM=64)})
-    assert gg._mm_config("k", "") == dict(BM=128) and gg._mm_config("k", "many_rows") == dict(BM=256)
-    assert gg._mm_config("k", "few_rows") == dict(BM=64)
-    assert gg._mm_config("h", "few_rows") == dict(BM=128, HALF_TILES=True) == gg._mm_config("h", "many_rows")
-    assert gg._mm_config("none", "few_rows") == dict(BM=64)
-    assert gg._mm_config("none", "") is None and gg._mm_config("none", "many_rows") is None
-
-
-def test_a_chip_reads_its_own_table():
-    """A chip with a table of its own (the H100) reads it, any other chip and the CPU _MM_CONFIGS; the H100's runs bf16
-    plain and SwiGLU gate/up at many rows on the cooperative kernel (plain's Triton config persistent) and takes the
-    weight gradient's 64-row steps from 80 rows per expert (Kimi K2.7 and Qwen3.5 at EP=2), the others from 128."""
-    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
-    assert gg.mm_configs(h200) is gg.mm_configs("") is gg._MM_CONFIGS
-    own = gg.mm_configs(h100)
-    changed = sorted(k for k in own if own[k] != gg._MM_CONFIGS[k])
-    assert own.keys() == gg._MM_CONFIGS.keys() and changed == [
-        "bf16/plain@many_rows", "bf16_ws/plain@many_rows", "bf16_ws/swiglu@many_rows", "mxfp8_ws/dual@few_rows",
-        "mxfp8_ws/plain@few_rows", "mxfp8_ws/swiglu", "mxfp8_ws/swiglu@few_rows"]
-    assert gg._mm_config("bf16/plain", "many_rows", h100)["PERSISTENT"]
-    assert gg._mm_config("bf16/plain", "many_rows", h200) == gg._MM_CONFIGS["bf16/plain"]
-    assert gg._mm_config("bf16_ws/plain", "many_rows", h100)["COOPERATIVE"]
-    assert gg._mm_config("bf16_ws/plain", "many_rows", h200) is None
-    assert gg._mm_config("bf16_ws/swiglu", "many_rows", h100)["COOPERATIVE"]
-    assert gg._mm_config("bf16_ws/swiglu", "many_rows", h200) is None
-    assert gg._mm_config("mxfp8_ws/dual", "few_rows", h100)["STAGES"] == 3
-    assert gg._mm_config("mxfp8_ws/dual", "few_rows", h200) == gg._MM_CONFIGS["mxfp8_ws/dual@few_rows"]
-    assert gg._mm_config("mxfp8_ws/dual", "", h100) == gg._MM_CONFIGS["mxfp8_ws/dual"]
-    experts, n, k = 192, 2048, 7168
-    loops = {(chip, rows): gg.wgrad_loop(rows * experts, experts, n, k, True, chip)
-             for chip in (h100, h200, "") for rows in (64, 80, 85, 128)}
-    assert [loops[h100, r] for r in (64, 80, 85, 128)] == ["flat_ws", "flat_ws_long", "flat_ws_long", "flat_ws_long"]
-    assert [loops[h200, r] for r in (64, 80, 85, 128)] == ["flat_ws", "flat_ws", "flat_ws", "flat_ws_long"]
-    assert all(loops["", r] == loops[h200, r] for r in (64, 80, 85, 128))
-    assert gg.chip_of(torch.zeros(1)) == ""
-
-
-@pytest.mark.parametrize("chip", ["", gg._H100])
+@pytest.mark.parametrize("table", [tc.H200, tc.H100], ids=["H200", "H100"])
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
-def test_token_tile_keeps_bits(monkeypatch, precision, chip):
+def test_token_tile_keeps_bits(monkeypatch, precision, table):
     """The token tile follows the rows per expert; a row's bits must not (every kind of grouped_mm), on each chip's
     table. bf16's "@many_rows" configs are persistent: one program here, looping over every tile (the H100's plain
     kind on 128 x 256 tiles; the MXFP8 ones run the warp-specialized kernel: the GPU test below holds those)."""
-    if chip:  # the launches read the table of the chip their tensors are on
-        monkeypatch.setattr(gg, "chip_of", lambda t: chip)
     tensors, group_end = make_case(**CPU_CASE)
-    base, *others = _tile_runs(monkeypatch, tensors, group_end, tuple(_TIERS), precision=precision,
+    base, *others = _tile_runs(monkeypatch, table, tensors, group_end, tuple(_TIERS), precision=precision,
                                swiglu_limit=0.5)
     for tier, other in zip(list(_TIERS)[1:], others):
         for name, a, b in zip(NAMES, base, other):
@@ -436,7 +381,7 @@ def test_token_tile_keeps_bits_on_gpu(monkeypatch, precision, shape):
     (Qwen3.5's 300-row expert fills a 256-token tile and starts another)."""
     name, dim_h, dim_i, counts = shape
     tensors, group_end = make_case(counts=counts, dim_h=dim_h, dim_i=dim_i, padding=5)
-    base, *others = _tile_runs(monkeypatch, tensors, group_end, tuple(_TIERS), precision=precision,
+    base, *others = _tile_runs(monkeypatch, chip_table(), tensors, group_end, tuple(_TIERS), precision=precision,
                                swiglu_limit=10.0)
     for tier, other in zip(list(_TIERS)[1:], others):
         for n, a, b in zip(NAMES, base, other):
@@ -446,12 +391,14 @@ def test_token_tile_keeps_bits_on_gpu(monkeypatch, precision, shape):
 def _half_tile_runs(monkeypatch, tensors, group_end, **kw):
     """Forward and backward on 128-token tiles, the Triton kernel's configs without and with
     HALF_TILES (a tile holding at most 64 of its expert's rows runs 64-row MMAs)."""
-    monkeypatch.setattr(gg, "_FEW_ROWS", 0)  # never "few rows": BM stays 128
+    def half_tiles(cfg, half):
+        return dataclasses.replace(cfg, HALF_TILES=half) if isinstance(cfg, tc.TritonMM) and cfg.BM >= 128 else cfg
+
     runs = []
-    table = gg.mm_configs()  # the table this GPU's launches read (on the CPU, _MM_CONFIGS)
     for half in (False, True):
-        for key in [k for k in table if k.startswith(("bf16/", "mxfp8/"))]:
-            monkeypatch.setitem(table, key, {**table[key], "HALF_TILES": half})
+        table = chip_table()
+        mm = {key: tc.MMEntry(half_tiles(e.triton, half), half_tiles(e.cuda, half)) for key, e in table.mm.items()}
+        use_table(monkeypatch, table.replace(mm=mm, few_rows=0))  # never "few rows": BM stays 128
         runs.append(run(tensors, group_end, use_triton=True, **kw))
     return runs
 
@@ -527,63 +474,63 @@ def _mx_kinds(counts, dim_h, dim_i, layout, wide=False):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("programs", ["per_sm", 3])
 @pytest.mark.parametrize("rings", ["committed", "small", "half", "split", "row_blocks"])
-# E4M3 MMAs read K-major weights in index order only (the refusals: test_fp8_mma_needs_k_major_weights,
-# test_mma_order_is_refused_where_it_cannot_be_read)
-@pytest.mark.parametrize("fp8_mma, layout", [(False, "mma"), (False, "index"), (False, "kn"), (True, "index"),
-                                             (False, "bf16"), (False, "bf16_index")])
-def test_warp_specialized_matches_triton_bits(monkeypatch, fp8_mma, layout, rings, programs):
-    """The Gluon warp-specialized kernel gives the Triton kernel's bits, MXFP8 and bf16, for every kind, every
-    weight layout, an empty expert, partial N tiles and padding rows; with the committed configs and
-    with 64-token tiles and a two-load ring (every kind persistent); with a program per SM (here one
-    tile each) and with 3 programs looping over all tiles (the ring's phases carried across tiles).
-    Kinds whose K is not a multiple of 128 are refused (but by the cooperative kernel). "half": every config with
-    HALF_TILES and without SPLIT_TILES (tiles holding at most BM / 2 of their expert's rows on BM / 2-token MMAs).
-    "split": every config with both (tiles of 65-96 rows on 64 + 32-token MMAs at BM 128: 70 and 72-row tiles here;
-    the E4M3-MMA path ignores it). "row_blocks": the committed configs with every case on the 128-token ones (no
-    "@few_rows" tier), so that plain's and dual's ROW_BLOCKS = 2 (two 128-row blocks of the weight per tile) meet
-    case 3's N = 704, a second block partly and wholly past N (the committed ring meets it on plain's 64-token
-    tiles). fp8_mma: its E4M3-MMA path against the Triton E4M3-MMA kernel (weights K-major only)."""
-    small = dict(BM=64, BN=128, GROUP_M=8, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232, num_warps=4)
+@pytest.mark.parametrize("layout", ["mma", "index", "kn", "bf16", "bf16_index"])
+def test_warp_specialized_matches_triton_bits(monkeypatch, layout, rings, programs):
+    """The Gluon warp-specialized kernel gives the Triton kernel's bits, MXFP8 and bf16, for every kind, every weight
+    layout, an empty expert, partial N tiles and padding rows; with the committed configs and with 64-token tiles
+    and a two-load ring (every kind persistent); with a program per SM (here one tile each) and with 3 programs
+    looping over all tiles (the ring's phases carried across tiles). Kinds whose K is not a multiple of 128 fall
+    back to the Triton kernel (but on the cooperative kernel). "half": every config with HALF_TILES and without
+    SPLIT_TILES (tiles holding at most BM / 2 of their expert's rows on BM / 2-token MMAs). "split": every config
+    with both (tiles of 65-96 rows on 64 + 32-token MMAs at BM 128: 70 and 72-row tiles here). "row_blocks": the committed configs with every case on the 128-token ones (no "@few_rows" tier), so
+    that plain's and dual's ROW_BLOCKS = 2 (two 128-row blocks of the weight per tile) meet case 3's N = 704, a
+    second block partly and wholly past N (the committed ring meets it on plain's 64-token tiles)."""
+    small = tc.GluonMM(BM=64, PERSISTENT=True, STAGES=2, CONSUMER_REGS=232)
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
-    prefix = "mxfp8_fp8_ws/" if fp8_mma else "bf16_ws/" if layout.startswith("bf16") else "mxfp8_ws/"
-    table = gg.mm_configs()  # the table this GPU's launches read
-    for key in [k for k in table if k.startswith(prefix)]:  # "@few_rows" too: case 2 has few rows
+    precision = "bf16" if layout.startswith("bf16") else "mxfp8"
+    base = chip_table()
+
+    def variant(key, entry):
+        """The ring's config for this entry on CUDA (the Triton kernel's where there is none to test)."""
         # a kind that runs the Triton kernel but at many rows (bf16): its "@many_rows" config on these few rows
-        committed = table[key] or table.get(f"{key}@many_rows")
+        committed = next((e.cuda for e in (entry, base.mm[key.split("@")[0] + "@many_rows"])
+                          if not isinstance(e.cuda, tc.TritonMM)), None)
+        ws = isinstance(committed, tc.GluonMM)  # (grouped_mm_coop: no half tiles)
         cfg = {"committed": committed, "small": small, "row_blocks": committed,
-               **({"half": {**committed, "HALF_TILES": True, "SPLIT_TILES": False},
-                   "split": {**committed, "HALF_TILES": True, "SPLIT_TILES": True}}
-                  if committed and not committed.get("COOPERATIVE") else {})}  # (grouped_mm_coop: no half tiles)
-        monkeypatch.setitem(table, key, cfg.get(rings))
-    if rings == "row_blocks":
-        monkeypatch.setattr(gg, "_FEW_ROWS", 0)
+               **({"half": dataclasses.replace(committed, HALF_TILES=True, SPLIT_TILES=False),
+                   "split": dataclasses.replace(committed, HALF_TILES=True, SPLIT_TILES=True)} if ws else {})}
+        return tc.MMEntry(entry.triton, cfg.get(rings) or entry.triton)
+
+    # "@few_rows" too: case 2 has few rows; "row_blocks": no few rows
+    table = base.replace(mm={key: variant(key, e) for key, e in base.mm.items() if key.startswith(precision + "/")},
+                         **({"few_rows": 0} if rings == "row_blocks" else {}))
+    made = launched(monkeypatch)
     # (H, I, rows per expert, kinds whose K = H or I is a multiple of 128)
-    cases = ((512, 256, [70, 0, 200], set(gg._MODE_NAMES.values())),
+    cases = ((512, 256, [70, 0, 200], set(tc.MM_KINDS)),
              (1024, 192, [1, 129, 0, 64], {"swiglu", "swiglu_bwd"}),  # N = I = 192: a partial N tile
              (704, 256, [33, 0, 150], {"plain", "dual"}))  # N = H = 704: a partial N tile
     for dim_h, dim_i, counts, runs in cases:
         group_end, kinds = _mx_kinds(counts, dim_h, dim_i, layout)
         for kind, (mode, a1, a2, b1, b2, outs, gu) in kinds.items():
             ref, ws = outs(), outs()
-            kw = dict(gu=gu, swiglu_limit=7.0, fp8_mma=fp8_mma)
-            ws_cfg = gg._mm_config(f"{prefix}{kind}", gg.rows_tier(a1.shape[0], len(counts)))
-            if ws_cfg is None:
+            kw = dict(gu=gu, swiglu_limit=7.0)
+            gg._launch_mm(mode, a1, a2, b1, b2, group_end, ws, table=table, **kw)
+            picked = made[-1]
+            if table.mm[picked.key].cuda is table.mm[picked.key].triton:
                 continue  # this tier runs the Triton kernel: nothing to compare
-            gg._launch_mm(mode, a1, a2, b1, b2, group_end, ref, warp_specialized=False, **kw)
-            if kind not in runs and not ws_cfg.get("COOPERATIVE"):  # (grouped_mm_coop runs any K)
-                with pytest.raises(ValueError, match="multiple of 128"):
-                    gg._launch_mm(mode, a1, a2, b1, b2, group_end, ws, warp_specialized=True, **kw)
+            if kind not in runs and isinstance(table.mm[picked.key].cuda, tc.GluonMM):
+                assert picked.kernel == "triton", f"{kind}: K not a multiple of 128 must fall back to Triton"
                 continue
-            gg._launch_mm(mode, a1, a2, b1, b2, group_end, ws, warp_specialized=True, **kw)
+            assert picked.kernel != "triton", picked
+            gg._launch_mm(mode, a1, a2, b1, b2, group_end, ref, table=triton_only(table), **kw)
             n = sum(counts)
             for r, w in zip(ref, ws):
                 assert torch.equal(r[:n], w[:n]), f"{kind} (H={dim_h}, I={dim_i}): warp-specialized bits differ"
 
 
 # the H100's cooperative configs, on any chip here
-COOPERATIVE_KINDS = {kind: gg._CHIP_MM_CONFIGS[gg._H100][f"bf16_ws/{kind}@many_rows"] for kind in ("plain", "swiglu")}
-COOPERATIVE = COOPERATIVE_KINDS["plain"]
+COOPERATIVE_KINDS = {kind: tc.H100.mm[f"bf16/{kind}@many_rows"].cuda for kind in ("plain", "swiglu")}
 
 
 @pytest.mark.gpu
@@ -597,47 +544,24 @@ def test_cooperative_matches_triton_bits(monkeypatch, kind, programs):
     one program per SM and 3 looping over all tiles; SwiGLU with and without its limit."""
     if programs != "per_sm":
         monkeypatch.setattr(grouped_mm_ws, "sm_count", lambda device_index: programs)
-    table = gg.mm_configs()
-    for key in (f"bf16_ws/{kind}", f"bf16_ws/{kind}@many_rows"):
-        monkeypatch.setitem(table, key, COOPERATIVE_KINDS[kind])
+    base = chip_table()
+    table = base.replace(mm={f"bf16/{kind}@{tier}": tc.MMEntry(base.mm[f"bf16/{kind}@{tier}"].triton,
+                                                                COOPERATIVE_KINDS[kind]) for tier in tc.TIERS})
+    made = launched(monkeypatch)
     counts = [300, 0, 64, 1000, 129]
     group_end, kinds = _mx_kinds(counts, 704, 448, "bf16")
     mode, a1, a2, b1, b2, outs, gu = kinds[kind]
     n = sum(counts)
     for limit in ((None, 7.0) if kind == "swiglu" else (None,)):
         ref, coop, again = outs(), outs(), outs()
-        gg._launch_mm(mode, a1, a2, b1, b2, group_end, ref, swiglu_limit=limit, warp_specialized=False)
+        gg._launch_mm(mode, a1, a2, b1, b2, group_end, ref, swiglu_limit=limit, table=triton_only(table))
         for out in (coop, again):
-            gg._launch_mm(mode, a1, a2, b1, b2, group_end, out, swiglu_limit=limit, warp_specialized=True)
+            gg._launch_mm(mode, a1, a2, b1, b2, group_end, out, swiglu_limit=limit, table=table)
+            assert made[-1].kernel == "cooperative"
         for r, c, c2 in zip(ref, coop, again):
             assert r[:n].abs().amax() > 0
             assert torch.equal(r[:n], c[:n]), f"{kind}: cooperative kernel's bits differ from the Triton kernel's"
             assert torch.equal(c, c2), f"{kind}: cooperative kernel's bits differ run to run"
-
-
-def test_cooperative_refusals(monkeypatch):
-    """The cooperative kernel reads the weights as a contiguous [E, N, K] and stores rows of N (a multiple of 8)
-    by TMA: asked for with a transposed view or N = 36 it is refused by name, as is a COOPERATIVE config for a kind
-    it does not run; left to choose, the launcher runs the Triton kernel on the view."""
-    table = gg.mm_configs()
-    monkeypatch.setitem(table, "bf16_ws/plain", COOPERATIVE)
-    group_end = torch.tensor([3, 5], dtype=torch.int32, device=DEVICE)
-    a = torch.randn(5, 128, device=DEVICE).to(torch.bfloat16)
-    w = torch.randn(2, 128, 32, device=DEVICE).to(torch.bfloat16).transpose(1, 2)  # [E, N, K] view of [E, K, N]
-    c = torch.zeros(5, 32, dtype=torch.bfloat16, device=DEVICE)
-    with pytest.raises(ValueError, match=r"bf16_ws/plain's cooperative kernel needs b1 \(and b2\) as a contiguous"):
-        gg._launch_mm(gg.PLAIN, a, None, w, None, group_end, [c], warp_specialized=True)
-    w36 = torch.randn(2, 36, 128, device=DEVICE).to(torch.bfloat16)  # contiguous, but N = 36
-    with pytest.raises(ValueError, match="N a multiple of 8 .* N = 36"):
-        gg._launch_mm(gg.PLAIN, a, None, w36, None, group_end, [torch.zeros(5, 36, dtype=torch.bfloat16,
-                                                                             device=DEVICE)], warp_specialized=True)
-    monkeypatch.setitem(table, "bf16_ws/dual", COOPERATIVE)
-    with pytest.raises(ValueError, match="bf16_ws/dual: COOPERATIVE is for the plain and SwiGLU gate/up kinds only"):
-        gg._launch_mm(gg.DUAL, a, a, w, w, group_end, [c])
-    ref = torch.zeros_like(c)
-    gg._launch_mm(gg.PLAIN, a, None, w, None, group_end, [c])
-    gg._launch_mm(gg.PLAIN, a, None, w, None, group_end, [ref], warp_specialized=False)
-    assert c.abs().amax() > 0 and torch.equal(c, ref)
 
 
 @pytest.mark.gpu
@@ -649,8 +573,8 @@ def test_warp_specialized_wide_scales_keep_bits(layout):
     group_end, kinds = _mx_kinds([70, 40, 200], 512, 256, layout, wide=True)
     for kind, (mode, a1, a2, b1, b2, outs, gu) in kinds.items():
         ref, ws = outs(), outs()
-        for out, ws_kernel in ((ref, False), (ws, True)):
-            gg._launch_mm(mode, a1, a2, b1, b2, group_end, out, gu=gu, swiglu_limit=7.0, warp_specialized=ws_kernel)
+        for out, table in ((ref, triton_only(chip_table())), (ws, None)):
+            gg._launch_mm(mode, a1, a2, b1, b2, group_end, out, gu=gu, swiglu_limit=7.0, table=table)
         assert ref[0][:70].abs().max() > 2.0**15, kind  # expert 0's outputs carry its 2^20
         assert ref[0][70:110].isnan().any(), kind
         for r, w in zip(ref, ws):
@@ -665,27 +589,26 @@ def test_mma_order_keeps_bits():
     for kind, (mode, a1, a2, b1, b2, outs, gu) in mma.items():
         assert b1.mma_order and not index[kind][3].mma_order
         got, want = outs(), outs()
-        gg._launch_mm(mode, a1, a2, b1, b2, group_end, got, gu=gu, swiglu_limit=7.0, warp_specialized=False)
+        triton = triton_only(chip_table())
+        gg._launch_mm(mode, a1, a2, b1, b2, group_end, got, gu=gu, swiglu_limit=7.0, table=triton)
         _, _, _, i1, i2, _, _ = index[kind]
-        gg._launch_mm(mode, a1, a2, i1, i2, group_end, want, gu=gu, swiglu_limit=7.0, warp_specialized=False)
+        gg._launch_mm(mode, a1, a2, i1, i2, group_end, want, gu=gu, swiglu_limit=7.0, table=triton)
         for g, w in zip(got, want):
             assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"{kind}: MMA order changes the bits"
 
 
 def test_mma_order_is_refused_where_it_cannot_be_read():
-    """E4M3 MMAs read weights in index order, and MMA order is defined on contiguous [E, N, K]: both refused by
-    name, as is a pair of weights in different orders."""
+    """MMA order is defined on contiguous [E, N, K]: a transposed view is refused by name, as is a pair of weights
+    in different orders."""
     (x, w_gate, w_up, w_down, _), group_end = make_case(counts=[3, 5], dim_h=128, dim_i=128, device="cpu")
     c = torch.zeros(8, 128, dtype=torch.bfloat16)
     mma = weight_operand(w_down, "mxfp8", 2, "w")
-    with pytest.raises(ValueError, match="fp8_mma: E4M3 MMAs read the weights in index order"):
-        gg._launch_mm(gg.PLAIN, x, None, mma, None, group_end, [c], fp8_mma=True, warp_specialized=False)
     mma_kn = MXTensor(mma.data.transpose(1, 2).contiguous().transpose(1, 2), mma.scale, dim=2, mma_order=True)
     with pytest.raises(ValueError, match="MMA order .* must be a contiguous"):
-        gg._launch_mm(gg.PLAIN, x, None, mma_kn, None, group_end, [c], warp_specialized=False)
+        gg._launch_mm(gg.PLAIN, x, None, mma_kn, None, group_end, [c])
     with pytest.raises(ValueError, match="both be in MMA order"):
         gg._launch_mm(gg.SWIGLU, x, None, weight_operand(w_gate, "mxfp8", 2, "w"), mxfp8_quantize(w_up, 2, "w"),
-                      group_end, [c, c.clone(), c.clone()], warp_specialized=False)
+                      group_end, [c, c.clone(), c.clone()])
 
 
 def test_wide_scale_experts_flags_scales_past_2_pow_7():
@@ -697,46 +620,6 @@ def test_wide_scale_experts_flags_scales_past_2_pow_7():
     other = torch.full((4, 3, 2), 100, dtype=torch.uint8)
     other[0, 0, 0] = 200
     assert gg._wide_scale_experts(bits, other).tolist() == [1, 0, 1, 1]
-
-
-def test_warp_specialized_without_config_is_refused(monkeypatch):
-    """A kind whose warp-specialized config is None runs the Triton kernel; forcing the other is refused by name
-    (70 rows per expert: the kind's own config, no rows tier's)."""
-    monkeypatch.setitem(gg._MM_CONFIGS, "mxfp8_ws/plain", None)
-    (x, _, _, w_down, _), group_end = make_case(counts=[70, 70], dim_h=64, dim_i=64, device="cpu")
-    c = torch.zeros(140, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="mxfp8_ws/plain has no config"):
-        gg._launch_mm(gg.PLAIN, x, None, mxfp8_quantize(w_down, 2, "w"), None, group_end, [c], warp_specialized=True)
-
-
-def test_fp8_mma_needs_k_major_weights():
-    """E4M3 wgmmas read both operands K-major: the warp-specialized E4M3-MMA path refuses a transposed weight
-    view by name."""
-    (x, _, _, w_down, _), group_end = make_case(counts=[3, 5], dim_h=128, dim_i=128, device="cpu")
-    m = mxfp8_quantize(w_down, 1, "w")
-    w_kn = MXTensor(m.data.transpose(1, 2), m.scale.transpose(1, 2), dim=2)
-    c = torch.zeros(8, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="K-major"):
-        gg._launch_mm(gg.PLAIN, x, None, w_kn, None, group_end, [c], fp8_mma=True, warp_specialized=True)
-
-
-def test_warp_specialized_needs_whole_loads_of_k():
-    """Forcing the warp-specialized kernel on a K that is not a multiple of its loads is refused by name."""
-    (x, _, _, w_down, _), group_end = make_case(counts=[3, 5], dim_h=64, dim_i=96, device="cpu")
-    c = torch.zeros(8, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"K \(here 96\) to be a multiple of 128"):
-        gg._launch_mm(gg.PLAIN, x.new_zeros(8, 96), None, mxfp8_quantize(w_down, 2, "w"), None, group_end, [c],
-                      warp_specialized=True)
-
-
-def test_tune_sweeps_hold_the_committed_configs():
-    """`bench.grouped_ffn --tune` installs the fastest of each kind's list, so each list must hold the
-    committed config: else a tune could only move away from it."""
-    from titan_mok.bench.grouped_ffn import TUNE_VARIANTS
-
-    for chip, table in [("", gg._MM_CONFIGS), *gg._CHIP_MM_CONFIGS.items()]:
-        for key, variants in TUNE_VARIANTS.items():
-            assert table[key] in variants, f"{key}: {chip or 'the'} committed config {table[key]} is not swept"
 
 
 @pytest.mark.parametrize("counts", [[45, 0, 3], [4000, 0, 1, 1, 1], [0, 0, 0, 0], [70] * 8 + [3000], [1] * 30 + [10**4]])

@@ -1,4 +1,4 @@
-"""bench.kernel_ab: a baseline revision's kernels imported beside the working tree's, their bits compared (the
+"""benchmarks.tools.kernel_ab: a baseline revision's kernels imported beside the working tree's, their bits compared (the
 timing needs a GPU and is stubbed; the kernels run on Triton's interpreter at a tiny shape)."""
 
 import json
@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
-from titan_mok import kernels as kernels_package
-from titan_mok.bench import config_ab, kernel_ab
-from titan_mok.bench.grouped_ffn import Case
-from titan_mok.kernels import grouped_gemm as gg
+from benchmarks.tools import config_ab, kernel_ab
+from benchmarks.tools.grouped_ffn import Case
 from tests.test_config_ab import tracked_cpu_cases
+from titan_mok import kernels as kernels_package
+from titan_mok.kernels import grouped_gemm as gg
+from titan_mok.kernels import tile_configs as tc
 
 # the flat loop's store of a weight-gradient tile (both of its lines open this way)
 WGRAD_STORE = "tl.store(c_rows + offs_k[None, :], _bf16_rne(acc),"
@@ -50,14 +51,15 @@ def test_an_unchanged_baseline_keeps_the_bits(monkeypatch, tmp_path):
     monkeypatch.setattr(kernel_ab, "gemm_makers",
                         lambda c, args, kernels: (seen.append(kernels), real(c, args, kernels))[1])
     rows = _run_tiny(monkeypatch, tmp_path, _baseline_copy(tmp_path), "--precision", "bf16")
-    kinds = [f"bf16/{k}" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
+    kinds = [f"bf16/{k}@few_rows" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
     kinds += [f"wgrad/flat:{w}" for w in ("w_gate", "w_up", "w_down")]
     assert [r["kind"] for r in rows] == [r["baseline_kind"] for r in rows] == kinds
     assert all(r["bits_equal"] and r["working_ms"] == r["baseline_ms"] == 1.0 for r in rows)
     assert all(r["working/baseline"] == 1.0 for r in rows)
-    (working_gg, _), (baseline_gg, baseline_ffn) = seen
+    (working_gg, _, working_tc), (baseline_gg, baseline_ffn, baseline_tc) = seen
     assert working_gg is gg and baseline_gg.__name__ == f"{kernel_ab.BASELINE_PACKAGE}.grouped_gemm"
     assert baseline_gg._grouped_wgrad_kernel is not gg._grouped_wgrad_kernel
+    assert working_tc is tc and baseline_tc.H200 is not tc.H200 and baseline_gg.tile_configs is baseline_tc
     assert baseline_ffn.weight_operand.__module__ == f"{kernel_ab.BASELINE_PACKAGE}.grouped_ffn"
     assert not any(m.startswith(kernel_ab.BASELINE_PACKAGE) for m in sys.modules)
 
@@ -81,17 +83,14 @@ def test_a_changed_baseline_kernel_shows_in_the_bits(monkeypatch, tmp_path):
     assert [r["bits_equal"] for r in rows] == [True] * 4 + [False] * 3
 
 
-def test_a_baseline_from_before_the_chip_tables(monkeypatch, tmp_path):
-    """A baseline kernels/ without per-chip config tables (no grouped_gemm.chip_of) still runs
-    and pairs its weight gradients."""
-    def no_chips(source):
-        assert "def chip_of(" in source
-        return source.replace("chip_of(", "_device_chip(")
-
-    rows = _run_tiny(monkeypatch, tmp_path, _baseline_copy(tmp_path, no_chips), "--precision", "bf16", "--gemms",
-                     "wgrad")
-    assert [r["baseline_kind"] for r in rows] == [f"wgrad/flat:{w}" for w in ("w_gate", "w_up", "w_down")]
-    assert all(r["bits_equal"] for r in rows)
+def test_a_baseline_without_tile_configs_is_refused_by_name(monkeypatch, tmp_path, capsys):
+    """A kernels/ from before tile_configs (its launchers called otherwise) cannot be compared: refused by name."""
+    baseline = _baseline_copy(tmp_path)
+    (baseline / "tile_configs.py").unlink()
+    monkeypatch.setattr(sys, "argv", ["kernel_ab", "--baseline", str(baseline), "--precision", "bf16"])
+    with pytest.raises(SystemExit):
+        kernel_ab.main()
+    assert "not a kernels/ folder with tile_configs (no tile_configs.py)" in capsys.readouterr().err
 
 
 def test_gemms_pick_the_weight_gradients_only(monkeypatch, tmp_path):
@@ -106,7 +105,8 @@ def test_a_baseline_that_is_not_a_kernels_folder(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit):
         kernel_ab.main()
     err = capsys.readouterr().err
-    assert "not a kernels/ folder (no __init__.py, grouped_gemm.py, grouped_ffn.py)" in err, err
+    assert "not a kernels/ folder with tile_configs (no __init__.py, grouped_gemm.py, grouped_ffn.py, " \
+           "tile_configs.py)" in err, err
 
 
 def test_a_case_out_of_gpu_memory_is_skipped_by_name(monkeypatch, tmp_path, capsys):
@@ -138,7 +138,7 @@ def test_each_side_holds_one_gemms_weights_at_a_time(monkeypatch, tmp_path):
     six per side did not fit an 80 GB H100 at Kimi K2.7 EP=1), and the bits still match."""
     import weakref
 
-    from titan_mok.bench import grouped_ffn
+    from benchmarks.tools import grouped_ffn
 
     made, most_alive = [], [0]
     real = grouped_ffn.weight_as_read
@@ -151,6 +151,6 @@ def test_each_side_holds_one_gemms_weights_at_a_time(monkeypatch, tmp_path):
 
     monkeypatch.setattr(grouped_ffn, "weight_as_read", weight_as_read)
     rows = _run_tiny(monkeypatch, tmp_path, _baseline_copy(tmp_path), "--precision", "mxfp8", "--gemms", "mm")
-    assert [r["kind"] for r in rows] == [f"mxfp8_ws/{k}" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
+    assert [r["kind"] for r in rows] == [f"mxfp8/{k}@few_rows" for k in ("swiglu", "plain", "swiglu_bwd", "dual")]
     assert all(r["bits_equal"] for r in rows)
     assert len(made) == 2 * (3 + 6) and most_alive[0] == 3  # per side: the activations' three, then each kind's

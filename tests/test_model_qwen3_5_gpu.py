@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 fla_gdr = pytest.importorskip("fla.ops.gated_delta_rule")
 
-from titan_mok.bench.deltanet import make_inputs, rms_rel  # noqa: E402
+from benchmarks.tools.deltanet import make_inputs, rms_rel  # noqa: E402
 from titan_mok.models.qwen3_5_397b_a17b.gated_deltanet import chunk_gated_delta_rule  # noqa: E402
 
 

@@ -1,11 +1,11 @@
-"""The MXFP8 reference format (titan_mok.mxfp8) against brute-force statements of docs/design.md §6."""
+"""The MXFP8 reference format (titan_mok.kernels.mxfp8) against brute-force statements of docs/design.md §6."""
 
 import math
 
 import pytest
 import torch
 
-from titan_mok.mxfp8 import E4M3_MAX, MXTensor, fake_quantize_mxfp8, from_mma_order, to_mma_order, to_mxfp8
+from titan_mok.kernels.mxfp8 import E4M3_MAX, MXTensor, fake_quantize_mxfp8, from_mma_order, to_mma_order, to_mxfp8
 
 # Every finite non-negative E4M3 value, indexed by its bit pattern 0x00..0x7E.
 E4M3_POS = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()

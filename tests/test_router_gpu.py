@@ -5,7 +5,7 @@ and logit gradient are bitwise the same whatever batch it is routed in, and equa
 import pytest
 import torch
 
-from titan_mok.bench.router import full_router
+from benchmarks.tools.router import full_router
 from titan_mok.registry import MODELS
 
 DEVICE = "cuda"

@@ -1,4 +1,4 @@
-"""The offline sm_90 report (titan_mok.bench.sass): the kernels of an MXFP8 pass compiled on a
+"""The offline sm_90 report (benchmarks.tools.sass): the kernels of an MXFP8 pass compiled on a
 CPU-only machine, the two-programs-per-SM promise of the register-capped few-rows configs kept, the
 many-rows configs free of spills, the H100's cooperative forward kernels (Gluon: no interpreter runs them, so
 this is where CI compiles them), and the weight gradient's kernel choice."""
@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 
-from titan_mok.bench import sass
+from benchmarks.tools import sass
+from tests.torchrun import REPO
+from titan_mok.kernels import tile_configs as tc
 
 pytestmark = pytest.mark.skipif(
     not all(os.path.exists(os.path.join(sass._TOOLS, t)) for t in ("ptxas", "nvdisasm", "cuobjdump")),
@@ -22,8 +24,8 @@ def _report(*args):
     """The tool's JSON, run without the interpreter (tests set TRITON_INTERPRET=1 before any kernel
     is defined, and interpreted kernels cannot be compiled)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "titan_mok.bench.sass", "--json", *args], env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.tools.sass", "--json", *args], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 
@@ -39,7 +41,7 @@ def test_few_rows_kernels_fit_their_programs_per_sm():
     assert sorted(ws) == sorted(kinds)
     for step, r in ws.items():
         assert r["opcodes"].get("HGMMA", 0) > 0, f"{step}: no wgmma in the SASS"
-        want = 2 if sass.gg._MM_CONFIGS[f"mxfp8_ws/{kinds[step]}@few_rows"].get("maxnreg") else 1
+        want = 2 if tc.H200.mm[f"mxfp8/{kinds[step]}@few_rows"].cuda.maxnreg else 1
         assert r["programs_per_sm"] == want, f"{step}: {r['programs_per_sm']} programs per SM, want {want}: {r}"
 
 
@@ -49,23 +51,22 @@ def test_many_rows_kernels_do_not_spill():
     ws = {r["step"]: r for r in _report("--shape", "qwen", "--rows-per-expert", "2048")
           if r["kernel"] == "_grouped_mm_mx_ws_kernel"}
     for step, kind in (("fwd: down", "plain"), ("dgrad: gate/up (dual)", "dual")):
-        cfg = sass.gg._MM_CONFIGS[f"mxfp8_ws/{kind}@many_rows"]
-        assert cfg["CONSUMER_REGS"] in ws[step]["setmaxnreg"], f"{step}: not its many-rows config: {ws[step]}"
+        cfg = tc.H200.mm[f"mxfp8/{kind}@many_rows"].cuda
+        assert cfg.CONSUMER_REGS in ws[step]["setmaxnreg"], f"{step}: not its many-rows config: {ws[step]}"
         assert ws[step]["stack_bytes"] == 0, f"{step}: {ws[step]['stack_bytes']} bytes of spill stack"
 
 
 def test_h100_forward_at_many_rows_compiles_the_cooperative_kernel():
-    """On the H100 at 2048 rows per expert both forward GEMMs run grouped_mm_coop (its table's COOPERATIVE entries):
+    """On the H100 at 2048 rows per expert both forward GEMMs run grouped_mm_coop (its table's cooperative entries):
     they compile for sm_90, fit one program per SM, hand the consumers their registers, and store by TMA (each of
     the two consumer partitions' code one store per output: plain 1 output, SwiGLU 3)."""
     reports = _report("--shape", "qwen", "--rows-per-expert", "2048", "--precision", "bf16", "--chip",
                       "NVIDIA H100 80GB HBM3")
     coop = {r["step"]: r for r in reports if r["kernel"] == "_grouped_mm_coop_kernel"}
     assert sorted(coop) == ["fwd: down", "fwd: gate/up + SwiGLU"], sorted(coop)
-    table = sass.gg._CHIP_MM_CONFIGS["NVIDIA H100 80GB HBM3"]
     for step, kind, outputs in (("fwd: gate/up + SwiGLU", "swiglu", 3), ("fwd: down", "plain", 1)):
         r = coop[step]
-        regs = table[f"bf16_ws/{kind}@many_rows"]["CONSUMER_REGS"]
+        regs = tc.H100.mm[f"bf16/{kind}@many_rows"].cuda.CONSUMER_REGS
         assert r["programs_per_sm"] == 1 and regs in r["setmaxnreg"], f"{step}: {r}"
         assert r["opcodes"].get("UTMASTG", 0) == 2 * outputs, f"{step}: {r['opcodes'].get('UTMASTG', 0)} TMA stores"
 
@@ -73,7 +74,7 @@ def test_h100_forward_at_many_rows_compiles_the_cooperative_kernel():
 @pytest.mark.parametrize("rows_per_expert, kernels", [(40, ["_grouped_wgrad_kernel", "_grouped_wgrad_ws_kernel"]),
                                                       (80, ["_grouped_wgrad_ws_kernel"])])
 def test_weight_gradient_kernel_follows_rows_per_expert(rows_per_expert, kernels):
-    """The weight gradients run the warp-specialized kernel from _WGRAD_WS_MIN_ROWS rows per expert on (Qwen3.5
+    """The weight gradients run the warp-specialized kernel from wgrad_ws rows per expert on (Qwen3.5
     EP=2: 80); below (EP=1: 40) the Triton kernel for w_gate's and w_up's, the warp-specialized one for w_down's
     (more features than K columns). The warp-specialized one with wgmmas, no spill stack, one program per SM."""
     wgrads = [r for r in _report("--shape", "qwen", "--rows-per-expert", str(rows_per_expert), "--precision", "bf16")
@@ -86,30 +87,28 @@ def test_weight_gradient_kernel_follows_rows_per_expert(rows_per_expert, kernels
 def test_set_compiles_the_variant_and_names_a_bad_key():
     """--set compiles a config variant (config_ab's syntax): the down projection's consumers ask for the variant's
     registers, the other kinds keep theirs; a key that is no config entry is refused by name."""
-    cfg = sass.gg._MM_CONFIGS["mxfp8_ws/plain"]
-    regs = cfg["CONSUMER_REGS"] - 32
+    regs = tc.H200.mm["mxfp8/plain@mid_rows"].cuda.CONSUMER_REGS - 32
     ws = {r["step"]: r for r in _report("--shape", "qwen", "--rows-per-expert", "80", "--set",
-                                        f'mxfp8_ws/plain={{"CONSUMER_REGS": {regs}}}')
+                                        f'mxfp8/plain@mid_rows={{"CONSUMER_REGS": {regs}}}')
           if r["kernel"] == "_grouped_mm_mx_ws_kernel"}
     assert regs in ws["fwd: down"]["setmaxnreg"], ws["fwd: down"]
     assert regs not in ws["dgrad: gate/up (dual)"]["setmaxnreg"], ws["dgrad: gate/up (dual)"]
-    out = subprocess.run([sys.executable, "-m", "titan_mok.bench.sass", "--set", "mxfp8_ws/nope={}"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "--set mxfp8_ws/nope: not a config key" in out.stderr, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-m", "benchmarks.tools.sass", "--set", "mxfp8/nope={}"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 2 and "--set mxfp8/nope: not a config key" in out.stderr, out.stderr[-2000:]
 
 
 def test_compiling_context_restores_what_it_replaced():
-    """The stand-in driver, the compile-only launches, the SM count and the launchers' CUDA and chip answers are
-    undone on exit, even after an error inside."""
+    """The stand-in driver, the compile-only launches, the SM count and the launchers' chip answer are undone on
+    exit, even after an error inside."""
     def patched():
-        return (sass.JITFunction.run, sass.grouped_mm_ws.sm_count, torch.cuda.current_device, sass.gg._on_cuda,
-                sass.gg.chip_of)
+        return sass.JITFunction.run, sass.grouped_mm_ws.sm_count, torch.cuda.current_device, tc.chip_of
 
     before = patched()
     with pytest.raises(RuntimeError, match="inside"):
         with sass.compiling_for_sm90("NVIDIA H100 80GB HBM3"):
             assert sass.JITFunction.run is not before[0]
-            assert sass.gg.chip_of(torch.zeros(1)) == "NVIDIA H100 80GB HBM3"
+            assert tc.chip_of(torch.zeros(1)) == "NVIDIA H100 80GB HBM3"
             raise RuntimeError("inside")
     assert patched() == before
 
@@ -123,6 +122,6 @@ def test_chip_compiles_that_chips_configs():
                      if r["kernel"] == "_grouped_mm_mx_ws_kernel"} for chip in ("", h100)}
     step = "fwd: gate/up + SwiGLU"
     assert shared[h100][step] > shared[""][step], shared
-    out = subprocess.run([sys.executable, "-m", "titan_mok.bench.sass", "--chip", "NVIDIA B200"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.tools.sass", "--chip", "NVIDIA B200"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 2 and "--chip: invalid choice" in out.stderr, out.stderr[-2000:]

@@ -1,9 +1,9 @@
-"""bench.write_tiles' store kernel against its reference (Triton's interpreter on the CPU; its timing needs a GPU)."""
+"""benchmarks.tools.write_tiles' store kernel against its reference (Triton's interpreter on the CPU; its timing needs a GPU)."""
 
 import pytest
 import torch
 
-from titan_mok.bench.write_tiles import write_tiles, written_reference
+from benchmarks.tools.write_tiles import write_tiles, written_reference
 
 
 @pytest.mark.parametrize("evict_first", [False, True])
@@ -29,7 +29,7 @@ def test_rejects_what_it_cannot_write():
 def test_bad_tiles_named(monkeypatch, capsys, tiles, message):
     import sys
 
-    from titan_mok.bench import write_tiles
+    from benchmarks.tools import write_tiles
 
     monkeypatch.setattr(sys, "argv", ["write_tiles", "--tiles", f"128x256,{tiles}"])
     with pytest.raises(SystemExit):

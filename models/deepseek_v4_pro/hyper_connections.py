@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_mok.moe.tiles import pointwise_padded
+from titan_mok.kernels.row_tiles import pointwise_padded
 
 
 def sinkhorn(comb_BSCC: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_mok.moe.tiles import pointwise_padded
+from titan_mok.kernels.row_tiles import pointwise_padded
 
 def causal_depthwise_conv(x_BSJ: torch.Tensor, weight_JW: torch.Tensor, history_BWJ: torch.Tensor | None = None):
     """Causal depthwise conv along S: ``y_t = Σ_i w_i · x_{t−W+1+i}`` in fp32, cast back to

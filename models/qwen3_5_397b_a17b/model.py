@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 from torchtitan.protocols.model import ModelProtocol
 
+from titan_mok.kernels.row_tiles import pointwise_padded
 from titan_mok.models.common.mtp import logits_with_mtp_loss, mtp_enabled
 from titan_mok.models.common.norm import RMSNorm
 from titan_mok.models.common.rope import apply_rope, rope_cache
 from titan_mok.moe import MoE
-from titan_mok.moe.tiles import pointwise_padded
 
 from .args import Qwen35ModelArgs
 from .gated_deltanet import GatedDeltaNet

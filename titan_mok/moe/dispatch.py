@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titan_mok.moe.tiles import map_row_tiles
+from titan_mok.kernels.mok_combine import ref_slot_reduce, ref_slot_scale
+from titan_mok.kernels.row_tiles import map_row_tiles
+
 
 
 @dataclass
@@ -110,33 +112,9 @@ def build_dispatch_handle(
     return DispatchHandle(num_tokens, top_k, send_order, send_splits, recv_splits, recv_to_grouped, group_end, group)
 
 
-def weighted_slot_sum(rows_TKH: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
-    """Σ_j (w[t,j] ·) rows[t,j] in fp32, in ascending slot order j."""
-    acc_TH = None
-    for j in range(rows_TKH.shape[1]):
-        term_TH = rows_TKH[:, j].float()
-        if weights_TK is not None:
-            term_TH = weights_TK[:, j : j + 1] * term_TH
-        acc_TH = term_TH if acc_TH is None else acc_TH + term_TH
-    return acc_TH
-
-
-def reduce_slots(y_TKH, weights_TK, shared_TH, out_dtype: torch.dtype) -> torch.Tensor:
-    """y[t] = Σ_j w[t,j] · y[t,j] (ascending j) + shared[t], in fp32, cast once."""
-    acc_TH = weighted_slot_sum(y_TKH, weights_TK)
-    if shared_TH is not None:
-        acc_TH = acc_TH + shared_TH.float()
-    return acc_TH.to(out_dtype)
-
-
 def combine_weight_grads(dout32_TH: torch.Tensor, y_TKH: torch.Tensor) -> torch.Tensor:
     """d(combine)/d(weights): [T, K] = Σ_h dout[t, h] · y[t, j, h] in fp32, on row tiles."""
     return map_row_tiles(lambda dout, y: (dout.unsqueeze(1) * y.float()).sum(dim=-1), dout32_TH, y_TKH)
-
-
-def scale_slots(weights_TK: torch.Tensor, dout_TH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """d(combine)/d(y): [T, K, H] = w[t, j] · dout[t] in fp32, rounded once to dtype."""
-    return (weights_TK.unsqueeze(-1) * dout_TH.float().unsqueeze(1)).to(dtype)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -153,7 +131,7 @@ class _Dispatch(torch.autograd.Function):
         drows_recv_RH = _permute_back(drows_RH, handle.recv_to_grouped)
         drows_send_RH = _all_to_all(drows_recv_RH, handle.send_splits, handle.recv_splits, handle.group)
         dslots_TKH = _permute_back(drows_send_RH, handle.send_order).view(handle.num_tokens, handle.top_k, -1)
-        return weighted_slot_sum(dslots_TKH, None).to(drows_RH.dtype), None
+        return ref_slot_reduce(dslots_TKH, None, None, drows_RH.dtype), None
 
 
 class _Combine(torch.autograd.Function):
@@ -165,7 +143,7 @@ class _Combine(torch.autograd.Function):
         ctx.save_for_backward(y_TKH, weights_TK)
         ctx.handle, ctx.has_shared = handle, shared_TH is not None
         ctx.shared_dtype = None if shared_TH is None else shared_TH.dtype
-        return reduce_slots(y_TKH, weights_TK, shared_TH, out_dtype)
+        return ref_slot_reduce(y_TKH, weights_TK, shared_TH, out_dtype)
 
     @staticmethod
     def backward(ctx, dout_TH: torch.Tensor):
@@ -173,7 +151,7 @@ class _Combine(torch.autograd.Function):
         handle = ctx.handle
         dout32_TH = dout_TH.float()
         dweights_TK = combine_weight_grads(dout32_TH, y_TKH)
-        dy_TKH = scale_slots(weights_TK, dout32_TH, y_TKH.dtype)
+        dy_TKH = ref_slot_scale(weights_TK, dout32_TH, y_TKH.dtype)
         dy_send_RH = dy_TKH.view(-1, dy_TKH.shape[-1])[handle.send_order]
         dy_recv_RH = _all_to_all(dy_send_RH, handle.recv_splits, handle.send_splits, handle.group)
         dy_RH = dy_recv_RH[handle.recv_to_grouped]

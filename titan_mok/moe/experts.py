@@ -10,8 +10,8 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.utils import trunc_normal_
 
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, ref_swiglu
+from titan_mok.kernels.row_tiles import pointwise_padded, row_invariant_linear
 from titan_mok.moe.args import MoEArgs
-from titan_mok.moe.tiles import pointwise_padded, row_invariant_linear
 
 
 def local_expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

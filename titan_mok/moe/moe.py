@@ -20,13 +20,14 @@ from torchtitan.tools.utils import has_cuda_capability
 
 
 from titan_mok.attached_loss import attach_loss
+from titan_mok.kernels.mok_combine import ref_slot_reduce
+from titan_mok.kernels.row_tiles import autocast_dtype
 from titan_mok.moe.args import MoEArgs
 from titan_mok.moe.aux_loss import load_balance_aux_loss
-from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch, reduce_slots
+from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch
 from titan_mok.moe.experts import RoutedExperts, SharedExpert
 from titan_mok.moe.fused import fused_routed_experts
 from titan_mok.moe.router import TopKRouter
-from titan_mok.moe.tiles import autocast_dtype
 from titan_mok.moe.torchtitan_backend import TorchTitanExperts, routed_torchtitan
 
 
@@ -168,7 +169,7 @@ class MoE(nn.Module):
         and shared expert; the layer benchmark times it alone): y_TH [T, H] in out_dtype."""
         if self.args.backend == "torchtitan":
             y_TKH = routed_torchtitan(self.experts, x_TH, topk_idx_TK)
-            return reduce_slots(y_TKH, weights_TK, shared_TH, out_dtype)
+            return ref_slot_reduce(y_TKH, weights_TK, shared_TH, out_dtype)
         if self.args.kernels == "triton":  # fused path over symmetric memory (titan_mok.moe.fused), no host sync
             return fused_routed_experts(
                 x_TH, weights_TK, topk_idx_TK, shared_TH, group, self.experts,

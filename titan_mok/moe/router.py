@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
+from titan_mok.kernels.row_tiles import map_row_tiles, row_invariant_linear
 from titan_mok.moe.args import MoEArgs
-from titan_mok.moe.tiles import map_row_tiles, row_invariant_linear
 
 ROUTE_NORM_EPS = 1e-20
 """Added to the top-k score sum before renormalising (as DeepSeek-V3/V4)."""

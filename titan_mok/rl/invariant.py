@@ -9,7 +9,7 @@ recomputes every position of a padded batch at once. For the recorded logprobs
 to equal the recomputed ones bit for bit (docs/design.md §8), every row must meet the
 same kernels, the same shapes and the same reduction order in both passes:
 
-- ``F.linear`` → ``titan_mok.moe.tiles.row_invariant_linear`` (every GEMM has
+- ``F.linear`` → ``titan_mok.kernels.row_tiles.row_invariant_linear`` (every GEMM has
   ``TILE_M`` rows; a one-row product would take the GEMV path). Cost: the
   zero-padded last tile (up to 63 wasted rows per call; a decode step of B
   sequences computes ``64·ceil(B/64)`` rows).
@@ -25,7 +25,7 @@ same kernels, the same shapes and the same reduction order in both passes:
   ``TILE_M``-row tiles: a GPU reduction's thread layout, hence its summation
   order, depends on how many rows it reduces. Cost: the padded last tile.
 
-The MoE layer is batch-invariant by construction (``titan_mok.moe.tiles``);
+The MoE layer is batch-invariant by construction (``titan_mok.kernels.row_tiles``);
 RoPE, embeddings and residual adds are elementwise and need no replacement (the
 parity tests check the whole path, bit for bit).
 """
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from titan_mok.moe.tiles import autocast_dtype, map_row_tiles, row_invariant_linear
+from titan_mok.kernels.row_tiles import autocast_dtype, map_row_tiles, row_invariant_linear
 
 TILE_Q = 16
 """Queries per attention GEMM tile (fixed: a decode step pads its one query to it)."""

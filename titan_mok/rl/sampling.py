@@ -21,7 +21,7 @@ by the same function in the rollout and the trainer.
 
 import torch
 
-from titan_mok.moe.tiles import map_row_tiles
+from titan_mok.kernels.row_tiles import map_row_tiles
 
 _MASK64 = (1 << 64) - 1
 

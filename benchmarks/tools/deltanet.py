@@ -1,7 +1,7 @@
 """Gated DeltaNet on a GPU: flash-linear-attention's Triton ``chunk_gated_delta_rule``
 against our pure-PyTorch chunked form (same inputs), agreement and speed.
 
-    python -m titan_mok.bench.deltanet [--seq-len 4096]
+    python -m benchmarks.tools.deltanet [--seq-len 4096]
 
 Shape: one Qwen3.5-397B-A17B DeltaNet layer (16 q/k heads, 64 value heads, head
 dims 128), BF16 inputs. Agreement: relative RMS error of the output and of every

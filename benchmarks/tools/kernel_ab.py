@@ -3,24 +3,25 @@ working tree's kernels and by a baseline's (an earlier revision's ``kernels/`` f
 compared.
 
     mkdir -p _scratch/base && git archive 0ba1787 kernels | tar -x -C _scratch/base
-    python3 -m titan_mok.bench.kernel_ab --baseline _scratch/base/kernels --precision bf16 --gemms wgrad
+    python3 -m benchmarks.tools.kernel_ab --baseline _scratch/base/kernels --precision bf16 --gemms wgrad
 
 (The GPU machine has no git: make the baseline folder here and pass it with the device tool's carry. The
-baseline's grouped_gemm and grouped_ffn functions are called as the working tree's are: a revision whose
-signatures differ cannot be compared this way.)
+baseline's grouped_gemm, grouped_ffn and tile_configs functions are called as the working tree's are: a revision
+whose signatures differ, one from before tile_configs among them, cannot be compared this way.)
 
 The baseline's ``.py`` files are copied into a temporary package, ``titan_mok_baseline_kernels``, with their imports
 of ``titan_mok.kernels`` pointed at it, and imported beside the working tree's (Triton reads a kernel's source from
-its file, so the copies are real files). The rest of titan_mok, ``titan_mok.mxfp8`` included, is the working tree's
-for both. Each side makes its own operands (the weights in the layouts its kernels read), from the same case, one
-GEMM's at a time: in MXFP8 both sides' copies of the weights that GEMM reads are held at once (Kimi K2.7 at EP=1:
-34 GB of bf16 weights and 2 x 11 GB of MXFP8 gate and up; bf16 operands are views). Per shape and case (the
-grouped_ffn benchmark's MoE-regime cases and 8 × 4096 rows), each GEMM's outputs are compared with ``torch.equal``,
-then both sides are timed in ``--rounds`` rounds of ``bench(fn, --rep-ms)``, their order alternating; the median
-round is reported, with the fastest and slowest, and "working/baseline", the ratio of the medians. ``--gemms`` picks
-grouped_mm's four kinds ("mm"), the three weight gradients ("wgrad"; not with ``--fp8-mma``) or both. One JSON line
-per (shape, case, GEMM) goes to stdout and ``$OUT/kernel_ab.jsonl`` (or ``--out``); a case that does not fit the
-GPU's memory gets a "skipped" line instead (config_ab.run_cases), the other cases still run, and the exit status is 1.
+its file, so the copies are real files): each side runs its own kernels/ modules, the MXFP8 format and the tile
+tables included (kernels/ imports nothing else of titan_mok). Each side makes its own operands (the weights in the
+layouts its kernels read), from the same case, one GEMM's at a time: in MXFP8 both sides' copies of the weights that
+GEMM reads are held at once (Kimi K2.7 at EP=1: 34 GB of bf16 weights and 2 x 11 GB of MXFP8 gate and up; bf16
+operands are views). Per shape and case (the grouped_ffn benchmark's MoE-regime cases and 8 × 4096 rows), each
+GEMM's outputs are compared with ``torch.equal``, then both sides are timed in ``--rounds`` rounds of ``bench(fn,
+--rep-ms)``, their order alternating; the median round is reported, with the fastest and slowest, and
+"working/baseline", the ratio of the medians. ``--gemms`` picks grouped_mm's four kinds ("mm"), the three weight
+gradients ("wgrad") or both. One JSON line per (shape, case, GEMM) goes to stdout and ``$OUT/kernel_ab.jsonl`` (or
+``--out``); a case that does not fit the GPU's memory gets a "skipped" line instead (config_ab.run_cases), the other
+cases still run, and the exit status is 1.
 """
 
 import argparse
@@ -33,27 +34,27 @@ import tempfile
 
 import torch
 
-from titan_mok.bench import grouped_ffn
-from titan_mok.bench.config_ab import (_outputs, ab_shapes_and_cases, add_ab_args, case_counts, run_cases,
+from benchmarks.tools import grouped_ffn
+from benchmarks.tools.config_ab import (_outputs, ab_shapes_and_cases, add_ab_args, case_counts, run_cases,
                                       timed_rounds)
-from titan_mok.bench.grouped_ffn import OUR_KERNELS, SHAPES, Case, bench, use_growing_segments, wgrads_by_weight
+from benchmarks.tools.grouped_ffn import OUR_KERNELS, SHAPES, Case, bench, use_growing_segments, wgrads_by_weight
 
 BASELINE_PACKAGE = "titan_mok_baseline_kernels"
 
 
 def check_baseline(folder: str):
-    """A clear error for a --baseline that is not a kernels/ folder."""
-    missing = [f for f in ("__init__.py", "grouped_gemm.py", "grouped_ffn.py")
+    """A clear error for a --baseline that is not a kernels/ folder this tool can call."""
+    missing = [f for f in ("__init__.py", "grouped_gemm.py", "grouped_ffn.py", "tile_configs.py")
                if not os.path.isfile(os.path.join(folder, f))]
     if missing:
-        raise ValueError(f"--baseline {folder!r}: not a kernels/ folder (no {', '.join(missing)}); give an earlier "
-                         f"revision's, e.g. from `git archive REV kernels | tar -x -C DIR`: DIR/kernels")
+        raise ValueError(f"--baseline {folder!r}: not a kernels/ folder with tile_configs (no {', '.join(missing)}); "
+                         f"give an earlier revision's, e.g. from `git archive REV kernels | tar -x -C DIR`: DIR/kernels")
 
 
 @contextlib.contextmanager
 def baseline_kernels(folder: str):
-    """(grouped_gemm, grouped_ffn) of the kernels in folder, imported as the package BASELINE_PACKAGE in a
-    temporary folder for the duration (Triton reads the kernels' source files), then forgotten."""
+    """(grouped_gemm, grouped_ffn, tile_configs) of the kernels in folder, imported as the package BASELINE_PACKAGE
+    in a temporary folder for the duration (Triton reads the kernels' source files), then forgotten."""
     check_baseline(folder)
     with tempfile.TemporaryDirectory() as workdir:
         package = os.path.join(workdir, BASELINE_PACKAGE)
@@ -67,8 +68,8 @@ def baseline_kernels(folder: str):
         sys.path.insert(0, workdir)
         importlib.invalidate_caches()
         try:
-            yield (importlib.import_module(f"{BASELINE_PACKAGE}.grouped_gemm"),
-                   importlib.import_module(f"{BASELINE_PACKAGE}.grouped_ffn"))
+            yield tuple(importlib.import_module(f"{BASELINE_PACKAGE}.{name}")
+                        for name in ("grouped_gemm", "grouped_ffn", "tile_configs"))
         finally:
             sys.path.remove(workdir)
             for name in [m for m in sys.modules if m == BASELINE_PACKAGE or m.startswith(BASELINE_PACKAGE + ".")]:
@@ -80,8 +81,8 @@ def gemm_makers(c, args, kernels) -> dict:
     function that makes its operands and returns it, so that each side holds one GEMM's weights at a time."""
     out = {}
     if args.gemms in ("mm", "all"):
-        out.update(grouped_ffn.gemm_makers(c, args.precision, args.fp8_mma, kernels))
-    if args.gemms in ("wgrad", "all") and not args.fp8_mma:  # their operands are activations: made already
+        out.update(grouped_ffn.gemm_makers(c, args.precision, kernels))
+    if args.gemms in ("wgrad", "all"):  # their operands are activations: made already
         out.update({key: (lambda fn=fn: fn) for key, fn in wgrads_by_weight(c, args.precision, kernels).items()})
     return out
 
@@ -104,8 +105,6 @@ def main():
     p.add_argument("--gemms", choices=["mm", "wgrad", "all"], default="all")
     args = p.parse_args()
     shapes, cases = ab_shapes_and_cases(p, args)
-    if args.fp8_mma and args.gemms == "wgrad":
-        p.error("--fp8-mma: the weight gradient has no E4M3-MMA path; A/B it without --fp8-mma")
     try:
         check_baseline(args.baseline)
     except ValueError as e:
@@ -115,7 +114,7 @@ def main():
     with baseline_kernels(args.baseline) as kernels, open(os.path.join(args.out, "kernel_ab.jsonl"), "a",
                                                            buffering=1) as log:
         log.write(json.dumps({"baseline": os.path.abspath(args.baseline), "precision": args.precision,
-                              "fp8_mma": args.fp8_mma, "gemms": args.gemms}) + "\n")
+                              "gemms": args.gemms}) + "\n")
         skipped = run_cases(shapes, cases, lambda shape, case: ab_case(shape, case, args, kernels, log), log)
     if skipped:
         sys.exit(f"kernel_ab: {skipped} case(s) did not fit the GPU's memory (their \"skipped\" lines)")

@@ -1,18 +1,18 @@
 """What ptxas makes of the grouped expert GEMMs for Hopper, without a GPU: registers, spill stack,
 shared memory and SASS instruction mix of every kernel one MoE FFN pass would launch.
 
-    python3 -m titan_mok.bench.sass [--shape kimi] [--rows-per-expert 43] [--precision mxfp8] [--sass-dir DIR] [--json]
-    python3 -m titan_mok.bench.sass --rows-per-expert 85 --set 'mxfp8_ws/plain={"CONSUMER_REGS": 200}'
+    python3 -m benchmarks.tools.sass [--shape kimi] [--rows-per-expert 43] [--precision mxfp8] [--sass-dir DIR] [--json]
+    python3 -m benchmarks.tools.sass --rows-per-expert 85 --set 'mxfp8/plain@mid_rows={"CONSUMER_REGS": 200}'
 
 Why: device time is scarce. A tile config that spills, or that cannot fit two programs on an SM,
 shows here first (benchmarks/NOTES.md, session 11). Triton's wheel carries ptxas, nvdisasm and
 cuobjdump; a stand-in driver reports an sm_90 target, and every kernel the launchers would start
 is compiled instead (``JITFunction.run`` with ``warmup=True``), so nothing runs and the tensors are
 CPU tensors whose values do not matter. The launchers are told they run on CUDA, so they pick the
-kernels and configs they would there (the Gluon kernel for MXFP8, the rows-per-expert configs);
-``--set``/``--unset`` compile a config variant instead, as ``config_ab`` would time it, so that its
-registers, spills and shared memory show before any device time is spent; ``--chip`` the configs of a chip
-with a table of its own (``grouped_gemm._CHIP_MM_CONFIGS``; default the H200's, ``_MM_CONFIGS``).
+kernels and configs they would there (tile_configs.select: the Gluon kernel for MXFP8, the rows-per-expert
+configs); ``--set``/``--unset`` compile a variant table instead, as ``config_ab`` would time it, so that its
+registers, spills and shared memory show before any device time is spent; ``--chip`` the table of a chip with one
+of its own (``tile_configs.TABLES``; default the H200's).
 Registers and shared memory are per program; a warp-specialized kernel's partitions then move
 registers among themselves (``setmaxnreg``, listed).
 """
@@ -31,10 +31,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
-from titan_mok.bench.config_ab import add_variant_args, committed_configs, install, variant_configs
-from titan_mok.bench.grouped_ffn import SHAPES
+from benchmarks.tools.config_ab import add_variant_args, variant_table
+from benchmarks.tools.grouped_ffn import SHAPES
 from titan_mok.kernels import grouped_gemm as gg
 from titan_mok.kernels import grouped_mm_ws
+from titan_mok.kernels import tile_configs as tc
 from titan_mok.kernels.grouped_ffn import weight_operand
 
 H200_SMS = 132
@@ -58,8 +59,9 @@ class _Sm90Driver:
 
 @contextlib.contextmanager
 def compiling_for_sm90(chip: str = ""):
-    """Inside: every Triton/Gluon launch compiles for sm_90 with the configs chip's launches read ("": _MM_CONFIGS,
-    the H200's) and launches nothing; yields the list that collects (kernel name, compiled kernel)."""
+    """Inside: every Triton/Gluon launch compiles for sm_90 as on a GPU named chip (its tile table: TABLES' or, for
+    "" and any other name, the H200's) and launches nothing; yields the list that collects (kernel name, compiled
+    kernel)."""
     compiled = []
     run = JITFunction.run
 
@@ -68,19 +70,18 @@ def compiling_for_sm90(chip: str = ""):
         compiled.append((self.fn.__name__, kernel))
         return kernel
 
-    replaced = grouped_mm_ws.sm_count, torch.cuda.current_device, gg._on_cuda, gg.chip_of
+    replaced = grouped_mm_ws.sm_count, torch.cuda.current_device, tc.chip_of
     active = triton.runtime.driver._active  # None until a driver is used: reset_active() would need a GPU
     triton.runtime.driver.set_active(_Sm90Driver())
     JITFunction.run = compile_only
     grouped_mm_ws.sm_count = lambda device_index: H200_SMS  # persistent grids: one program per SM
     torch.cuda.current_device = lambda: 0
-    gg._on_cuda = lambda t: True  # the launchers pick the kernels they would on CUDA
-    gg.chip_of = lambda t: chip  # ...on that chip
+    tc.chip_of = lambda t: chip  # the launchers pick the kernels they would on that GPU
     try:
         yield compiled
     finally:
         JITFunction.run = run
-        grouped_mm_ws.sm_count, torch.cuda.current_device, gg._on_cuda, gg.chip_of = replaced
+        grouped_mm_ws.sm_count, torch.cuda.current_device, tc.chip_of = replaced
         triton.runtime.driver._active = active
 
 
@@ -120,10 +121,10 @@ def programs_per_sm(report: dict) -> int:
 
 
 def ffn_pass_kernels(shape: str, rows_per_expert: int, precision: str, num_experts: int = 2,
-                     fp8_mma: bool = False, chip: str = "") -> list[dict]:
+                     chip: str = "", table: tc.ChipTable | None = None) -> list[dict]:
     """Compile the grouped GEMMs (and MXFP8 quantizations) of one forward and backward of the routed
-    experts at this many rows per expert, as CUDA on chip would launch them; one report per kernel. fp8_mma: the
-    MXFP8 grouped_mm kinds on E4M3 MMAs."""
+    experts at this many rows per expert, as CUDA on chip would launch them (reading table; None: the chip's); one
+    report per kernel."""
     dim_h, dim_i, _, _ = SHAPES[shape]
     rows = rows_per_expert * num_experts
     bf16 = dict(dtype=torch.bfloat16)
@@ -146,19 +147,18 @@ def ffn_pass_kernels(shape: str, rows_per_expert: int, precision: str, num_exper
                     reports.append({"step": label, **kernel_report(name, kernel)})
             return result
 
-        order = dict(mma_order=not fp8_mma)  # E4M3 MMAs read the weights in index order
         fwd = step("weights: forward layout",
-                   lambda: {n: weight_operand(w, precision, 2, n, **order) for n, w in weights.items()})
+                   lambda: {n: weight_operand(w, precision, 2, n) for n, w in weights.items()})
         bwd = step("weights: dgrad layout",
-                   lambda: {n: weight_operand(w, precision, 1, n, **order) for n, w in weights.items()})
-        f8 = dict(fp8_mma=fp8_mma)
+                   lambda: {n: weight_operand(w, precision, 1, n) for n, w in weights.items()})
+        t = dict(table=table)
         step("fwd: gate/up + SwiGLU",
-             lambda: gg.grouped_gate_up_swiglu(x, group_end, fwd["w_gate"], fwd["w_up"], None, **f8))
-        step("fwd: down", lambda: gg.grouped_mm(h, group_end, fwd["w_down"], **f8))
+             lambda: gg.grouped_gate_up_swiglu(x, group_end, fwd["w_gate"], fwd["w_up"], None, **t))
+        step("fwd: down", lambda: gg.grouped_mm(h, group_end, fwd["w_down"], **t))
         step("dgrad: down + SwiGLU bwd",
-             lambda: gg.grouped_down_dgrad_swiglu(dy, group_end, bwd["w_down"], g, u, None, **f8))
-        step("dgrad: gate/up (dual)", lambda: gg.grouped_mm_sum(dg, du, group_end, bwd["w_gate"], bwd["w_up"], **f8))
-        step("wgrad", lambda: [gg.grouped_wgrad(a, b, group_end, precision) for a, b in ((dg, x), (dy, h))])
+             lambda: gg.grouped_down_dgrad_swiglu(dy, group_end, bwd["w_down"], g, u, None, **t))
+        step("dgrad: gate/up (dual)", lambda: gg.grouped_mm_sum(dg, du, group_end, bwd["w_gate"], bwd["w_up"], **t))
+        step("wgrad", lambda: [gg.grouped_wgrad(a, b, group_end, precision, **t) for a, b in ((dg, x), (dy, h))])
     return reports
 
 
@@ -167,22 +167,21 @@ def main() -> None:
     parser.add_argument("--shape", default="kimi", choices=sorted(SHAPES))
     parser.add_argument("--rows-per-expert", type=int, default=43, help="43: Kimi at EP=1, 2048 tokens/GPU")
     parser.add_argument("--precision", default="mxfp8", choices=("bf16", "mxfp8"))
-    parser.add_argument("--fp8-mma", action="store_true", help="MXFP8 grouped_mm kinds on E4M3 MMAs")
     parser.add_argument("--sass-dir", help="also write each kernel's SASS here")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON (no SASS text)")
-    parser.add_argument("--chip", default="", choices=["", *gg._CHIP_MM_CONFIGS],
-                        help="the configs of a chip with a table of its own (default: the H200's)")
+    parser.add_argument("--chip", default="", choices=["", *tc.TABLES],
+                        help="the tile table of a chip with one of its own (default: the H200's)")
     add_variant_args(parser)
     opts = parser.parse_args()
     try:
-        install(variant_configs(committed_configs(opts.chip), opts.sets, opts.unsets), opts.chip)
+        table = variant_table(tc.table_for(opts.chip), opts.sets, opts.unsets)
     except ValueError as e:
         parser.error(str(e))
     if opts.rows_per_expert < 1:
         parser.error(f"--rows-per-expert must be >= 1, got {opts.rows_per_expert}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         parser.error("TRITON_INTERPRET=1 interprets the kernels instead of compiling them: unset it")
-    reports = ffn_pass_kernels(opts.shape, opts.rows_per_expert, opts.precision, fp8_mma=opts.fp8_mma, chip=opts.chip)
+    reports = ffn_pass_kernels(opts.shape, opts.rows_per_expert, opts.precision, chip=opts.chip, table=table)
     if opts.json:
         print(json.dumps([{**{k: v for k, v in r.items() if k != "sass"}, "programs_per_sm": programs_per_sm(r)}
                           for r in reports]))

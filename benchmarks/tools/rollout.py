@@ -2,7 +2,7 @@
 (``RecomputeDecoder``: a full ``model.forward`` per generated token), same prompts and
 streams; prints tokens/s of each and whether the two rollouts are bitwise equal.
 
-    OMP_NUM_THREADS=1 python -m titan_mok.bench.rollout --model qwen3_5_397b_a17b --seq-len 192
+    OMP_NUM_THREADS=1 python -m benchmarks.tools.rollout --model qwen3_5_397b_a17b --seq-len 192
 
 The ``debug`` flavor from a random init; 8 prompts of 8–15 tokens, no stop token, so
 every sequence decodes ``seq_len − 20`` tokens. Under ``BatchInvariantMode``, as RL runs.

@@ -1,6 +1,6 @@
 """Benchmark: the HBM write rate of the weight gradient's output pattern, with nothing else running.
 
-    python3 -m titan_mok.bench.write_tiles [--shapes kimi,...] [--tiles 128x256,64x256,32x512,16x1024] [--iters 20]
+    python3 -m benchmarks.tools.write_tiles [--shapes kimi,...] [--tiles 128x256,64x256,32x512,16x1024] [--iters 20]
 
 grouped_wgrad's flat loop writes each expert's gradient c [E, N, K] (bf16) in [BN, BK] tiles. One program per SM
 loops over jobs (an expert's BN features and a run of its K tiles, consecutive jobs on the same expert's
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_mok.bench.grouped_ffn import SHAPES, comma_choices
+from benchmarks.tools.grouped_ffn import SHAPES, comma_choices
 from titan_mok.bench.timing import median_ms
 
 CONTIGUOUS_ROW = 2048  # elements: every shape's expert gradient is a multiple of it

@@ -1,7 +1,7 @@
 """Benchmark: the router's routing step on one GPU, all tokens in one call (the CUDA default)
 against 64-row tiles (the CPU path; every device's path before 2026-12-01).
 
-    python3 -m titan_mok.bench.router [--tokens 2048] [--iters 50]
+    python3 -m benchmarks.tools.router [--tokens 2048] [--iters 50]
 
 Per shape (full flavor, top-k routing, the expert bias where the model has one): forward
 (scores → expert choice → combine weights) and forward + backward (fixed cotangents on the

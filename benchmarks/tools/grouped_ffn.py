@@ -1,6 +1,6 @@
 """Benchmark: routed-expert grouped GEMMs (kernels/grouped_ffn.py) against torch's grouped GEMMs, with roofline floors.
 
-    python3 -m titan_mok.bench.grouped_ffn [--out DIR] [--quick] [--tune] [--regime all|moe|compute] [--rounds N]
+    python3 -m benchmarks.tools.grouped_ffn [--out DIR] [--quick] [--tune] [--regime all|moe|compute] [--rounds N]
         [--shapes kimi,glm,qwen,deepseek] [--impls ...] [--compute-case 8x4096]
 
 Regimes (issue 6): the MoE regime — each shape's expert GEMMs at 2048 tokens/GPU × top-k rows over
@@ -11,13 +11,12 @@ Phases, each timed as one callable:
 - fwd:   gate/up (+ SwiGLU) and down;
 - dgrad: down's input gradient (+ SwiGLU backward) and gate/up's input gradient (summed);
 - wgrad: the three weight gradients.
-Implementations: ``torch._grouped_mm`` bf16 (TorchTitan's sequence), ``torch._scaled_grouped_mm``
-fp8 rowwise (activations and weights pre-quantized: GEMMs only, plus the rowwise quantization of
-h and dgate/dup between the GEMMs), ours bf16 and ours mxfp8 (each kind of GEMM on the kernel its
-``"bf16_ws/<kind>"`` or ``"mxfp8_ws/<kind>"`` config picks, warp-specialized or Triton; weights pre-quantized in each
-GEMM's layout: the cost of quantizing weights is reported separately; activations are quantized
-inside the kernels and so included). The torch baselines get groups padded to 16 rows (TorchTitan
-pads too); FLOPs count the real rows only.
+Implementations: ``torch._grouped_mm`` bf16 (TorchTitan's sequence), ``torch._scaled_grouped_mm`` fp8 rowwise
+(activations and weights pre-quantized: GEMMs only, plus the rowwise quantization of h and dgate/dup between the
+GEMMs), ours bf16 and ours mxfp8 (each kind of GEMM on the kernel and config ``tile_configs.select`` picks; weights
+pre-quantized in each GEMM's layout: the cost of quantizing weights is reported separately; activations are
+quantized inside the kernels and so included). The torch baselines get groups padded to 16 rows (TorchTitan pads
+too); FLOPs count the real rows only.
 
 Floors, measured in the same run: max(FLOPs / tensor-core ceiling, bytes / HBM bandwidth), with the
 bf16 ceiling (8192³ bf16 matmul) for bf16 and the fp8 ceiling (8192³ tensorwise ``_scaled_mm``)
@@ -32,7 +31,6 @@ import json
 import os
 import statistics
 import time
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +38,10 @@ import triton
 
 from titan_mok.kernels import grouped_ffn as ffn_kernels
 from titan_mok.kernels import grouped_gemm as gg
+from titan_mok.kernels import tile_configs as tc
 
-OUR_KERNELS = (gg, ffn_kernels)  # the working tree's grouped_gemm and grouped_ffn (bench.kernel_ab adds a baseline's)
+# the working tree's grouped_gemm, grouped_ffn and tile_configs (kernel_ab adds a baseline's)
+OUR_KERNELS = (gg, ffn_kernels, tc)
 
 # name: (H, I, E, top-k)
 SHAPES = {
@@ -128,37 +128,37 @@ class Case:
         return 3 * self.E * self.H * self.I
 
 
-def weight_as_read(c, name, along, precision, fp8_mma=False, kernels=OUR_KERNELS):
+def weight_as_read(c, name, along, precision, kernels=OUR_KERNELS):
     """Case c's weight ``name`` as our GEMMs read it, K = its dim ``along`` (2: the forward's [E, N, K]; 1: the
     dgrad's transposed view), MXFP8 quantized in that layout. kernels: the grouped_gemm and grouped_ffn modules that
-    make it (a baseline revision's in bench.kernel_ab)."""
-    return kernels[1].weight_operand(getattr(c, name), precision, along, name, mma_order=not fp8_mma)
+    make it (a baseline revision's in kernel_ab)."""
+    return kernels[1].weight_operand(getattr(c, name), precision, along, name)
 
 
-def _activations(c, wg, wu, wd_t, fp8_mma, mm):
+def _activations(c, wg, wu, wd_t, mm):
     """g, u, h and dgate, dup as the FFN's forward and backward save them, by mm's GEMMs on these weights."""
-    g, u, h = mm.grouped_gate_up_swiglu(c.x, c.group_end, wg, wu, None, fp8_mma=fp8_mma)
+    g, u, h = mm.grouped_gate_up_swiglu(c.x, c.group_end, wg, wu, None)
     dg, du = mm.grouped_down_dgrad_swiglu(c.dy, c.group_end, wd_t, g, u, None)
     return g, u, h, dg, du
 
 
-def saved_activations(c, precision, fp8_mma=False, kernels=OUR_KERNELS):
+def saved_activations(c, precision, kernels=OUR_KERNELS):
     """_activations by kernels' GEMMs, on weights made for them and dropped on return."""
-    wg, wu, wd_t = (weight_as_read(c, name, along, precision, fp8_mma, kernels)
+    wg, wu, wd_t = (weight_as_read(c, name, along, precision, kernels)
                     for name, along in (("w_gate", 2), ("w_up", 2), ("w_down", 1)))
-    return _activations(c, wg, wu, wd_t, fp8_mma, kernels[0])
+    return _activations(c, wg, wu, wd_t, kernels[0])
 
 
-def ffn_operands(c, precision, fp8_mma=False):
+def ffn_operands(c, precision):
     """Our GEMMs' operands for case c: the six weights as the GEMMs read them (weight_as_read: w_gate, w_up,
     w_down forward, then transposed) and the saved activations, computed from those same weights."""
-    weights = tuple(weight_as_read(c, name, along, precision, fp8_mma) for along in (2, 1)
+    weights = tuple(weight_as_read(c, name, along, precision) for along in (2, 1)
                     for name in ("w_gate", "w_up", "w_down"))
     wg, wu, _, _, _, wd_t = weights
-    return weights, _activations(c, wg, wu, wd_t, fp8_mma, gg)
+    return weights, _activations(c, wg, wu, wd_t, gg)
 
 
-def phases_ours(c, precision, fp8_mma=False):
+def phases_ours(c, precision, table=None):
     phases = {}
     if precision == "mxfp8":
         def wquant():  # both layouts of all three weights, as the FFN quantizes them each pass
@@ -167,23 +167,22 @@ def phases_ours(c, precision, fp8_mma=False):
                 ffn_kernels.weight_operand(w, "mxfp8", 1, "w")
 
         phases["wquant"] = wquant
-    (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision, fp8_mma)
+    (wg, wu, wd, wg_t, wu_t, wd_t), (g, u, h, dg, du) = ffn_operands(c, precision)
     ge = c.group_end
 
     def fwd():
-        _, _, h_ = gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None, fp8_mma=fp8_mma)
-        return gg.grouped_mm(h_, ge, wd, fp8_mma=fp8_mma)
+        _, _, h_ = gg.grouped_gate_up_swiglu(c.x, ge, wg, wu, None, table=table)
+        return gg.grouped_mm(h_, ge, wd, table=table)
 
     def dgrad():
-        dg_, du_ = gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None, fp8_mma=fp8_mma)
-        return gg.grouped_mm_sum(dg_, du_, ge, wg_t, wu_t, fp8_mma=fp8_mma)
+        dg_, du_ = gg.grouped_down_dgrad_swiglu(c.dy, ge, wd_t, g, u, None, table=table)
+        return gg.grouped_mm_sum(dg_, du_, ge, wg_t, wu_t, table=table)
 
     def wgrad():  # as the FFN's backward, but one gradient alive at a time (memory)
-        for dw in gg.grouped_wgrads(ffn_kernels.wgrad_operands(c.x, h, c.dy, dg, du).values(), ge, precision):
+        operands = ffn_kernels.wgrad_operands(c.x, h, c.dy, dg, du).values()
+        for dw in gg.grouped_wgrads(operands, ge, precision, table=table):
             del dw  # before the next is made (a loop variable would hold it meanwhile: two alive)
 
-    if fp8_mma:  # wgrad has no fp8-MMA variant (its operands are token-axis MXFP8 values in bf16)
-        return {"fwd": fwd, "dgrad": dgrad}
     return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, **phases}
 
 
@@ -293,24 +292,24 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-# implementation: (its phases on a case, the format its floors use)
+# implementation: (its phases on a case with our GEMMs' tile table, the format its floors use)
 _IMPL_PHASES = {
-    "grouped_mm_bf16": (phases_grouped_mm, "bf16"),
-    "scaled_grouped_mm_fp8": (phases_scaled_grouped_mm, "fp8"),
-    "ours_bf16": (lambda c: phases_ours(c, "bf16"), "bf16"),
-    "ours_mxfp8": (lambda c: phases_ours(c, "mxfp8"), "mxfp8"),
-    "ours_mxfp8_fp8mma": (lambda c: phases_ours(c, "mxfp8", fp8_mma=True), "mxfp8"),
+    "grouped_mm_bf16": (lambda c, table: phases_grouped_mm(c), "bf16"),
+    "scaled_grouped_mm_fp8": (lambda c, table: phases_scaled_grouped_mm(c), "fp8"),
+    "ours_bf16": (lambda c, table: phases_ours(c, "bf16", table), "bf16"),
+    "ours_mxfp8": (lambda c, table: phases_ours(c, "mxfp8", table), "mxfp8"),
 }
 IMPLS = tuple(_IMPL_PHASES)
 
 
-def _phases(impl, c):
-    """(phase callables, floor format) of one implementation on case c."""
+def _phases(impl, c, table=None):
+    """(phase callables, floor format) of one implementation on case c (table: our GEMMs' tile configs, None: the
+    committed)."""
     make, fmt = _IMPL_PHASES[impl]
-    return make(c), fmt
+    return make(c, table), fmt
 
 
-def _time_phases(c, impls, ceil, rep_ms, rounds) -> dict:
+def _time_phases(c, impls, ceil, rep_ms, rounds, table=None) -> dict:
     """Each implementation's phases timed in rounds (rounds > 1: all of impls held at once, their order
     alternating between rounds, so that clock and thermal drift meet every implementation alike), the
     median round as "ms" and [fastest, slowest] as "range_ms". A failure is kept as its text, never as the
@@ -318,7 +317,7 @@ def _time_phases(c, impls, ceil, rep_ms, rounds) -> dict:
     built, times, errors = {}, {}, {}
     for impl in impls:
         try:
-            built[impl] = _phases(impl, c)
+            built[impl] = _phases(impl, c, table)
         except Exception as e:
             errors[impl] = repr(e)[:300]
     for r in range(rounds):
@@ -349,7 +348,7 @@ def _time_phases(c, impls, ceil, rep_ms, rounds) -> dict:
     return out
 
 
-def run_case(name, H, I, counts, ceil, impls, rep_ms, log, rounds=1):
+def run_case(name, H, I, counts, ceil, impls, rep_ms, log, rounds=1, table=None):
     c = Case(H, I, counts)
     res = {"case": name, "H": H, "I": I, "E": c.E, "R": c.R, "rows_min": int(counts.min()),
            "rows_max": int(counts.max()), "impls": {}}
@@ -357,14 +356,14 @@ def run_case(name, H, I, counts, ceil, impls, rep_ms, log, rounds=1):
     # before the next is built; more rounds hold them all (four of them do not fit a 141 GB H200 at
     # DeepSeek-V4-Pro's EP=1: fewer --impls there)
     for group in ([[impl] for impl in impls] if rounds == 1 else [impls]):
-        res["impls"].update(_time_phases(c, group, ceil, rep_ms, rounds))
+        res["impls"].update(_time_phases(c, group, ceil, rep_ms, rounds, table))
         torch.cuda.empty_cache()
     # correctness at this size: ours vs torch's bf16 grouped GEMM forward (same bf16 inputs)
     try:
         ref = phases_grouped_mm(c)["fwd"]()[c.rows_in_padded]
         for impl, prec in (("ours_bf16", "bf16"), ("ours_mxfp8", "mxfp8")):
             if impl in impls:
-                y = phases_ours(c, prec)["fwd"]()
+                y = phases_ours(c, prec, table)["fwd"]()
                 res.setdefault("fwd_rel_err_vs_grouped_mm", {})[impl] = rel_err(y, ref)
     except Exception as e:
         res["check_error"] = repr(e)[:300]
@@ -374,15 +373,17 @@ def run_case(name, H, I, counts, ceil, impls, rep_ms, log, rounds=1):
     return res
 
 
-_KINDS = ("plain", "swiglu", "swiglu_bwd", "dual")
-_BF16_VARIANTS = [dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=w, num_stages=st, HALF_TILES=True)
+_BF16_VARIANTS = [tc.TritonMM(BM=128, BN=bn, BK=64, num_warps=w, num_stages=st, HALF_TILES=True)
                   for bn, w, st in ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 8, 3), (256, 8, 4))]
-_BF16_FEW_ROWS_VARIANTS = [dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=w, num_stages=st)
+_BF16_FEW_ROWS_VARIANTS = [tc.TritonMM(BM=64, BN=128, BK=64, num_warps=w, num_stages=st)
                            for w, st in ((8, 4), (4, 3), (4, 4))]
+_BF16_PERSISTENT = [tc.TritonMM(BM=128, BN=bn, BK=64, num_warps=8, num_stages=st, PERSISTENT=True)
+                    for bn, st in ((256, 4), (256, 3), (128, 4))]
+_COOPERATIVE = [tc.CoopMM(BN=bn, BK=64, STAGES=st, CONSUMER_REGS=232) for bn, st in ((256, 3), (128, 4), (128, 3))]
 
 
 def _ws(stages=4, regs=232, persistent=True, bm=128, **kw):
-    return dict(BM=bm, BN=128, GROUP_M=8, PERSISTENT=persistent, STAGES=stages, CONSUMER_REGS=regs, num_warps=4, **kw)
+    return tc.GluonMM(BM=bm, PERSISTENT=persistent, STAGES=stages, CONSUMER_REGS=regs, **kw)
 
 
 _SPLIT = dict(HALF_TILES=True, SPLIT_TILES=True)  # 65-96-row tiles on 64 + 32-token MMAs, <= 64 rows on 64
@@ -392,127 +393,142 @@ def _ws_two_per_sm(stages=2, regs=104, **kw):  # 64-token tiles, registers cappe
     return _ws(stages=stages, regs=regs, persistent=False, bm=64, maxnreg=80, **kw)
 
 
-# MXFP8 on CUDA: None runs the Triton kernel ("mxfp8/<kind>"), a dict the warp-specialized one; each
-# list holds its kind's committed config in every chip's table (SwiGLU gate/up: one program per tile). Only
-# the "@few_rows" and "@many_rows" lists vary BM: with few rows per expert the launcher takes 64-token tiles
-# (grouped_gemm._mm_config; bf16's HALF_TILES configs their half tiles), so the EP=1 case runs the
-# other lists' variants on 64-token tiles; a "@<tier>" list is timed on its tier's case alone (the
-# compute case for "@many_rows"), the kind's list then on the other cases.
+def _triton(key):  # an entry's Triton config (the same on every chip for these keys): the Triton kernel on CUDA
+    return tc.H200.mm[key].triton
+
+
+_MX_SWIGLU = [_triton("mxfp8/swiglu@mid_rows"), _ws(stages=2, persistent=False, **_SPLIT),
+              _ws(stages=2, persistent=False), _ws(stages=2, **_SPLIT), _ws(stages=3, regs=248, **_SPLIT),
+              _ws(stages=3, persistent=False, **_SPLIT)]
+_MX_SWIGLU_BWD = [_triton("mxfp8/swiglu_bwd@mid_rows"), _ws(stages=3, regs=248, **_SPLIT),
+                  _ws(stages=3, regs=248, HALF_TILES=True), _ws(regs=248, **_SPLIT), _ws(**_SPLIT)]
+# Per table entry ("<precision>/<kind>@<tier>", tile_configs), the CUDA configs --tune times on its tier's case, each
+# list holding the entry's committed config in every chip's table (tests/test_bench_grouped_ffn.py).
 TUNE_VARIANTS = {
-    **{f"bf16/{kind}": _BF16_VARIANTS for kind in _KINDS},
+    **{f"bf16/{kind}@{tier}": _BF16_VARIANTS for kind in ("plain", "swiglu", "dual")
+       for tier in ("few_rows", "mid_rows")},
+    "bf16/plain@many_rows": [_BF16_VARIANTS[2], *_BF16_PERSISTENT, *_COOPERATIVE],
+    "bf16/swiglu@many_rows": [_BF16_VARIANTS[1], *_COOPERATIVE],
+    "bf16/dual@many_rows": [_BF16_PERSISTENT[0], _BF16_VARIANTS[4]],
     "bf16/swiglu_bwd@few_rows": [*_BF16_FEW_ROWS_VARIANTS, _BF16_VARIANTS[1]],
-    # the base (plain's own config, as _MM_CONFIGS' entry) and the persistent tiles the H100 chose from
-    "bf16/plain@many_rows": [dict(gg._MM_CONFIGS["bf16/plain"]),
-                             *[dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=8, num_stages=st, PERSISTENT=True)
-                               for bn, st in ((256, 4), (256, 3), (128, 4))]],
-    "mxfp8_ws/plain": [None, _ws(stages=3, ROW_BLOCKS=2, **_SPLIT), _ws(**_SPLIT), _ws(stages=3, **_SPLIT), _ws()],
-    "mxfp8_ws/swiglu": [None, _ws(stages=2, persistent=False, **_SPLIT), _ws(stages=2, persistent=False),
-                        _ws(stages=2, **_SPLIT), _ws(stages=3, regs=248, **_SPLIT),
-                        _ws(stages=3, persistent=False, **_SPLIT)],
-    "mxfp8_ws/swiglu_bwd": [None, _ws(stages=3, regs=248, **_SPLIT), _ws(stages=3, regs=248, HALF_TILES=True),
-                            _ws(regs=248, **_SPLIT), _ws(**_SPLIT)],
-    "mxfp8_ws/dual": [None, _ws(stages=3, ROW_BLOCKS=2, **_SPLIT), _ws(**_SPLIT), _ws(HALF_TILES=True),
-                      _ws(stages=3, **_SPLIT)],
-    "mxfp8_ws/plain@few_rows": [_ws(bm=64, ROW_BLOCKS=2, HALF_TILES=True), _ws(bm=64, ROW_BLOCKS=2),
-                                _ws(stages=3, bm=64, ROW_BLOCKS=2, HALF_TILES=True)],
-    "mxfp8_ws/swiglu@few_rows": [_ws(stages=2, persistent=False, bm=64, HALF_TILES=True),
-                                 _ws(stages=2, persistent=False, bm=64), _ws(stages=2, bm=64, HALF_TILES=True),
-                                 _ws(stages=3, persistent=False, bm=64, HALF_TILES=True)],
-    "mxfp8_ws/swiglu_bwd@few_rows": [_ws_two_per_sm(HALF_TILES=True), _ws_two_per_sm(),
-                                     _ws(stages=3, regs=248, bm=64, HALF_TILES=True),
-                                     _ws_two_per_sm(regs=112, HALF_TILES=True)],
-    "mxfp8_ws/dual@few_rows": [_ws(bm=64, ROW_BLOCKS=2, HALF_TILES=True), _ws(bm=64, ROW_BLOCKS=2),
-                               _ws_two_per_sm(HALF_TILES=True), _ws(stages=3, bm=64, ROW_BLOCKS=2, HALF_TILES=True)],
-    "mxfp8_ws/plain@many_rows": [_ws(stages=2, regs=240, bm=256), _ws(stages=2, regs=232, bm=256), _ws()],
-    "mxfp8_ws/dual@many_rows": [_ws(stages=2, regs=240, bm=256, HALF_TILES=True),
-                                _ws(stages=2, regs=232, bm=256, HALF_TILES=True), _ws(HALF_TILES=True)],
-    # fp8_mma=True on CUDA (E4M3 MMAs, the same kernel); not swept at few rows per expert (no "@few_rows")
-    "mxfp8_fp8_ws/plain": [_ws(HALF_TILES=True), _ws(), _ws(stages=3, HALF_TILES=True), _ws(bm=64)],
-    "mxfp8_fp8_ws/swiglu": [_ws(bm=64, persistent=False), _ws(bm=64), _ws(bm=64, stages=3, persistent=False)],
-    "mxfp8_fp8_ws/swiglu_bwd": [_ws(HALF_TILES=True), _ws(), _ws(stages=3, regs=248, HALF_TILES=True), _ws(bm=64)],
-    "mxfp8_fp8_ws/dual": [_ws(HALF_TILES=True), _ws(), _ws(stages=3, HALF_TILES=True), _ws(bm=64)],
+    "bf16/swiglu_bwd@mid_rows": [_BF16_VARIANTS[1], _ws(stages=3, persistent=False, **_SPLIT), _ws(stages=3, **_SPLIT)],
+    "bf16/swiglu_bwd@many_rows": [_triton("bf16/swiglu_bwd@many_rows"), _ws(stages=3, **_SPLIT),
+                                  _ws(stages=3, persistent=False, **_SPLIT)],
+    "mxfp8/plain@mid_rows": [_triton("mxfp8/plain@mid_rows"), _ws(stages=3, ROW_BLOCKS=2, **_SPLIT), _ws(**_SPLIT),
+                             _ws(stages=3, **_SPLIT), _ws()],
+    "mxfp8/swiglu@mid_rows": _MX_SWIGLU,
+    "mxfp8/swiglu@many_rows": _MX_SWIGLU,
+    "mxfp8/swiglu_bwd@mid_rows": _MX_SWIGLU_BWD,
+    "mxfp8/swiglu_bwd@many_rows": _MX_SWIGLU_BWD,
+    "mxfp8/dual@mid_rows": [_triton("mxfp8/dual@mid_rows"), _ws(stages=3, ROW_BLOCKS=2, **_SPLIT), _ws(**_SPLIT),
+                            _ws(HALF_TILES=True), _ws(stages=3, **_SPLIT)],
+    "mxfp8/plain@few_rows": [_ws(bm=64, ROW_BLOCKS=2, HALF_TILES=True), _ws(bm=64, ROW_BLOCKS=2),
+                             _ws(stages=3, bm=64, ROW_BLOCKS=2, HALF_TILES=True)],
+    "mxfp8/swiglu@few_rows": [_ws(stages=2, persistent=False, bm=64, HALF_TILES=True),
+                              _ws(stages=2, persistent=False, bm=64), _ws(stages=2, bm=64, HALF_TILES=True),
+                              _ws(stages=3, persistent=False, bm=64, HALF_TILES=True)],
+    "mxfp8/swiglu_bwd@few_rows": [_ws_two_per_sm(HALF_TILES=True), _ws_two_per_sm(),
+                                  _ws(stages=3, regs=248, bm=64, HALF_TILES=True),
+                                  _ws_two_per_sm(regs=112, HALF_TILES=True)],
+    "mxfp8/dual@few_rows": [_ws(bm=64, ROW_BLOCKS=2, HALF_TILES=True), _ws(bm=64, ROW_BLOCKS=2),
+                            _ws_two_per_sm(HALF_TILES=True), _ws(stages=3, bm=64, ROW_BLOCKS=2, HALF_TILES=True)],
+    "mxfp8/plain@many_rows": [_ws(stages=2, regs=240, bm=256), _ws(stages=2, regs=232, bm=256), _ws()],
+    "mxfp8/dual@many_rows": [_ws(stages=2, regs=240, bm=256, HALF_TILES=True),
+                             _ws(stages=2, regs=232, bm=256, HALF_TILES=True), _ws(HALF_TILES=True)],
 }
 
 
-def gemm_makers(c, precision, fp8_mma=False, kernels=OUR_KERNELS) -> dict:
-    """Per kind of grouped GEMM in this precision, keyed by the ``_MM_CONFIGS`` entry that picks its kernel on
-    CUDA ("bf16/<kind>", for MXFP8 "mxfp8_ws/<kind>", with fp8_mma "mxfp8_fp8_ws/<kind>"), a function that makes the
-    weights that kind reads and returns the GEMM as a callable: a caller holding one kind's GEMM at a time holds one
-    kind's weights (bench.kernel_ab: two revisions' MXFP8 copies of all six did not fit an 80 GB H100 at Kimi K2.7
-    EP=1, NOTES.md session 33)."""
+def committed_table() -> tc.ChipTable:
+    """The tile table this process's GPU reads (on the CPU, the default)."""
+    return tc.table_for(tc.chip_of(torch.empty(0, device="cuda")) if torch.cuda.is_available() else None)
+
+
+def _entry_key(c, kind, precision, n, k, contiguous=True, kernels=OUR_KERNELS):
+    """The tile table entry case c's GEMM of this kind reads (kernels' tile_configs)."""
+    tiles = kernels[2]
+    return tiles.select(kind, precision, c.R / c.E, tiles.chip_of(c.x), n=n, k=k, contiguous=contiguous).key
+
+
+def _with_table(fn, *args, **kwargs):
+    """fn(*args, **kwargs) as a callable of the tile table to read (None: the committed, and no table= passed)."""
+    return lambda table=None: fn(*args, **kwargs, **({} if table is None else {"table": table}))
+
+
+def gemm_makers(c, precision, kernels=OUR_KERNELS) -> dict:
+    """Per kind of grouped GEMM in this precision, keyed by the tile table entry case c reads for it
+    ("<precision>/<kind>@<tier>"), a function that makes the weights that kind reads and returns the GEMM as a
+    callable of the table to read (None: the committed): a caller holding one kind's GEMM at a time holds one kind's
+    weights (kernel_ab: two revisions' MXFP8 copies of all six did not fit an 80 GB H100 at Kimi K2.7 EP=1)."""
     mm = kernels[0]
 
     def w(name, along):
-        return weight_as_read(c, name, along, precision, fp8_mma, kernels)
+        return weight_as_read(c, name, along, precision, kernels)
 
-    g, u, h, dg, du = saved_activations(c, precision, fp8_mma, kernels)
-    ge = c.group_end
-    key = ("mxfp8_fp8_ws" if fp8_mma else "mxfp8_ws") if precision == "mxfp8" else precision
-    f8 = dict(fp8_mma=fp8_mma)
+    g, u, h, dg, du = saved_activations(c, precision, kernels)
+    ge, mx = c.group_end, precision == "mxfp8"
+
+    def key(kind, n, k, contiguous=True):
+        return _entry_key(c, kind, precision, n, k, contiguous, kernels)
+
     return {
-        f"{key}/swiglu": lambda: partial(mm.grouped_gate_up_swiglu, c.x, ge, w("w_gate", 2), w("w_up", 2), None, **f8),
-        f"{key}/plain": lambda: partial(mm.grouped_mm, h, ge, w("w_down", 2), **f8),
-        f"{key}/swiglu_bwd": lambda: partial(mm.grouped_down_dgrad_swiglu, c.dy, ge, w("w_down", 1), g, u, None, **f8),
-        f"{key}/dual": lambda: partial(mm.grouped_mm_sum, dg, du, ge, w("w_gate", 1), w("w_up", 1), **f8),
+        key("swiglu", c.I, c.H): lambda: _with_table(mm.grouped_gate_up_swiglu, c.x, ge, w("w_gate", 2),
+                                                     w("w_up", 2), None),
+        key("plain", c.H, c.I): lambda: _with_table(mm.grouped_mm, h, ge, w("w_down", 2)),
+        key("swiglu_bwd", c.I, c.H, mx): lambda: _with_table(mm.grouped_down_dgrad_swiglu, c.dy, ge, w("w_down", 1),
+                                                             g, u, None),
+        key("dual", c.H, c.I, mx): lambda: _with_table(mm.grouped_mm_sum, dg, du, ge, w("w_gate", 1), w("w_up", 1)),
     }
 
 
-def gemms_by_kind(c, precision, fp8_mma=False, kernels=OUR_KERNELS):
-    """One grouped GEMM of each kind (gemm_makers' keys), all made at once."""
-    return {key: make() for key, make in gemm_makers(c, precision, fp8_mma, kernels).items()}
+def gemms_by_kind(c, precision, kernels=OUR_KERNELS):
+    """One grouped GEMM of each kind (gemm_makers' keys and callables), all made at once."""
+    return {key: make() for key, make in gemm_makers(c, precision, kernels).items()}
 
 
 def wgrads_by_weight(c, precision, kernels=OUR_KERNELS):
-    """Each weight's gradient as one callable, keyed "wgrad/<loop>:<weight>" by the ``_WGRAD_CONFIGS``
-    entry that runs it (grouped_gemm.wgrad_loop)."""
-    mm, ffn = kernels
+    """Each weight's gradient as a callable of the tile table (None: the committed), keyed
+    "wgrad/<config>:<weight>" by the weight-gradient config it reads (tile_configs.select)."""
+    mm, ffn = kernels[:2]
     _, _, h, dg, du = saved_activations(c, precision, kernels=kernels)
-    # a baseline kernels/ from before the per-chip tables (bench.kernel_ab) takes no chip
-    chip = {"chip": mm.chip_of(c.x)} if hasattr(mm, "chip_of") else {}
-    return {f"wgrad/{mm.wgrad_loop(c.R, c.E, a.shape[1], b.shape[1], c.x.is_cuda, **chip)}:{name}":
-            (lambda a=a, b=b: mm.grouped_wgrad(a, b, c.group_end, precision))
+    return {f"{_entry_key(c, 'wgrad', precision, a.shape[1], b.shape[1], kernels=kernels)}:{name}":
+            _with_table(mm.grouped_wgrad, a, b, c.group_end, precision)
             for name, (a, b) in ffn.wgrad_operands(c.x, h, c.dy, dg, du).items()}
 
 
-def tune(log, kernels):
-    """Tile-config sweep on two MoE-regime cases and one compute-regime case; installs, per kernel
-    key, the config with the least summed time (so the runs that follow use it). Each kind of GEMM
-    is timed on its own, on the cases whose rows per expert pick that key."""
+def tune(log, keys) -> tc.ChipTable:
+    """Tile-config sweep (TUNE_VARIANTS) of the table entries keys on this GPU's table, one Kimi K2.7 case per rows
+    tier (EP=1 and EP=2 balanced, 8 x 4096 rows); returns the table with each entry's fastest config (for the runs
+    that follow). Each kind of GEMM is timed on its own, on the case whose rows per expert read that entry."""
     H, I, E, K = SHAPES["kimi"]
     cases = {"kimi_ep1_balanced": route_counts(TOKENS_PER_GPU * K, E, False),
              "kimi_ep2_balanced": route_counts(TOKENS_PER_GPU * K, E // 2, False),
              "kimi_compute": torch.full((8,), 4096, dtype=torch.int64)}
-    total = {key: [0.0] * len(TUNE_VARIANTS[key]) for key in kernels}
-    table = gg.mm_configs()  # the table this GPU's launches read
+    committed = committed_table()
+    best = {}
     for cname, counts in cases.items():
-        tier = gg.rows_tier(int(counts.sum()), counts.numel())
         c = Case(H, I, counts)
         timed = {}
-        for precision, prefix, fp8_mma in (("bf16", "bf16/", False), ("mxfp8", "mxfp8_ws/", False),
-                                           ("mxfp8", "mxfp8_fp8_ws/", True)):
-            if any(key.startswith(prefix) for key in kernels):
-                timed.update(gemms_by_kind(c, precision, fp8_mma))
-        for key in kernels:
-            kind_key, _, variant = key.partition("@")
-            if variant != (tier if f"{kind_key}@{tier}" in table else ""):
-                continue  # another key's config runs at this many rows
-            default = table[key]
-            for i, v in enumerate(TUNE_VARIANTS[key]):
-                table[key] = v
+        for precision in ("bf16", "mxfp8"):
+            if any(key.startswith(precision + "/") for key in keys):
+                timed.update(gemms_by_kind(c, precision))
+        for key in keys:
+            if key not in timed:
+                continue  # another case's rows read this entry
+            times = []
+            for v in TUNE_VARIANTS[key]:
+                table = committed.replace(mm={key: tc.MMEntry(committed.mm[key].triton, v)})
                 try:
-                    ms = bench(timed[kind_key], 60)
-                    rec = {"case": cname, "kernel": key, "cfg": v, "ms": ms}
+                    ms = bench(lambda: timed[key](table), 60)
+                    rec = {"case": cname, "entry": key, "cfg": str(v), "ms": ms}
                 except Exception as e:
-                    ms, rec = float("inf"), {"case": cname, "kernel": key, "cfg": v, "error": repr(e)[:200]}
-                total[key][i] += ms
+                    ms, rec = float("inf"), {"case": cname, "entry": key, "cfg": str(v), "error": repr(e)[:200]}
+                times.append(ms)
                 log(json.dumps(rec))
-            table[key] = default
+            best[key] = tc.MMEntry(committed.mm[key].triton, TUNE_VARIANTS[key][times.index(min(times))])
+            log(json.dumps({"tuned": key, "cfg": str(best[key].cuda), "ms": min(times)}))
         del c, timed
         torch.cuda.empty_cache()
-    for key in kernels:
-        best = TUNE_VARIANTS[key][min(range(len(total[key])), key=total[key].__getitem__)]
-        table[key] = best
-        log(json.dumps({"tuned": key, "cfg": best, "summed_ms": min(total[key])}))
+    return committed.replace(mm=best)
 
 
 def comma_choices(parser: argparse.ArgumentParser, flag: str, text: str, allowed) -> list[str]:
@@ -573,11 +589,11 @@ def main():
     ceil = measure_ceilings()
     log(json.dumps({"ceilings": ceil, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}))
+    table = None
     if args.tune:
-        kernels = {"ours_bf16": [k for k in TUNE_VARIANTS if k.startswith("bf16/")],
-                   "ours_mxfp8": [k for k in TUNE_VARIANTS if k.startswith("mxfp8_ws/")],
-                   "ours_mxfp8_fp8mma": [k for k in TUNE_VARIANTS if k.startswith("mxfp8_fp8_ws/")]}
-        tune(log, [key for i in impls for key in kernels.get(i, [])])
+        entries = {"ours_bf16": [k for k in TUNE_VARIANTS if k.startswith("bf16/")],
+                   "ours_mxfp8": [k for k in TUNE_VARIANTS if k.startswith("mxfp8/")]}
+        table = tune(log, [key for i in impls for key in entries.get(i, [])])
     results = []
     for shape in shapes if args.regime != "compute" else []:
         H, I, E, K = SHAPES[shape]
@@ -585,12 +601,12 @@ def main():
             for skewed in ([False] if args.quick else [False, True]):
                 counts = route_counts(TOKENS_PER_GPU * K, E // ep, skewed)
                 name = f"{shape} EP={ep} {'skewed' if skewed else 'balanced'}"
-                results.append(run_case(name, H, I, counts, ceil, impls, args.rep_ms, log, args.rounds))
+                results.append(run_case(name, H, I, counts, ceil, impls, args.rep_ms, log, args.rounds, table))
     for shape in shapes if args.regime != "moe" else []:
         H, I, _, _ = SHAPES[shape]
         results.append(run_case(f"{shape} compute {experts}x{rows}", H, I,
                                 torch.full((experts,), rows, dtype=torch.int64), ceil, impls, args.rep_ms, log,
-                                args.rounds))
+                                args.rounds, table))
     # summary table (the reply carries the end of the output)
     print("\ncase | impl | fwd ms (floor/time) | dgrad | wgrad | weight quantization")
     for r in results:
