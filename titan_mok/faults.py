@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import logger
 
@@ -208,6 +209,11 @@ class NonfiniteGuard:
             with torch.no_grad():
                 for name, buffer in model.named_buffers():
                     buffer.copy_(saved[name])
+            # these forwards have no backward, whose end reshards FSDP's modules; left unsharded,
+            # the next step computed with stale parameter state (non-finite weights seen): reshard
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         if not found:
             return "none: every module's forward output is finite on every rank (the non-finite values arose in the backward)"
         found.sort()
