@@ -101,9 +101,10 @@ def exited(pid: int) -> bool:
 
 
 def run(log: Path, *overrides: str, timeout: float = 300, **kwargs) -> tuple[int, str]:
-    """Run a job to its end: (exit status, output)."""
+    """Run a job to its end: (exit status, output). Prints its wall time (pytest -s)."""
     job = Job(log, *overrides, **kwargs)
     rc = job.wait(timeout)
+    print(f"\n{log.parent.name}/{log.name}: exit status {rc} after {time.monotonic() - job.started:.1f} s")
     return rc, job.output()
 
 

@@ -175,7 +175,8 @@ class Checkpoint:
 
 @dataclass
 class Training:
-    """titan-mok's key in TorchTitan's ``[training]`` table (``titan_mok.faults``)."""
+    """titan-mok's key in TorchTitan's ``[training]`` table (``titan_mok.faults``; pretraining,
+    ``titan_mok.train``: the RL trainer does not check its steps)."""
 
     nonfinite: Literal["stop", "skip", "ignore"] = "stop"
     """What a step with a NaN/Inf loss or gradient does, checked before its optimizer update

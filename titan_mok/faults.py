@@ -141,7 +141,7 @@ class NonfiniteGuard:
         if grads:
             checks.append(torch.stack(torch._foreach_norm(grads, float("inf"))).float())  # NaN/Inf propagate
         if not checks:
-            return torch.zeros((), dtype=torch.int64)
+            return torch.zeros((), dtype=torch.int64, device=self.trainer.device)
         return (~torch.isfinite(torch.cat([c.reshape(-1) for c in checks])).all()).to(torch.int64)
 
     def _before_update(self, optimizer, args, kwargs):
@@ -234,7 +234,7 @@ _LOST_PEER = ("Timed out", "timed out", "Connection reset", "Connection closed",
 def explain_failure(error: BaseException, trainer) -> None:
     """Log, on this rank, what a collective failure means (the exception itself follows)."""
     text = f"{type(error).__name__}: {error}"
-    if not any(marker in text for marker in _LOST_PEER):
+    if not isinstance(error, RuntimeError) or not any(marker in text for marker in _LOST_PEER):
         return
     comm = trainer.job_config.comm
     step = getattr(trainer, "step", 0)
