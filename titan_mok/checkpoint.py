@@ -173,6 +173,9 @@ class MokCheckpointManager(CheckpointManager):
         if manifest is not None:
             share = dict(sorted(manifest["files"].items())[rank::world])
             problems += files.check_against_manifest(path, share, self.checksums)
+        elif rank == 0 and not problems:
+            logger.info(f"checkpoint {path} has no {files.MANIFEST} (an asynchronous save, another writer, or a kill "
+                        "right after DCP finished): checked against DCP's metadata only")
         if rank == 0 and (path / files.DCP_METADATA).is_file():
             try:
                 metadata = files.read_dcp_metadata(path)
