@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests import fault_jobs
 from tests.fault_jobs import Job, checkpoint_args
@@ -28,6 +30,20 @@ def reference(tmp_path_factory) -> Path:
     rc, output = fault_jobs.run(folder / "log", *checkpoint_args(folder, STEPS, INTERVAL))
     assert rc == 0, output[-4000:]
     return folder
+
+
+def _tensors(step_folder: Path, out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint (model and optimizer state) by flattened name."""
+    dcp_to_torch_save(step_folder, out)
+    flat, stack = {}, [("", torch.load(out, weights_only=False))]
+    while stack:
+        prefix, node = stack.pop()
+        for key, value in node.items():
+            if isinstance(value, dict):
+                stack.append((f"{prefix}{key}.", value))
+            elif isinstance(value, torch.Tensor) and not (prefix + key).startswith(("train_state", "dataloader")):
+                flat[prefix + key] = value
+    return flat
 
 
 def _partial_save(ckpt: Path) -> int | None:
@@ -66,6 +82,7 @@ def test_killed_mid_save_resumes_from_last_complete_checkpoint_bitwise(reference
     args = checkpoint_args(folder, STEPS, INTERVAL)
     ckpt = folder / "checkpoint"
     killed_in = _kill_inside_a_save(Job(tmp_path / "killed.log", *args), ckpt, first=2 * INTERVAL)
+    print(f"\nkilled inside the save of step {killed_in}: {sorted(os.listdir(ckpt / f'step-{killed_in}'))}")
     assert (ckpt / f"step-{killed_in}").is_dir() and not (ckpt / f"step-{killed_in}" / ".metadata").exists()
     last_complete = killed_in - INTERVAL
 
@@ -77,6 +94,9 @@ def test_killed_mid_save_resumes_from_last_complete_checkpoint_bitwise(reference
     full, resumed = fault_jobs.losses(reference), fault_jobs.losses(folder)
     assert sorted(resumed) == list(range(last_complete + 1, STEPS + 1))
     assert resumed == {step: full[step] for step in resumed}  # float equality: bit for bit
+    a, b = (_tensors(f / "checkpoint" / f"step-{STEPS}", tmp_path / f"{f.name}.pt") for f in (reference, folder))
+    assert a.keys() == b.keys() and len(a) > 100
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []  # the same weights and optimizer state
 
 
 def test_finished_run_continues_with_more_steps(reference, tmp_path):
