@@ -63,11 +63,23 @@ def test_wrong_literal_in_toml(tmp_path):
          r"\[mok\] mxfp8_weight_cache = true needs the Triton expert FFN .* kernels = 'reference'"),
         (["--parallelism.tensor_parallel_degree", "2"], r"\[parallelism\] tensor_parallel_degree = 2: titan-mok's models support FSDP/HSDP and EP only"),
         (["--parallelism.pipeline_parallel_degree", "2"], r"\[parallelism\] pipeline_parallel_degree = 2: titan-mok's models support"),
+        (["--checkpoint.last_save_in_hf"], r"\[checkpoint\] last_save_in_hf = true saves the model only: set last_save_model_only"),
+        (["--comm.train_timeout_seconds", "0"], r"\[comm\] train_timeout_seconds = 0: must be > 0"),
+        (["--debug.fault_nonfinite_step", "-1"], r"\[debug\] fault_nonfinite_step = -1: must be >= 0"),
+        (["--debug.fault_nonfinite_step", "3", "--debug.fault_nonfinite_rank", "2"],
+         r"\[debug\] fault_nonfinite_rank = 2: must be in \[0, 2\)"),
     ],
 )
 def test_job_errors_name_the_key(args, message):
     with pytest.raises(ConfigError, match=message):
         parse(*args)
+
+
+def test_fault_keys_defaults():
+    config = parse()
+    assert config.checkpoint.last_save_model_only is False  # titan-mok's default: the last checkpoint continues
+    assert config.checkpoint.checksums is True and config.training.nonfinite == "stop"
+    assert config.debug.fault_nonfinite_step == 0
 
 
 def test_ep_must_divide_expert_count(monkeypatch):

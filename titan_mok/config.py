@@ -155,7 +155,63 @@ class Metrics:
 
 
 @dataclass
+class Checkpoint:
+    """titan-mok's keys in TorchTitan's ``[checkpoint]`` table (merged into its Checkpoint;
+    read by ``titan_mok.checkpoint``). With ``enable``, a start with the same config resumes
+    from the last complete ``step-N`` folder (docs/faults.md): folders a killed save left
+    without DCP's ``.metadata`` are moved to ``<folder>/incomplete/`` with a warning, and
+    every save is checked first (weights finite, folder writable, room for it) and
+    recorded after (``step-N/mok_manifest.json``: each file's size and CRC-32)."""
+
+    last_save_model_only: bool = False
+    """TorchTitan's key, with titan-mok's default: false, so that the last step's checkpoint
+    holds the full training state and the same config with a larger ``[training] steps``
+    continues from it. true: the last step saves the model only (in ``export_dtype``); a start
+    that finds such a checkpoint as its latest stops with a message saying what to do."""
+
+    checksums: bool = True
+    """Record each checkpoint file's CRC-32 in its manifest after a save and check them before
+    a load (each rank reads its share of the files once at save and once at load). false:
+    sizes only (a truncated file is still caught, a corrupted one is not)."""
+
+
+@dataclass
+class Training:
+    """titan-mok's key in TorchTitan's ``[training]`` table (``titan_mok.faults``; pretraining,
+    ``titan_mok.train``: the RL trainer does not check its steps)."""
+
+    nonfinite: Literal["stop", "skip", "ignore"] = "stop"
+    """What a step with a NaN/Inf loss or gradient does, checked before its optimizer update
+    (one pass over the local gradients, an all-reduce of one flag and a host sync per step).
+    "stop": raise, naming the step and the first module whose forward output was non-finite
+    (the step's forward is re-run under hooks to find it); no update, so no checkpoint holds
+    non-finite weights. "skip": log the same and drop the step's gradients (weights, optimizer
+    state and MoE load-balancing biases unchanged; the data and LR schedule move on). "ignore":
+    no check (TorchTitan's behaviour). Non-finite MoE router logits stop the run in every mode."""
+
+
+@dataclass
+class Debug:
+    """titan-mok's fault-injection keys in TorchTitan's ``[debug]`` table, for the tests of
+    docs/faults.md: a real NaN through the real forward and backward, not a mock."""
+
+    fault_nonfinite_step: int = 0
+    """At this step, the first microbatch's output of ``fault_nonfinite_module`` on rank
+    ``fault_nonfinite_rank`` gets a NaN in its first element. 0: no injection."""
+
+    fault_nonfinite_module: str = "norm"
+    """Module name (as in ``model.named_modules()``, e.g. ``layers.1.ffn_norm``) whose output
+    is poisoned."""
+
+    fault_nonfinite_rank: int = 0
+    """Global rank that poisons it."""
+
+
+@dataclass
 class JobConfig:
     mok: Mok = field(default_factory=Mok)
     rl: Rl = field(default_factory=Rl)
     metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    training: Training = field(default_factory=Training)
+    debug: Debug = field(default_factory=Debug)

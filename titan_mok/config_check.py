@@ -110,6 +110,7 @@ def check_job(job_config, world_size: int) -> None:
             "[activation_checkpoint] mode = 'selective' with selective_ac_option = 'op' fails with "
             "expert_parallel_degree > 1; use mode = 'full', 'none', or a layer-count selective_ac_option"
         )
+    _check_fault_keys(job_config, world_size)
     if name == registry.BASELINE_MODEL:
         return  # TorchTitan's own model: the [mok] section does not apply to it
     if job_config.mok.kernels == "triton" and not torch.cuda.is_available():
@@ -118,6 +119,23 @@ def check_job(job_config, world_size: int) -> None:
         # the reference FFN quantizes inside its GEMMs: there is nothing to keep
         raise ConfigError(f"[mok] mxfp8_weight_cache = true needs the Triton expert FFN (kernels = 'triton', or 'auto' "
                           f"on an SM90+ GPU); here kernels = {job_config.mok.kernels!r} runs the reference FFN")
+
+
+def _check_fault_keys(job_config, world_size: int) -> None:
+    """[checkpoint], [comm] and [debug] keys of docs/faults.md."""
+    ckpt = job_config.checkpoint
+    if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
+        raise ConfigError("[checkpoint] last_save_in_hf = true saves the model only: set last_save_model_only = true "
+                          "(titan-mok's default is false, so that the last checkpoint can be continued)")
+    for key in ("init_timeout_seconds", "train_timeout_seconds"):
+        if getattr(job_config.comm, key) <= 0:
+            raise ConfigError(f"[comm] {key} = {getattr(job_config.comm, key)}: must be > 0 (the bound on how long a "
+                              "rank waits in a collective for a dead or hung peer)")
+    debug = job_config.debug
+    if debug.fault_nonfinite_step < 0:
+        raise ConfigError(f"[debug] fault_nonfinite_step = {debug.fault_nonfinite_step}: must be >= 0 (0: no injection)")
+    if debug.fault_nonfinite_step and not 0 <= debug.fault_nonfinite_rank < world_size:
+        raise ConfigError(f"[debug] fault_nonfinite_rank = {debug.fault_nonfinite_rank}: must be in [0, {world_size})")
 
 
 class MokConfigManager(ConfigManager):

@@ -30,7 +30,7 @@ def launch(prog: str, load_trainer: Callable[[], tuple[type, Callable | None]], 
 
     from torchtitan.tools.logging import init_logger
 
-    from titan_mok import registry
+    from titan_mok import faults, registry
     from titan_mok.config_check import ConfigError, MokConfigManager
 
     trainer_cls, extra_check = load_trainer()
@@ -46,6 +46,9 @@ def launch(prog: str, load_trainer: Callable[[], tuple[type, Callable | None]], 
     trainer = trainer_cls(config)
     try:
         trainer.train()
+    except Exception as error:
+        faults.explain_failure(error, trainer)
+        raise
     finally:
         trainer.close()
         if torch.distributed.is_initialized():

@@ -26,6 +26,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from titan_mok.attached_loss import loss_weight, without_losses
+from titan_mok.checkpoint import MokCheckpointManager
 from titan_mok.config_check import ConfigError
 from titan_mok.kernels import weight_cache
 from titan_mok.moe import MoE
@@ -111,6 +112,7 @@ def _as_float(hexdigest: str) -> float:
 class RlTrainer(Trainer):
     def __init__(self, job_config):
         super().__init__(job_config)
+        self.checkpointer = MokCheckpointManager.replacing(self)  # docs/faults.md: partial saves, checked loads
         self.model = self.model_parts[0]
         cached = has_kv_cache_step(self.model)
         logger.info("RL rollouts: " + ("KV-cache decoding" if cached else "recomputation (no KV-cache step yet)"))
