@@ -1,6 +1,6 @@
 """MXFP8 (OCP Microscaling, E4M3 elements with one E8M0 scale per 32) — the reference format.
 
-This module is the definition (DESIGN §6); the Triton kernels in
+This module is the definition (docs/design.md, MXFP8); the Triton kernels in
 ``titan_mok.kernels.mxfp8_quant`` and the grouped GEMMs must match it bit for bit.
 
 Rules, for each block of 32 consecutive elements along the quantized dim:
