@@ -1,4 +1,4 @@
-"""Routed-expert SwiGLU FFN on rows grouped by expert: the MoE layer's routed-expert compute (DESIGN §4, §6).
+"""Routed-expert SwiGLU FFN on rows grouped by expert: the MoE layer's routed-expert compute.
 
 Legend: R routed rows (grouped by expert), H hidden, I expert FFN size, E experts held here.
 
@@ -7,8 +7,8 @@ Legend: R routed rows (grouped by expert), H hidden, I expert FFN size, E expert
 
 Dataflow (both paths, both precisions): GEMMs accumulate in fp32; g and u are stored in the
 activation dtype and h is computed in fp32 from those stored values, then rounded to it; the
-backward uses the stored g, u, h. ``precision="mxfp8"`` quantizes every GEMM operand per
-DESIGN §6 along that GEMM's reduction dim: forward x, w_gate, w_up along H, h and w_down
+backward uses the stored g, u, h. ``precision="mxfp8"`` quantizes every GEMM operand (``mxfp8``)
+along that GEMM's reduction dim: forward x, w_gate, w_up along H, h and w_down
 along I; dgrad dy and w_down along H, dgate/dup and w_gate/w_up along I; wgrad both operands
 along the token axis, per group (``kernels/grouped_gemm.py``). Master weights stay as given;
 the shared expert is not here (it stays bf16 in the MoE layer).

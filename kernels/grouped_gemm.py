@@ -23,7 +23,7 @@ the rows per expert and the chip: the Triton kernels here (the definition, and a
 runs), or on CUDA ``grouped_mm_ws`` / ``grouped_wgrad_ws`` (warp-specialized) or ``grouped_mm_coop`` (cooperative),
 which give the same bits.
 
-Precision: bf16 operands, or MXFP8 (DESIGN §6). Weights arrive as ``MXTensor`` blocked along
+Precision: bf16 operands, or MXFP8 (``mxfp8``). Weights arrive as ``MXTensor`` blocked along
 K (quantized once per pass by ``mxfp8_quantize``, in the layout each GEMM reads; the MoE layer's
 in MMA order, ``MXTensor.mma_order``). Activations
 are quantized once per GEMM by a one-pass kernel with the reference rule (``mx_quantize_block``),
@@ -225,33 +225,45 @@ def _mm_tile(a1_desc, a2_desc, b1_desc, b2_desc, sb1_ptr, sb2_ptr, c1_ptr, c2_pt
 
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+    # SWIGLU: the second B (w_up) shares the A tile
+    acc1, acc2 = _k_loop(acc1, acc2, a1_desc, b1_desc, b2_desc, s_ptrs1, s_ptrs2, e, m0, n0, n_ok, k_end, N, K,
+                         stride_sk, MODE == 1, False, MX, B_KN, MMA_ORDER, BK, KB, DOT_F32)
+    if MODE == 3:  # DUAL: acc1 += A2 @ B2, continuing the same fixed K order
+        acc1, acc2 = _k_loop(acc1, acc2, a2_desc, b2_desc, b2_desc, s_ptrs2, s_ptrs2, e, m0, n0, n_ok, k_end, N, K,
+                             stride_sk, False, True, MX, B_KN, MMA_ORDER, BK, KB, DOT_F32)
+
+    c_off = rows[:, None].to(tl.int64) * N + offs_n[None, :]
+    _epilogue(acc1, acc2, c_off, row_ok[:, None] & n_ok[None, :], c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
+              HAS_LIMIT)
+
+
+@triton.jit
+def _k_loop(acc1, acc2, a_desc, b1_desc, b2_desc, s_ptrs1, s_ptrs2, e, m0, n0, n_ok, k_end, N, K, stride_sk,
+            TWO_B: tl.constexpr, B_FIRST: tl.constexpr, MX: tl.constexpr, B_KN: tl.constexpr,
+            MMA_ORDER: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc1 += A @ B1[e]^T (TWO_B: and acc2 += A @ B2[e]^T, from the same A tiles) over K in ascending KB-wide
+    steps; MX: the scales of each block loaded one step ahead. B_FIRST: each step asks for B's tile before A's
+    (DUAL's second loop always has; the compiled code follows the order of the loads)."""
     s1_next = _scale_bits(s_ptrs1, 0, n_ok, k_end, stride_sk, MX)
-    if MODE == 1:
+    if TWO_B:
         s2_next = _scale_bits(s_ptrs2, 0, n_ok, k_end, stride_sk, MX)
     for k0 in range(0, k_end, BK):
         for j in tl.static_range(BK // KB):
             k = k0 + j * KB
             s1 = s1_next
             s1_next = _scale_bits(s_ptrs1, k + KB, n_ok, K, stride_sk, MX)
-            a = a1_desc.load([m0, k])
-            acc1 = _dot(a, _b_tile(b1_desc, e, n0, k, N, K, s1, B_KN, MMA_ORDER, MX), acc1, DOT_F32)
-            if MODE == 1:  # SWIGLU: the second B (w_up) shares the A tile
+            if B_FIRST:
+                b = _b_tile(b1_desc, e, n0, k, N, K, s1, B_KN, MMA_ORDER, MX)
+                a = a_desc.load([m0, k])
+            else:
+                a = a_desc.load([m0, k])
+                b = _b_tile(b1_desc, e, n0, k, N, K, s1, B_KN, MMA_ORDER, MX)
+            acc1 = _dot(a, b, acc1, DOT_F32)
+            if TWO_B:
                 s2 = s2_next
                 s2_next = _scale_bits(s_ptrs2, k + KB, n_ok, K, stride_sk, MX)
                 acc2 = _dot(a, _b_tile(b2_desc, e, n0, k, N, K, s2, B_KN, MMA_ORDER, MX), acc2, DOT_F32)
-    if MODE == 3:  # DUAL: acc1 += A2 @ B2, continuing the same fixed K order
-        s2_next = _scale_bits(s_ptrs2, 0, n_ok, k_end, stride_sk, MX)
-        for k0 in range(0, k_end, BK):
-            for j in tl.static_range(BK // KB):
-                k = k0 + j * KB
-                s2 = s2_next
-                s2_next = _scale_bits(s_ptrs2, k + KB, n_ok, K, stride_sk, MX)
-                b = _b_tile(b2_desc, e, n0, k, N, K, s2, B_KN, MMA_ORDER, MX)
-                acc1 = _dot(a2_desc.load([m0, k]), b, acc1, DOT_F32)
-
-    c_off = rows[:, None].to(tl.int64) * N + offs_n[None, :]
-    _epilogue(acc1, acc2, c_off, row_ok[:, None] & n_ok[None, :], c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE,
-              HAS_LIMIT)
+    return acc1, acc2
 
 
 @triton.jit
@@ -573,7 +585,7 @@ def _zero_padding_rows_kernel(c_ptr, group_end_ptr, R, N, E, BLOCK_R: tl.constex
 def _zero_padding_rows(c_RN: torch.Tensor, group_end_E: torch.Tensor) -> torch.Tensor:
     """c_RN with its padding rows (from group_end_E[-1] on, which no tile writes) zeroed, for callers that see
     them; without a host sync. Zeroing the whole output first costs a pass over it: at 8 x 4096 rows 0.085-0.147 ms
-    on an H100, beside the down projection's 0.43-2.1 (NOTES.md, session 38)."""
+    on an H100, beside the down projection's 0.43-2.1."""
     if group_end_E.numel() == 0:
         return c_RN.zero_()
     if c_RN.numel():
@@ -695,7 +707,7 @@ def _wgrad_programs(group_end_E, num_rows: int, block_rows: int, n_tiles: int, k
     (fewer than _WGRAD_MIN_PROGRAMS programs otherwise), and an expert with more row blocks b than
     the average A gets max(1, P * A // b) K tiles per program: no program walks much more than
     P * A (row block, K tile) steps, where a heavy expert's programs made the tail under skewed
-    routing (NOTES.md, session 12). Which program computes a tile never changes its bits."""
+    routing. Which program computes a tile never changes its bits."""
     num_experts = group_end_E.shape[0]
     if not flat:
         k_tiles_per_prog_E = torch.ones(num_experts, dtype=torch.int32, device=group_end_E.device)

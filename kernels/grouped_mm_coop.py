@@ -122,11 +122,7 @@ def _grouped_mm_coop_kernel(a_desc, b1_desc, b2_desc, c1_desc, c2_desc, c3_desc,
     else:
         b2_bufs = b1_bufs  # never read
     c_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM // 2, BN], c1_desc.layout)  # one per warpgroup
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(full.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups
+    full, empty = grouped_mm_ws.ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (a_bufs, b1_bufs, b2_bufs, full, empty, c1_desc, c2_desc, c3_desc, c_smem.index(0), c1_ptr, c2_ptr,
                      c3_ptr, group_end_ptr, tile_end_ptr, N, K, E, limit, HAS_LIMIT, LOG_E, BM, BN, BK, GROUP_M, STAGES,

@@ -5,7 +5,7 @@ expert, the MoE regime; configs "flat_ws" and, with 64-row MMA steps, "flat_ws_l
 Same programs, K tiles and row order as ``grouped_gemm._grouped_wgrad_kernel`` (FLAT; for "rows_ws" its row
 loop), which stays the definition it must match bit for bit (GPU tests) and the path Triton's CPU interpreter runs.
 That kernel's loads and MMAs, not its writes, keep it from the write floor: each row block is one short MMA step behind
-its own loads, and its epilogue waits for the tile's last step (NOTES.md, session 14). Here:
+its own loads, and its epilogue waits for the tile's last step. Here:
 
 - loader (1 warp): per program (BN features, an expert, a run of its K tiles) two TMA descriptors over
   the expert's rows, made on the device (rows past its end read as zeros), then per (K tile, row block)
@@ -15,14 +15,14 @@ its own loads, and its epilogue waits for the tile's last step (NOTES.md, sessio
   previous step's slot goes back to the loader, then rounded into the warpgroup's tile buffer in shared
   memory. One accumulator lives at a time, so BK can be 256: half the tiles of 128, and a [BR, BN] block of a
   loaded once per 256 features. That was up to 8% faster at EP=2 (21 of 24 lines) than 128-wide tiles that
-  stored each tile under the next one's last step (two accumulators live; NOTES.md, session 26);
+  stored each tile under the next one's last step (two accumulators live);
 - a storer (STORER_WARPS warps): each tile buffer to global memory, 16 bytes a thread, evicted first from L2
-  (written once, never read here; up to 4.6% faster, session 29), so that the consumers' next MMAs run while
+  (written once, never read here; up to 4.6% faster), so that the consumers' next MMAs run while
   the stores drain. With the MMAs and loads alone taking 0.76-1.32x the floor's time at EP=2, stores made by
-  the consumers themselves added 18-62% to them (NOTES.md, session 30). The storer took 0.935-0.953x the time at
-  EP=2 in 7 of 8 (shape, routing) cases, DeepSeek-V4-Pro balanced 1.007x (session 30).
+  the consumers themselves added 18-62% to them. The storer took 0.935-0.953x the time at
+  EP=2 in 7 of 8 (shape, routing) cases, DeepSeek-V4-Pro balanced 1.007x.
 
-Tried and slower (NOTES.md, sessions 29-30): a ping-pong split, each warpgroup all 128 features of every other K
+Tried and slower: a ping-pong split, each warpgroup all 128 features of every other K
 tile from its own ring (one stores while the other multiplies), 1.005-1.11x the time; stores by TMA; a's row
 blocks held in shared memory for a job's K tiles (the ring then b only), 1.0-1.14x; two tile buffers per
 warpgroup (with a 3-slot ring, to fit), or a one-warp storer.
@@ -36,7 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from titan_mok.kernels.grouped_mm_ws import ring_mma, ring_mma_done
+from titan_mok.kernels.grouped_mm_ws import ring_barriers, ring_mma, ring_mma_done
 from titan_mok.kernels.grouped_tiles import _bf16_rne, _wgrad_job
 
 
@@ -123,24 +123,18 @@ def _consumer(a_bufs, b_bufs, full, empty, tiles, tile_full, tile_empty, group_e
 
 
 @gluon.jit
-def _grouped_wgrad_ws_kernel(
-    a_ptr, b_ptr, c_ptr,  # a [R, N], b [R, K] row-major bf16; c [E, N, K] contiguous bf16
-    group_end_ptr,
-    prog_end_ptr, k_tiles_per_prog_ptr,  # [E]: cumulative programs per expert (per BN features); K tiles each
-    N, K, E,
-    LOG_E: gl.constexpr, BR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, STORER_WARPS: gl.constexpr, STORER_REGS: gl.constexpr, num_warps: gl.constexpr,
-):
+def _grouped_wgrad_ws_kernel(a_ptr, b_ptr, c_ptr, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, N, K, E,
+                             LOG_E: gl.constexpr, BR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                             STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, STORER_WARPS: gl.constexpr,
+                             STORER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """The operands and programs of ``grouped_gemm._grouped_wgrad_kernel`` (the same launch arguments); the ring,
+    its consumers and the storer as the module docstring says."""
     gl.static_assert(BN == 128 and num_warps == 4, "two consumer warpgroups of 64 features each")
     A_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BR, BN], gl.bfloat16)
     B_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BR, BK], gl.bfloat16)
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BR, BN], A_LAYOUT)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BR, BK], B_LAYOUT)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(full.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups
+    full, empty = ring_barriers(STAGES)
     # one rounded [64, BK] tile per consumer warpgroup, between it and the storer
     TILE_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BK], gl.bfloat16)
     tiles = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BK], TILE_LAYOUT)

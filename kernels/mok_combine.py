@@ -1,4 +1,4 @@
-"""Per-token slot arithmetic of the MoK combine (DESIGN §4 "Combine", §5.4–5.5).
+"""Per-token slot arithmetic of the MoK combine (docs/design.md, the combine and the fused path).
 
 Legend: T tokens, K top-k (slots per token), H hidden.
 

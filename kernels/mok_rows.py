@@ -1,5 +1,5 @@
 """Row transfers of the MoK schedule over peer pointers: pull rows from, or push rows to, the
-source ranks' symmetric buffers (DESIGN §5.2, §5.4, §5.5).
+source ranks' symmetric buffers (docs/design.md, the fused path: dispatch, combine, backward).
 
 Legend: R grouped rows (capacity), H hidden, P ep degree, N = T·K slots per rank, K top-k.
 

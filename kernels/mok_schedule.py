@@ -1,4 +1,4 @@
-"""The MoK schedule on device (DESIGN §5.1): every rank's top-k ids → this rank's grouped rows.
+"""The MoK schedule on device (docs/design.md, the fused path): every rank's top-k ids → this rank's grouped rows.
 
 Legend: P ep degree, T tokens per rank, K top-k, N = T·K slots per rank, E experts,
 L = E / P local experts, R = P·N row capacity (the worst case: every slot of every rank).

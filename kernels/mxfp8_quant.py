@@ -20,7 +20,7 @@ from titan_mok.kernels.mxfp8 import BLOCK, SCALE_DTYPE, MXTensor, _check_blockab
 
 ref_mxfp8_quantize = to_mxfp8
 
-# Tile shapes and warps, measured on an H200 (benchmarks/NOTES.md, 2026-12-01). The columns
+# Tile shapes and warps, measured on an H200. The columns
 # kernel reduces each block across rows: one warp per program keeps that reduction inside a warp.
 _ROWS_BM, _ROWS_BK = 8, 1024
 _COLS_BD, _COLS_BQ, _COLS_WARPS = 32, 64, 1
@@ -88,7 +88,7 @@ _DEQUANT_WORD_PTX = tl.constexpr("{ .reg .b32 t; " + _e4m3_pair_ptx("$2", "0x918
 @triton.jit
 def mx_dequantize_bits_sm90(q, bits, AXIS: tl.constexpr, wide, WORDS: tl.constexpr):
     """mx_dequantize_bits, the same bits, by inline PTX for CUDA (not Triton's interpreter): 4 instructions
-    per pair of elements where the conversion through fp32 takes 6 (NOTES.md, session 15). WORDS: a thread
+    per pair of elements where the conversion through fp32 takes 6. WORDS: a thread
     holds q's elements in 4-byte words (MMA order: 4 adjacent elements of a row), else in 2-byte pairs; each
     form reads its registers without repacking.
 

@@ -6,7 +6,7 @@ takes a GEMV path on CPU BLAS; cuBLAS picks split-K by shape), and CPU
 elementwise kernels switch between a vectorised and a scalar path (different
 exp/log rounding) at positions that depend on the tensor's size. With one
 fixed tile shape, every row meets the same kernels at the same positions, so
-its bits do not depend on the batch around it or on the EP degree (DESIGN §7).
+its bits do not depend on the batch around it or on the EP degree (docs/design.md, determinism).
 Elementwise transcendentals that sit on a decode/trainer path without a row
 structure run once on a flat tensor padded to a fixed multiple instead
 (``pointwise_padded``: one kernel, no tail).

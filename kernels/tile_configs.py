@@ -70,55 +70,62 @@ class TritonMM:
             raise ValueError(f"{self}: HALF_TILES needs BM >= 128 (Triton's MMAs take at least 64 rows)")
 
 
-@dataclass(frozen=True)
-class GluonMM:
-    """``grouped_mm_ws``: BM tokens per tile against BN = 128 weight rows (two consumer warpgroups of 64, 4 warps
-    each); STAGES loads in flight (each KB = 4 K blocks of 32); CONSUMER_REGS registers per thread asked for the
-    consumers; PERSISTENT: one program per SM looping over tiles, else one program per tile; maxnreg (optional) caps
-    the kernel's registers per thread, so that two programs fit on an SM. HALF_TILES: a tile holding at most BM / 2
-    of its expert's rows runs BM / 2-token MMAs (the tokens are the MMAs' N: any BM); SPLIT_TILES: one holding at
-    most 3/4 BM runs BM / 2 + BM / 4-token MMAs. ROW_BLOCKS = 2: a tile is two BN-row blocks of the weight against
-    one activation tile (the one-weight kinds, contiguous weights): the activation bytes through L2 and the
-    loader's TMAs halve."""
+@dataclass(frozen=True, kw_only=True)
+class _WarpSpecialized:
+    """What the Gluon kernels share: a ring of STAGES load slots feeding two consumer warpgroups (num_warps = 4, a
+    warpgroup per partition), CONSUMER_REGS registers per consumer thread."""
+
+    STAGES: int
+    CONSUMER_REGS: int
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if self.num_warps != 4:
+            raise ValueError(f"{self}: the Gluon kernels take num_warps = 4 (a consumer warpgroup per partition)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GluonMM(_WarpSpecialized):
+    """``grouped_mm_ws``: BM tokens per tile against BN = 128 weight rows (each consumer warpgroup 64); each of the
+    STAGES loads KB = 4 K blocks of 32; PERSISTENT: one program per SM looping over tiles, else one program per
+    tile; maxnreg (optional) caps the kernel's registers per thread, so that two programs fit on an SM. HALF_TILES:
+    a tile holding at most BM / 2 of its expert's rows runs BM / 2-token MMAs (the tokens are the MMAs' N: any BM);
+    SPLIT_TILES: one holding at most 3/4 BM runs BM / 2 + BM / 4-token MMAs. ROW_BLOCKS = 2: a tile is two BN-row
+    blocks of the weight against one activation tile (the one-weight kinds, contiguous weights): the activation
+    bytes through L2 and the loader's TMAs halve."""
 
     KERNEL: ClassVar[str] = "warp_specialized"
     BM: int
     PERSISTENT: bool
-    STAGES: int
-    CONSUMER_REGS: int
     BN: int = 128
     GROUP_M: int = 8
-    num_warps: int = 4
     HALF_TILES: bool = False
     SPLIT_TILES: bool = False
     ROW_BLOCKS: int = 1
     maxnreg: int | None = None
 
     def __post_init__(self):
-        if self.BN != 128 or self.num_warps != 4 or self.ROW_BLOCKS not in (1, 2):
-            raise ValueError(f"{self}: the warp-specialized kernel takes BN = 128 and num_warps = 4 (two consumer "
-                             f"warpgroups of 64 weight rows) and ROW_BLOCKS 1 or 2")
+        super().__post_init__()
+        if self.BN != 128 or self.ROW_BLOCKS not in (1, 2):
+            raise ValueError(f"{self}: the warp-specialized kernel takes BN = 128 (two consumer warpgroups of 64 "
+                             f"weight rows) and ROW_BLOCKS 1 or 2")
 
 
-@dataclass(frozen=True)
-class CoopMM:
-    """``grouped_mm_coop``: BM = 128 tokens (two consumer warpgroups of 64) x BN weight rows, BK of K per step,
-    STAGES loads in flight, CONSUMER_REGS registers per consumer thread; one program per SM looping over the tiles,
-    each tile's TMA stores left in flight under the next tile's MMAs."""
+@dataclass(frozen=True, kw_only=True)
+class CoopMM(_WarpSpecialized):
+    """``grouped_mm_coop``: BM = 128 tokens (each consumer warpgroup 64) x BN weight rows, BK of K per load; one
+    program per SM looping over the tiles, each tile's TMA stores left in flight under the next tile's MMAs."""
 
     KERNEL: ClassVar[str] = "cooperative"
     BN: int
     BK: int
-    STAGES: int
-    CONSUMER_REGS: int
     BM: int = 128
     GROUP_M: int = 8
-    num_warps: int = 4
 
     def __post_init__(self):
-        if self.BM != 128 or self.num_warps != 4:
-            raise ValueError(f"{self}: the cooperative kernel takes BM = 128 and num_warps = 4 (two consumer "
-                             "warpgroups of 64 rows)")
+        super().__post_init__()
+        if self.BM != 128:
+            raise ValueError(f"{self}: the cooperative kernel takes BM = 128 (two consumer warpgroups of 64 rows)")
 
 
 @dataclass(frozen=True)
@@ -138,26 +145,24 @@ class TritonWgrad:
     PERSISTENT: bool = False
 
 
-@dataclass(frozen=True)
-class GluonWgrad:
-    """``grouped_wgrad_ws`` on the programs of the Triton kernel's ``loop``: BN = 128 features (two consumer
-    warpgroups of 64), BR rows per MMA step, STAGES ring slots, STORER_WARPS warps (STORER_REGS registers) storing
-    the tiles; one program per SM."""
+@dataclass(frozen=True, kw_only=True)
+class GluonWgrad(_WarpSpecialized):
+    """``grouped_wgrad_ws`` on the programs of the Triton kernel's ``loop``: BN = 128 features (each consumer
+    warpgroup 64), BR rows per MMA step, BK of K per tile, STORER_WARPS warps (STORER_REGS registers) storing the
+    tiles; one program per SM."""
 
     KERNEL: ClassVar[str] = "warp_specialized"
     loop: str
     BR: int
     BK: int
-    STAGES: int
-    CONSUMER_REGS: int
     STORER_WARPS: int
     STORER_REGS: int
     BN: int = 128
-    num_warps: int = 4
 
     def __post_init__(self):
-        if self.BN != 128 or self.num_warps != 4:
-            raise ValueError(f"{self}: the warp-specialized weight gradient takes BN = 128 and num_warps = 4")
+        super().__post_init__()
+        if self.BN != 128:
+            raise ValueError(f"{self}: the warp-specialized weight gradient takes BN = 128")
 
 
 MMConfig = TritonMM | GluonMM | CoopMM

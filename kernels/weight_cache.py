@@ -2,7 +2,7 @@
 
 MXFP8 training quantizes each routed-expert weight in two layouts per micro-batch, the forward's and
 the dgrad's: at Kimi K2.7's EP=2 size ~15 ms per layer on an H200, about as long as the layer's
-GEMMs (benchmarks/NOTES.md). Within one optimizer step the weights do not change, so with gradient
+GEMMs. Within one optimizer step the weights do not change, so with gradient
 accumulation every micro-batch after the first can reuse the first one's, and an RL rollout's
 decode steps all read the same weights. ``kept_for_step()`` scopes that reuse to the block it wraps
 (the pretraining trainer wraps each ``train_step``, the RL trainer each rollout); outside it nothing

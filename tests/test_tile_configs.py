@@ -164,7 +164,7 @@ def test_each_choice_is_logged(caplog):
         tc.select("swiglu", "mxfp8", 42.5, H100, **KIMI)
     (record,) = caplog.records
     assert record.getMessage().startswith(f"swiglu mxfp8 at 42.5 rows per expert, N 2048, K 7168 on {H100}: "
-                                          f"warp_specialized GluonMM(BM=64, PERSISTENT=False, STAGES=3,")
+                                          f"warp_specialized GluonMM(STAGES=3, CONSUMER_REGS=232, num_warps=4, BM=64,")
 
 
 def test_selections_are_what_the_ffn_launches(monkeypatch):
@@ -188,4 +188,4 @@ def test_selections_are_what_the_ffn_launches(monkeypatch):
         assert sorted(map(str, launches)) == sorted(map(str, listed.values()))
         assert listed["fwd down"].key == f"{precision}/plain@few_rows" and listed["wgrad w_down"].key == "wgrad/flat"
     text = "\n".join(f"{gemm}: {sel}" for gemm, sel in selections("mxfp8", 85, H200, 7168, 2048).items())
-    assert "dgrad gate/up: mxfp8/dual@mid_rows: warp_specialized GluonMM(BM=128, PERSISTENT=True" in text
+    assert "dgrad gate/up: mxfp8/dual@mid_rows: warp_specialized GluonMM(STAGES=3, CONSUMER_REGS=232" in text

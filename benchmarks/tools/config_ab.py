@@ -140,7 +140,7 @@ def timed_rounds(fns: dict, rounds: int, rep_ms: float, bench) -> dict:
         for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
             times[name].append(bench(fns[name], rep_ms))
     # the fastest and slowest round beside the median: the same code's rounds spread by up to ~10% on the
-    # H200 (NOTES.md, session 18), which bounds the differences a run can show
+    # H200, which bounds the differences a run can show
     return {**{f"{name}_ms": round(statistics.median(t), 4) for name, t in times.items()},
             **{f"{name}_range_ms": [round(min(t), 4), round(max(t), 4)] for name, t in times.items()}}
 
@@ -224,7 +224,7 @@ def run_cases(shapes: list[str], cases: list[str], run_case, log) -> int:
 def ab_case(shape: str, case: str, args, tables: dict, log):
     """One case's GEMMs compared and timed, a JSON line each. A function of its own so that nothing holds the
     case's tensors (tens of GB at EP=1) once it returns: a loop variable left bound to its last GEMM did, and the
-    next case ran out of memory on an 80 GB H100 (NOTES.md, session 31)."""
+    next case ran out of memory on an 80 GB H100."""
     dim_h, dim_i, _, _ = SHAPES[shape]
     c = Case(dim_h, dim_i, case_counts(shape, case))
     for key, fn in gemms_to_compare(c, args).items():

@@ -550,7 +550,7 @@ def compute_case(parser: argparse.ArgumentParser, text: str) -> tuple[int, int]:
 def use_growing_segments():
     """The CUDA allocator's segments grow instead of being carved once: DeepSeek-V4-Pro at EP=1 holds ~114 GB, and
     its weight gradient's 15.75 GB output then found the free memory only in pieces (out of memory with 15.7 GB
-    reserved but unallocated, session 20). Call before the first CUDA allocation, which reads it."""
+    reserved but unallocated). Call before the first CUDA allocation, which reads it."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 

@@ -5,7 +5,7 @@ shared memory and SASS instruction mix of every kernel one MoE FFN pass would la
     python3 -m benchmarks.tools.sass --rows-per-expert 85 --set 'mxfp8/plain@mid_rows={"CONSUMER_REGS": 200}'
 
 Why: device time is scarce. A tile config that spills, or that cannot fit two programs on an SM,
-shows here first (benchmarks/NOTES.md, session 11). Triton's wheel carries ptxas, nvdisasm and
+shows here first. Triton's wheel carries ptxas, nvdisasm and
 cuobjdump; a stand-in driver reports an sm_90 target, and every kernel the launchers would start
 is compiled instead (``JITFunction.run`` with ``warmup=True``), so nothing runs and the tensors are
 CPU tensors whose values do not matter. The launchers are told they run on CUDA, so they pick the

@@ -8,8 +8,8 @@ neighbouring features) and stores the run's tiles in K order: rows of BK * 2 byt
 Triton kernel makes the same stores with nothing to compute (each element holds its expert's index + 1, so a test
 can check every byte) for each shape's largest gradient at EP=2 (w_gate [E, I, H] and w_down [E, H, I]), for
 several tile shapes, and against a contiguous write of as many bytes (64 KB tiles). The question it answers:
-whether that pattern, not the kernel around it, caps the weight gradient below its HBM floor (benchmarks/NOTES.md,
-session 29). TB/s = bytes written / median CUDA-event time of ``--iters`` runs after warm-up.
+whether that pattern, not the kernel around it, caps the weight gradient below its HBM floor. TB/s = bytes written /
+median CUDA-event time of ``--iters`` runs after warm-up.
 """
 
 import argparse
@@ -90,7 +90,7 @@ def main():
         dim_h, dim_i, num_experts, _ = SHAPES[shape]
         for weight, (n, k) in (("w_gate", (dim_i, dim_h)), ("w_down", (dim_h, dim_i))):
             c = torch.empty(num_experts // 2, n, k, dtype=torch.bfloat16, device="cuda")
-            # the same bytes as 64 KB contiguous tiles (torch's fill_ is slower: 3.4 TB/s, NOTES.md session 29)
+            # the same bytes as 64 KB contiguous tiles (torch's fill_ is slower: 3.4 TB/s)
             rows = c.view(1, -1, CONTIGUOUS_ROW)
             ms = median_ms(lambda: write_tiles(rows, 16, CONTIGUOUS_ROW, 1, programs), args.iters, 3)
             rec = {"shape": shape, "weight": weight, "E": c.shape[0], "N": n, "K": k, "GB": c.numel() * 2 / 1e9,

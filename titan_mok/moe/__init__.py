@@ -1,4 +1,4 @@
-"""titan-mok's MoE layer (DESIGN §4) and its expert-parallel strategies (§5)."""
+"""titan-mok's MoE layer and its expert-parallel strategies (docs/design.md)."""
 
 from titan_mok.moe.args import MoEArgs
 from titan_mok.moe.moe import MoE

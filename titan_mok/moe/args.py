@@ -67,7 +67,7 @@ class MoEArgs:
     """"mok": titan-mok's schedule → dispatch → experts → combine; "torchtitan": TorchTitan
     0.2.2's GroupedExperts (+ its all-to-all ExpertParallel under EP), the baseline."""
     precision: Literal["bf16", "mxfp8"] = "bf16"
-    """Routed-expert GEMMs: "bf16" (the activations' dtype) or "mxfp8" (DESIGN §6)."""
+    """Routed-expert GEMMs: "bf16" (the activations' dtype) or "mxfp8" (kernels/mxfp8.py)."""
     kernels: Literal["auto", "reference", "triton"] = "auto"
     """"reference": pure PyTorch; "triton": the fused path (Hopper); "auto": the reference
     schedule with the Triton expert FFN on SM90+, pure PyTorch elsewhere."""

@@ -3,7 +3,7 @@
 Legend: T local tokens, K top-k, H hidden, E experts, L local experts
 (E / ep), R rows received by this rank (grouped by local expert), P ep degree.
 
-DESIGN §5 semantics, in plain PyTorch with ``all_to_all_single`` (gloo on CPU,
+The mok strategy's semantics (docs/design.md), in plain PyTorch with ``all_to_all_single`` (gloo on CPU,
 NCCL on GPU):
 - ``build_dispatch_handle`` (the schedule): each rank's rows (token, slot) go
   to the rank owning their expert; on the owner, the rows of each local expert
@@ -68,7 +68,7 @@ def _permute_back(rows_RH: torch.Tensor, order_R: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
-    """[P, E]: every ep rank's rows per expert (the schedule's input, DESIGN §5.1)."""
+    """[P, E]: every ep rank's rows per expert (the schedule's input)."""
     if group is None:
         return counts_E.unsqueeze(0)
     parts = [torch.empty_like(counts_E) for _ in range(dist.get_world_size(group))]
@@ -118,6 +118,8 @@ def combine_weight_grads(dout32_TH: torch.Tensor, y_TKH: torch.Tensor) -> torch.
 
 
 class _Dispatch(torch.autograd.Function):
+    """dispatch(x_TH, handle): token rows to their experts' ranks, [T, H] → [R, H] grouped by local expert."""
+
     @staticmethod
     def forward(ctx, x_TH: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         ctx.handle = handle
@@ -135,6 +137,9 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
+    """combine(y_RH, weights_TK, shared_TH, handle, out_dtype): expert results back to their (token, slot) and
+    reduced, [R, H] → [T, H] in out_dtype."""
+
     @staticmethod
     def forward(ctx, y_RH, weights_TK, shared_TH, handle: DispatchHandle, out_dtype: torch.dtype):
         y_recv_RH = _permute_back(y_RH, handle.recv_to_grouped)
@@ -159,17 +164,5 @@ class _Combine(torch.autograd.Function):
         return dy_RH, dweights_TK, dshared_TH, None, None
 
 
-def dispatch(x_TH: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """Token rows to their experts' ranks: [T, H] → [R, H] grouped by local expert."""
-    return _Dispatch.apply(x_TH, handle)
-
-
-def combine(
-    y_RH: torch.Tensor,
-    weights_TK: torch.Tensor,
-    shared_TH: torch.Tensor | None,
-    handle: DispatchHandle,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """Expert results back to their (token, slot) and reduced: [R, H] → [T, H] in out_dtype."""
-    return _Combine.apply(y_RH, weights_TK, shared_TH, handle, out_dtype)
+dispatch = _Dispatch.apply
+combine = _Combine.apply

@@ -99,6 +99,9 @@ def _empty_rows(handle: FusedHandle, like_TH: torch.Tensor) -> torch.Tensor:
 
 
 class _FusedDispatch(torch.autograd.Function):
+    """fused_dispatch(x_TH, handle): token rows to their experts' ranks, [T, H] → [R, H] grouped by local expert
+    (R = capacity)."""
+
     @staticmethod
     def forward(ctx, x_TH: torch.Tensor, handle: FusedHandle) -> torch.Tensor:
         ctx.handle = handle
@@ -120,6 +123,9 @@ class _FusedDispatch(torch.autograd.Function):
 
 
 class _FusedCombine(torch.autograd.Function):
+    """fused_combine(y_RH, weights_TK, shared_TH, handle, out_dtype): expert results back to their (token, slot)
+    and reduced, [R, H] → [T, H] in out_dtype."""
+
     @staticmethod
     def forward(ctx, y_RH, weights_TK, shared_TH, handle: FusedHandle, out_dtype: torch.dtype):
         ws = handle.workspace
@@ -150,20 +156,8 @@ class _FusedCombine(torch.autograd.Function):
         return dy_RH, dweights_TK, dshared_TH, None, None
 
 
-def fused_dispatch(x_TH: torch.Tensor, handle: FusedHandle) -> torch.Tensor:
-    """Token rows to their experts' ranks: [T, H] → [R, H] grouped by local expert (R = capacity)."""
-    return _FusedDispatch.apply(x_TH, handle)
-
-
-def fused_combine(
-    y_RH: torch.Tensor,
-    weights_TK: torch.Tensor,
-    shared_TH: torch.Tensor | None,
-    handle: FusedHandle,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """Expert results back to their (token, slot) and reduced: [R, H] → [T, H] in out_dtype."""
-    return _FusedCombine.apply(y_RH, weights_TK, shared_TH, handle, out_dtype)
+fused_dispatch = _FusedDispatch.apply
+fused_combine = _FusedCombine.apply
 
 
 def fused_routed_experts(

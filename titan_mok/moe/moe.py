@@ -3,7 +3,7 @@
 Legend: B batch, S sequence, T = B·S tokens, H hidden, I expert FFN size,
 E experts, L local experts, K top-k, R routed rows on this rank.
 
-One module for all four models (DESIGN §4). Parameters (state-dict names):
+One module for all four models (docs/design.md, the MoE layer). Parameters (state-dict names):
 ``router.gate.weight [E, H]``, ``experts.w_gate / w_up [E, I, H]``,
 ``experts.w_down [E, H, I]``, ``shared_expert.{w_gate, w_up}.weight [I_s, H]``,
 ``shared_expert.w_down.weight [H, I_s]``, ``shared_expert.output_gate.weight [1, H]``

@@ -5,7 +5,7 @@ Legend: T tokens, H hidden, E experts, K top-k, G expert groups, V vocabulary.
 Expert choice is deterministic: ties are broken towards the lower expert id
 (a stable descending sort), and slots come out in descending score order.
 
-Row invariance (DESIGN §7): a token's routing must not depend on the batch around it. Every
+Row invariance (docs/design.md, determinism): a token's routing must not depend on the batch around it. Every
 op here is per row: elementwise maps, row-wise sort/softmax/gather, and sums over a handful
 of columns added in a fixed order (``sum_columns``), never a reduction kernel whose order can
 follow the tensor's shape. On CUDA that makes one call over all rows row-invariant; on CPU the

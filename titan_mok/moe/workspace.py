@@ -1,4 +1,4 @@
-"""Communication workspace of the fused mok path: symmetric-memory buffers (DESIGN §5.6).
+"""Communication workspace of the fused mok path: symmetric-memory buffers (docs/design.md, the fused path).
 
 Legend: P ep degree, T tokens per rank, K top-k, N = T·K slots per rank, H hidden.
 
