@@ -1,6 +1,6 @@
 """Qwen3.5's cached decode step, layer by layer: the stand-ins of ``titan_mok.rl.cached_qwen``
 fed a prefill of unequal prompts and then one token per sequence per step give, bit for bit,
-the module's full forward at every position (``tests/test_rl.py`` checks whole rollouts)."""
+the module's full forward at every position (``tests/rl/test_rl.py`` checks whole rollouts)."""
 
 import pytest
 import torch

@@ -8,7 +8,7 @@ from titan_mok.config import Mok
 from titan_mok.kernels import grouped_ffn, weight_cache
 from titan_mok.rl.trainer import RlTrainer
 from titan_mok.trainer import MokTrainer
-from tests.test_grouped_ffn import CPU_CASE, make_case, run
+from tests.kernels.test_grouped_ffn import CPU_CASE, make_case, run
 
 
 def _counted_weight_operand(monkeypatch) -> list:

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from tests.test_mok_megakernel import E, layer_inputs, megakernel, routing, triton_path
+from tests.kernels.test_mok_megakernel import E, layer_inputs, megakernel, routing, triton_path
 from titan_mok.moe.megakernel import MegakernelConfig, megakernel_routed_experts, raise_on_megakernel_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -77,7 +77,7 @@ def test_stalled_rank_with_trap_stops_the_device_naming_the_wait():
     in a process of its own."""
     script = (
         "import torch\n"
-        "from tests.test_mok_megakernel import E, layer_inputs, routing\n"
+        "from tests.kernels.test_mok_megakernel import E, layer_inputs, routing\n"
         "from titan_mok.moe.megakernel import MegakernelConfig, megakernel_routed_experts\n"
         f"(x, w, s), ew = layer_inputs(2, {H}, tokens={TOKENS})\n"
         f"ids = routing('balanced', 2, tokens={TOKENS}).cuda()\n"
@@ -87,7 +87,7 @@ def test_stalled_rank_with_trap_stops_the_device_naming_the_wait():
         " config=MegakernelConfig(timeout_ms=100.0), stall_rank=1)\n"
         "torch.cuda.synchronize()\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     text = out.stdout + out.stderr
     assert out.returncode != 0, text[-2000:]
     assert "mok megakernel: timed out waiting for" in text, text[-2000:]

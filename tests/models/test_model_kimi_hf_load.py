@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests import torchrun
-from tests.test_model_kimi import hf_config
-from tests.test_model_kimi_glm_hf import randomize_, save_and_load_hf
+from tests.models.test_model_kimi import hf_config
+from tests.models.test_model_kimi_glm_hf import randomize_, save_and_load_hf
 from titan_mok.models.kimi_k2_7_code import kimi_k2_7_code_configs
 
 transformers = pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_jobs import Job, checkpoint_args, exited
+from tests.train.fault_jobs import Job, checkpoint_args, exited
 from titan_mok import checkpoint_files
 
 TIMEOUT_S = 5

@@ -54,7 +54,7 @@ def test_tally_skips_recompute_and_no_grad():
 
 def test_trainer_weights_a_microbatch_by_its_share_of_the_step_tokens(monkeypatch):
     """MokTrainer around TorchTitan's step (replaced here by a recorder: the full trainer runs
-    in tests/test_train_smoke.py): 3 of the step's 12 valid tokens → weight 1/4."""
+    in tests/train/test_train_smoke.py): 3 of the step's 12 valid tokens → weight 1/4."""
     from torchtitan.train import Trainer
 
     import titan_mok.attached_loss as attached

@@ -17,7 +17,7 @@ from titan_mok.models.glm_5_2 import GLM52Args, GLM52Model, GLM52StateDictAdapte
 from titan_mok.models.glm_5_2.dsa import indexer_kl_loss
 from titan_mok.moe import MoEArgs
 
-from tests.test_model_kimi_glm_hf import randomize_, relative_error, save_and_load_hf
+from tests.models.test_model_kimi_glm_hf import randomize_, relative_error, save_and_load_hf
 
 transformers = pytest.importorskip("transformers")
 

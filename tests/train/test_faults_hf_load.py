@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests import fault_jobs
-from tests.test_model_kimi import hf_config
-from tests.test_model_kimi_glm_hf import randomize_
+from tests.train import fault_jobs
+from tests.models.test_model_kimi import hf_config
+from tests.models.test_model_kimi_glm_hf import randomize_
 from titan_mok.models.kimi_k2_7_code import kimi_k2_7_code_configs
 
 transformers = pytest.importorskip("transformers")

@@ -19,7 +19,7 @@ from titan_mok.kernels.mxfp8_quant import (
     ref_mxfp8_quantize,
 )
 
-from tests.test_mxfp8 import _edge_blocks
+from tests.kernels.test_mxfp8 import _edge_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

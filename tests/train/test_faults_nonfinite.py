@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests import fault_jobs
-from tests.fault_jobs import checkpoint_args
+from tests.train import fault_jobs
+from tests.train.fault_jobs import checkpoint_args
 from titan_mok import checkpoint_files
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from tests import fault_jobs
-from tests.fault_jobs import checkpoint_args
+from tests.train import fault_jobs
+from tests.train.fault_jobs import checkpoint_args
 from titan_mok import checkpoint_files
 
 pytestmark = pytest.mark.slow

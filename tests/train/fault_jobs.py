@@ -1,5 +1,5 @@
 """A `titan_mok.train` job under a real `torchrun` that a test can watch, signal and kill
-(tests/test_faults_*.py): its output in a log file, its workers found by their RANK in /proc
+(tests/train/test_faults_*.py): its output in a log file, its workers found by their RANK in /proc
 (torchrun starts each worker in a session of its own: signalling torchrun's process group
 alone leaves them running)."""
 

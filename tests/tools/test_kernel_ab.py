@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.tools import config_ab, kernel_ab
 from benchmarks.tools.grouped_ffn import Case
-from tests.test_config_ab import tracked_cpu_cases
+from tests.tools.test_config_ab import tracked_cpu_cases
 from titan_mok import kernels as kernels_package
 from titan_mok.kernels import grouped_gemm as gg
 from titan_mok.kernels import tile_configs as tc

@@ -18,7 +18,7 @@ from titan_mok.models.kimi_k2_7_code import (
 )
 from titan_mok.moe import MoEArgs
 
-from tests.test_model_kimi_glm_hf import randomize_, relative_error, save_and_load_hf
+from tests.models.test_model_kimi_glm_hf import randomize_, relative_error, save_and_load_hf
 
 transformers = pytest.importorskip("transformers")
 

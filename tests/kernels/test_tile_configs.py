@@ -1,5 +1,5 @@
 """tile_configs: the frozen per-chip tables and select, the one place that picks a grouped GEMM's kernel and config
-(the kernels' bits under each choice: tests/test_grouped_ffn.py)."""
+(the kernels' bits under each choice: tests/kernels/test_grouped_ffn.py)."""
 
 import dataclasses
 import logging

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_jobs import Job
+from tests.train.fault_jobs import Job
 
 STEPS = int(os.environ.get("MOK_SOAK_STEPS", "200"))
 RSS_GROWTH = 0.05

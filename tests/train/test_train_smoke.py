@@ -1,6 +1,6 @@
 """The training entry end to end: 2 ranks, gloo, EP=2; every model's debug flavor
 (GLM-5.2's with the sparse DSA path, IndexShare and the MTP loss on), eager and
-compiled. Same-seed runs ending in bitwise-equal weights: tests/test_compare.py,
+compiled. Same-seed runs ending in bitwise-equal weights: tests/train/test_compare.py,
 on its three runs."""
 
 import json
