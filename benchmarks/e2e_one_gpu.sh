@@ -11,12 +11,7 @@
 # tables), e2e_<model>.json (the reports), e2e_one_gpu.log (everything printed), e2e_runs.tar.gz
 # (each run's train.log and metrics.jsonl).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if ! python3 -c "import torchtitan" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
-fi
-python3 -c "import titan_mok.models" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
+source "$(dirname "$0")/gpu_env.sh"
 OUT=${OUT:-outputs/e2e_one_gpu}
 STEPS=${STEPS:-20}
 WARMUP=${WARMUP:-8}

@@ -12,14 +12,9 @@
 # Each stage runs even if an earlier one failed; the exit status is the first failure's.
 # Needs the wheels in .whl/ (README, "On a GPU"): pass them with the device tool's carry.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 LOGS=${OUT:-outputs/gpu_checks}
 mkdir -p "$LOGS"
-if ! python3 -c "import torchtitan" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
-fi
-python3 -c "import titan_mok.models" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
 status=0
 run() {  # run NAME COMMAND...: output to $LOGS/NAME.log, a one-line summary here
     local name=$1; shift

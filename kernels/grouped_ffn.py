@@ -19,7 +19,7 @@ Two paths compute the same function:
   NOTE: it loops over experts on the host (one device→host sync per call).
 - ``use_triton=True``: Triton grouped GEMMs (CUDA), no host sync, row-batch-invariant and
   run-to-run deterministic. They equal the reference up to fp32 summation order (and the
-  rounding of results to bf16): tests/test_grouped_ffn.py states the tolerances. Given a
+  rounding of results to bf16): tests/kernels/test_grouped_ffn.py states the tolerances. Given a
   ``weights_owner``, inside ``weight_cache.kept_for_step()`` each MXFP8 weight layout is quantized
   once per optimizer step instead of once per call (``[mok] mxfp8_weight_cache``).
 """

@@ -14,7 +14,7 @@ Kernels (``Selection.kernel``, each config class's ``KERNEL``):
 
 Rows per expert: the operand's rows (padding included) over the experts, a static property of the shapes, so no
 choice syncs with the host or follows the routing. A row's bits follow none of these choices: every kernel and
-tile shape sums each output element's K in the same order (tests/test_grouped_ffn.py holds them equal on the
+tile shape sums each output element's K in the same order (tests/kernels/test_grouped_ffn.py holds them equal on the
 interpreter and on the GPU), which is why the tile may follow the rows and the chip (docs/design.md, determinism).
 
 The tables were chosen by A/Bs on an H200 (the default, for any chip without a table of its own) and an H100 (SXM:

@@ -19,7 +19,7 @@ parallelize function is followed by the gloo adaptation titan-mok's own applies
 (``cpu_compat.use_sum_reductions``), and ``titan_mok.train`` applies ``cpu_compat``.
 
 Kimi is DeepSeek-V3-shaped, so every dimension maps one to one (the parameter count and the
-FLOPs per token TorchTitan's MFU uses equal ours: tests/test_one_gpu_flavors.py). Numerics differ
+FLOPs per token TorchTitan's MFU uses equal ours: tests/models/test_one_gpu_flavors.py). Numerics differ
 where TorchTitan's code does: YaRN frequencies and the mscale² softmax factor only past
 ``original_seq_len`` (4096), the latent RMSNorms' eps, the weight init. GLM-5.2 (MLA + DSA
 indexer + MTP), Qwen3.5 (Gated DeltaNet) and DeepSeek-V4-Pro (compressed MQA, hyper-connections)

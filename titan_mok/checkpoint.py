@@ -55,7 +55,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be saved or loaded as asked; raised alike on every rank."""
 
 
-def _gather(obj) -> list:
+def gather_objects(obj) -> list:
     """Every rank's ``obj`` (a list in rank order); just ``[obj]`` without a process group."""
     if not dist.is_initialized():
         return [obj]
@@ -183,7 +183,7 @@ class MokCheckpointManager(CheckpointManager):
                 saved = sorted(files.saved_states(metadata))
             except ValueError as e:
                 problems.append(str(e))
-        gathered = _gather((problems, saved))
+        gathered = gather_objects((problems, saved))
         by_file: dict[str, str] = {}  # one problem per file (a truncated file fails both checks)
         for rank_problems, _ in gathered:
             for problem in rank_problems:
@@ -231,7 +231,7 @@ class MokCheckpointManager(CheckpointManager):
     def _check_hf_keys(self, state_dict, checkpoint_id: str) -> None:
         """The HF checkpoint's keys and shapes against the model's (every rank's experts)."""
         expected: dict[str, tuple] = {}
-        for part in _gather({k: tuple(v.shape) for k, v in self.sd_adapter.to_hf(state_dict).items()}):
+        for part in gather_objects({k: tuple(v.shape) for k, v in self.sd_adapter.to_hf(state_dict).items()}):
             expected.update(part)
         metadata = self.sd_adapter.get_hf_storage_reader(checkpoint_id, False).read_metadata()
         found = {k: tuple(getattr(v, "size", ())) for k, v in metadata.state_dict_metadata.items()}
@@ -281,7 +281,7 @@ class MokCheckpointManager(CheckpointManager):
             reclaimed = sum((path / n).stat().st_size for n in files.files(path)) if path.is_dir() else 0
         except OSError as e:
             write_error = f"{type(e).__name__}: {e}"
-        verdicts = _gather((nonfinite, write_error, self._state_bytes(model_only), free, reclaimed))
+        verdicts = gather_objects((nonfinite, write_error, self._state_bytes(model_only), free, reclaimed))
         where = f"cannot save checkpoint step-{step} ({path})"
         keep = (f"The run stops before writing it; the newest checkpoint is still "
                 f"{self.last_complete or 'none (none was saved)'}.")
@@ -322,7 +322,7 @@ class MokCheckpointManager(CheckpointManager):
         rank, world = _rank_world()
         share = files.files(path)[rank::world]
         described = {}
-        for part in _gather(files.describe(path, share, self.checksums)):
+        for part in gather_objects(files.describe(path, share, self.checksums)):
             described.update(part)
         if rank == 0:
             files.write_manifest(path, step, model_only, described)

@@ -2,7 +2,7 @@
 
 `apply()` is called by the train entry only when no CUDA device is present, so
 none of this touches GPU behaviour. Each adaptation says why it exists; each is
-pinned by a test in tests/test_cpu_compat.py that fails once TorchTitan or
+pinned by a test in tests/train/test_cpu_compat.py that fails once TorchTitan or
 torch no longer needs it.
 """
 

@@ -21,6 +21,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import logger
 
+from titan_mok.checkpoint import gather_objects
+
 
 class NonfiniteError(FloatingPointError):
     """A step's loss, gradients or router logits are non-finite; raised alike on every rank."""
@@ -43,14 +45,6 @@ def _tensors(output) -> list[torch.Tensor]:
 def _nonfinite(output) -> bool:
     floats = [_local(t).detach() for t in _tensors(output) if t.is_floating_point()]
     return any(not torch.isfinite(t).all() for t in floats)  # NOTE: host sync per tensor (diagnosis only)
-
-
-def _gather(obj) -> list:
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 class NonfiniteInjection:
@@ -200,7 +194,7 @@ class NonfiniteGuard:
                         model(inputs, **extra_inputs, **extra_kwargs)
                     except FloatingPointError:
                         pass  # the router's check, raised on every rank at the same layer
-                found = [(f[0], rank, f[1], index) for rank, f in enumerate(_gather(first[0])) if f is not None]
+                found = [(f[0], rank, f[1], index) for rank, f in enumerate(gather_objects(first[0])) if f is not None]
                 if found:
                     break
         finally:

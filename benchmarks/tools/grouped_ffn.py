@@ -403,7 +403,7 @@ _MX_SWIGLU = [_triton("mxfp8/swiglu@mid_rows"), _ws(stages=2, persistent=False, 
 _MX_SWIGLU_BWD = [_triton("mxfp8/swiglu_bwd@mid_rows"), _ws(stages=3, regs=248, **_SPLIT),
                   _ws(stages=3, regs=248, HALF_TILES=True), _ws(regs=248, **_SPLIT), _ws(**_SPLIT)]
 # Per table entry ("<precision>/<kind>@<tier>", tile_configs), the CUDA configs --tune times on its tier's case, each
-# list holding the entry's committed config in every chip's table (tests/test_bench_grouped_ffn.py).
+# list holding the entry's committed config in every chip's table (tests/tools/test_bench_grouped_ffn.py).
 TUNE_VARIANTS = {
     **{f"bf16/{kind}@{tier}": _BF16_VARIANTS for kind in ("plain", "swiglu", "dual")
        for tier in ("few_rows", "mid_rows")},

@@ -4,7 +4,7 @@ and an all-MoE stack whose first layers are hash-routed.
 
 Legend: B batch, S sequence, H hidden, C residual streams (hc_mult), V vocab.
 
-Checked against transformers' ``deepseek_v4`` (tests/test_model_deepseek_v4.py).
+Checked against transformers' ``deepseek_v4`` (tests/models/test_model_deepseek_v4.py).
 Where transformers and the official release differ, we follow the official one:
 - layer schedule: the official ``compress_ratios`` (HCA, HCA, then CSA/HCA
   alternating from layer 2, CSA last); transformers' default ``layer_types``

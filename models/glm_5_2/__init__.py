@@ -31,7 +31,7 @@ Training choices, all flavors: the MTP loss is added with weight 0.3 (DeepSeek-V
 first-phase value) and the indexer learns its KL objective (weight 1; it trains the
 indexer only). Set ``mtp_loss_coef``/``index_loss_coef`` to 0 to freeze them.
 
-Checked against transformers' GlmMoeDsa (tests/test_model_glm5.py). Where its
+Checked against transformers' GlmMoeDsa (tests/models/test_model_glm5.py). Where its
 defaults differ from the published config, we follow the config: IndexShare
 schedule freq 4 / offset 3 (transformers defaults to an indexer on every
 layer). transformers drops the MTP layer

@@ -24,7 +24,7 @@ Kimi-K2.5/K2.6). Flavors:
 - ``full``: the published architecture (61 layers, 384 experts): 1026.4 B
   parameters, 32.9 B active per token (published: "1 T total, 32 B activated").
 
-Checked against transformers' DeepseekV3 classes (tests/test_model_kimi.py).
+Checked against transformers' DeepseekV3 classes (tests/models/test_model_kimi.py).
 Where they or TorchTitan's DeepSeek-V3 differ from the published config, we
 follow the config: untied embeddings (``Kimi_K25Config`` defaults to tied);
 ``n_group = topk_group = 1`` (DeepseekV3Config defaults 8/4); YaRN frequencies

@@ -4,7 +4,7 @@
 Legend: B batch, S sequence, H hidden, V vocab, Hq query heads, Hkv key/value
 heads, D head dim, R rotary dims, F = Hq·D.
 
-Checked against transformers' ``qwen3_5_moe`` (tests/test_model_qwen3_5.py).
+Checked against transformers' ``qwen3_5_moe`` (tests/models/test_model_qwen3_5.py).
 transformers lacks the MTP module (it drops ``mtp.*`` on load); ours follows
 the published layout (vLLM's qwen3_5_mtp): zero-centred norms of the token
 embedding and of the trunk's hidden state, concatenated (embedding first),
