@@ -1,7 +1,6 @@
 """titan-mok's pretraining Trainer: TorchTitan's, with each microbatch's attached
 losses (MoE aux, MTP, DSA indexer; ``titan_mok.attached_loss``) weighted by the
 microbatch's share of the step's tokens, as its cross-entropy is, with
-``[mok] mxfp8_weight_cache`` each step's MXFP8 expert weights quantized once, with
 titan-mok's checkpointer (``titan_mok.checkpoint``) and with the non-finite step guard
 and fault injection of ``titan_mok.faults`` (docs/faults.md)."""
 
@@ -12,7 +11,6 @@ from torchtitan.train import Trainer
 from titan_mok import faults
 from titan_mok.attached_loss import loss_weight
 from titan_mok.checkpoint import MokCheckpointManager
-from titan_mok.kernels import weight_cache
 
 
 class MokTrainer(Trainer):
@@ -24,9 +22,7 @@ class MokTrainer(Trainer):
 
     def train_step(self, data_iterator):
         self.nonfinite_guard.start_step()
-        # the weights change only in the step's optimizer update, after the last backward
-        with weight_cache.kept_for_step(self.job_config.mok.mxfp8_weight_cache):
-            return super().train_step(data_iterator)
+        return super().train_step(data_iterator)
 
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor

@@ -28,7 +28,6 @@ from torchtitan.train import Trainer
 from titan_mok.attached_loss import loss_weight, without_losses
 from titan_mok.checkpoint import MokCheckpointManager
 from titan_mok.config_check import ConfigError
-from titan_mok.kernels import weight_cache
 from titan_mok.moe import MoE
 from titan_mok.rl.generate import Rollout, generate, has_kv_cache_step
 from titan_mok.rl.grpo import clipped_pg_loss_sum, group_advantages
@@ -172,9 +171,7 @@ class RlTrainer(Trainer):
     def train_step(self, data_iterator):
         """One GRPO step; ``data_iterator`` (the pretraining stream) is not read."""
         rl = self.job_config.rl
-        # every decode step of a rollout reads the same weights: [mok] mxfp8_weight_cache quantizes them once
-        with weight_cache.kept_for_step(self.job_config.mok.mxfp8_weight_cache):
-            rollout, prompts, rollout_s = self._rollout()
+        rollout, prompts, rollout_s = self._rollout()
         self.metrics_processor.data_loading_times.append(0.0)  # prompts are generated inside the rollout
 
         # NOTE: host sync: rewards score decoded text.
