@@ -4,25 +4,38 @@ MXFP8 training reads each routed-expert weight in two layouts, the forward's and
 weights change only where their storage is written in place: the optimizer step, a checkpoint load,
 initialization. So each layout is quantized once per version of the weight it came from and kept
 under its owner (the experts module): every microbatch of a step, every decode step of an RL rollout,
-reads the same operand. The version is the source parameter's ``_version`` counter and storage
-address (``stamp``): any in-place write bumps the counter, so a stale operand is never read, and
-nothing is checkpointed (after a load or resume the first use quantizes again, same bits).
+reads the same operand. A weight's version (``stamp``) is a count of optimizer steps and loads
+(``weights_written``: titan-mok's trainers register it as an optimizer step post-hook, the
+checkpointer calls it after a load) together with the source parameter's ``_version`` counter and
+storage address, which in-place writes outside those bump. Both are needed: the fused AdamW update
+(TorchTitan's default) writes the parameters without bumping ``_version``. Nothing is checkpointed:
+after a load or resume the first use quantizes again, same bits.
 
 Memory: an MXFP8 copy of the local expert weights per layout kept, 1 byte per element plus one E8M0
 scale per 32 (~1.03 bytes per element, 0.52x the bf16 weights per layout), held from the first use
-on. Under FSDP the weights an expert forward reads are gathered again every forward, so there is no
-version to key on here: the caller passes no owner and each pass quantizes (docs/design.md).
+on. Under FSDP the weights an expert forward reads are gathered again every forward into a tensor
+whose ``_version`` stays 0 and whose address can repeat across steps, so it identifies nothing: the
+caller passes no owner and each pass quantizes.
 """
 
 import weakref
 
 # owner -> {(name, along): (stamp, operand)}; weak, so a dropped model frees its operands
 _kept: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_writes = 0  # optimizer steps and checkpoint loads so far
+
+
+def weights_written(*_hook_args) -> None:
+    """Every kept operand is stale: the optimizer stepped or a checkpoint loaded (an optimizer step
+    post-hook: takes and ignores its arguments). Frees them; each is made again on its next use."""
+    global _writes
+    _writes += 1
+    _kept.clear()
 
 
 def stamp(source) -> tuple:
-    """What identifies the values of ``source`` (a weight tensor) until it is written in place."""
-    return (source._version, source.data_ptr(), source.dtype, tuple(source.shape))
+    """What identifies the values of ``source`` (a weight tensor) until it is written again."""
+    return (_writes, source._version, source.data_ptr(), source.dtype, tuple(source.shape))
 
 
 def operand(owner, name: str, along: int, source_stamp: tuple, make):
@@ -36,7 +49,3 @@ def operand(owner, name: str, along: int, source_stamp: tuple, make):
         kept[(name, along)] = entry = (source_stamp, make())
     return entry[1]
 
-
-def drop(owner) -> None:
-    """Forget ``owner``'s operands (e.g. to free their memory); the next use quantizes again."""
-    _kept.pop(owner, None)

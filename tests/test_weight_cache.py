@@ -95,9 +95,12 @@ def _experts(gathered: bool) -> RoutedExperts:
     return experts
 
 
-def _train(experts, steps: int, microbatches: int, state=None, first_step: int = 0) -> list:
-    """SGD steps with gradient accumulation over microbatches; the bf16 outputs of every microbatch."""
-    optimizer = torch.optim.SGD(experts.parameters(), lr=0.5)
+def _train(experts, steps: int, microbatches: int, state=None, first_step: int = 0, hook: bool = True) -> list:
+    """Fused AdamW steps (TorchTitan's default; its update leaves ``_version`` as it was) with gradient
+    accumulation over microbatches, the trainers' post-hook registered; the bf16 outputs of every microbatch."""
+    optimizer = torch.optim.AdamW(experts.parameters(), lr=1e-2, fused=True)
+    if hook:
+        optimizer.register_step_post_hook(weight_cache.weights_written)
     if state is not None:
         experts.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
@@ -133,3 +136,11 @@ def test_training_quantizes_once_per_step_and_resumes_bitwise(monkeypatch):
     resumed, _ = _train(resumed_module, steps=1, microbatches=2, state=state, first_step=2)
     assert len(calls) == 3 * 6  # 2 steps, then 1 after the load: quantized from the loaded weights
     _assert_same_bits(kept, first + resumed)
+
+
+def test_without_the_optimizer_hook_a_fused_update_would_be_missed():
+    """Why the trainers register ``weights_written``: the fused AdamW update writes the parameters without
+    bumping ``_version``, so without the hook the second step reads the first step's operands."""
+    each_pass, _ = _train(_experts(gathered=True), steps=2, microbatches=1)
+    unhooked, _ = _train(_experts(gathered=False), steps=2, microbatches=1, hook=False)
+    assert torch.equal(each_pass[0], unhooked[0]) and not torch.equal(each_pass[1], unhooked[1])

@@ -1,7 +1,8 @@
 """titan-mok's pretraining Trainer: TorchTitan's, with each microbatch's attached
 losses (MoE aux, MTP, DSA indexer; ``titan_mok.attached_loss``) weighted by the
 microbatch's share of the step's tokens, as its cross-entropy is, with
-titan-mok's checkpointer (``titan_mok.checkpoint``) and with the non-finite step guard
+each step's MXFP8 expert weights marked stale by an optimizer step post-hook
+(``titan_mok.kernels.weight_cache``), with titan-mok's checkpointer (``titan_mok.checkpoint``) and with the non-finite step guard
 and fault injection of ``titan_mok.faults`` (docs/faults.md)."""
 
 import torch
@@ -11,12 +12,14 @@ from torchtitan.train import Trainer
 from titan_mok import faults
 from titan_mok.attached_loss import loss_weight
 from titan_mok.checkpoint import MokCheckpointManager
+from titan_mok.kernels import weight_cache
 
 
 class MokTrainer(Trainer):
     def __init__(self, job_config):
         super().__init__(job_config)
         self.checkpointer = MokCheckpointManager.replacing(self)
+        self.optimizers.register_step_post_hook(weight_cache.weights_written)
         injection = faults.NonfiniteInjection.from_config(job_config, self.model_parts[0])
         self.nonfinite_guard = faults.NonfiniteGuard(self, job_config.training.nonfinite, injection)
 

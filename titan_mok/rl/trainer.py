@@ -28,6 +28,7 @@ from torchtitan.train import Trainer
 from titan_mok.attached_loss import loss_weight, without_losses
 from titan_mok.checkpoint import MokCheckpointManager
 from titan_mok.config_check import ConfigError
+from titan_mok.kernels import weight_cache
 from titan_mok.moe import MoE
 from titan_mok.rl.generate import Rollout, generate, has_kv_cache_step
 from titan_mok.rl.grpo import clipped_pg_loss_sum, group_advantages
@@ -112,6 +113,7 @@ class RlTrainer(Trainer):
     def __init__(self, job_config):
         super().__init__(job_config)
         self.checkpointer = MokCheckpointManager.replacing(self)  # docs/faults.md: partial saves, checked loads
+        self.optimizers.register_step_post_hook(weight_cache.weights_written)  # kept MXFP8 weights are stale
         self.model = self.model_parts[0]
         cached = has_kv_cache_step(self.model)
         logger.info("RL rollouts: " + ("KV-cache decoding" if cached else "recomputation (no KV-cache step yet)"))
