@@ -271,10 +271,11 @@ def grouped_swiglu_ffn(
         y_RH [R, H] in x's dtype.
     """
     _check_inputs(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, use_triton)
-    stamps = _source_stamps(weights_owner, weight_sources, (w_gate_EIH, w_up_EIH, w_down_EHI))
+    keeps = use_triton and precision == "mxfp8"  # the reference quantizes inside its GEMMs; bf16: views
+    stamps = _source_stamps(weights_owner, weight_sources, (w_gate_EIH, w_up_EIH, w_down_EHI)) if keeps else {}
     return _GroupedSwiGLUFFN.apply(
         x_RH.contiguous(), group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, swiglu_limit, use_triton,
-        weights_owner, stamps,
+        weights_owner if keeps else None, stamps,
     )
 
 

@@ -48,8 +48,9 @@ class RoutedExperts(nn.Module):
         self.use_triton = use_triton
         self.kernels = args.kernels
         self.ep_mesh = None
-        # Set by parallelize when FSDP gathers these weights before every forward: then each pass
-        # quantizes them (the gathered tensors are new each time; kernels/weight_cache.py)
+        # Set by parallelize when FSDP (and so EP) gathers these weights before every forward: then
+        # each pass quantizes them (a gathered tensor's version does not identify its values;
+        # kernels/weight_cache.py)
         self.weights_gathered = False
         # Rows these experts computed on this rank (after dispatch), accumulated: summed over the
         # ranks it equals T·K routed slots exactly when no row was dropped (the metrics check it).
