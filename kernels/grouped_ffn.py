@@ -20,8 +20,8 @@ Two paths compute the same function:
 - ``use_triton=True``: Triton grouped GEMMs (CUDA), no host sync, row-batch-invariant and
   run-to-run deterministic. They equal the reference up to fp32 summation order (and the
   rounding of results to bf16): tests/kernels/test_grouped_ffn.py states the tolerances. Given a
-  ``weights_owner``, inside ``weight_cache.kept_for_step()`` each MXFP8 weight layout is quantized
-  once per optimizer step instead of once per call (``[mok] mxfp8_weight_cache``).
+  ``weights_owner`` and the ``weight_sources`` the weights were cast from, each MXFP8 weight layout
+  is quantized once per version of its source (``weight_cache``: once per optimizer step).
 """
 
 import os
@@ -117,15 +117,16 @@ def weight_operand(w_EXY: torch.Tensor, precision: str, along: int, name: str):
 
 class _TritonOps:
     """Triton grouped GEMMs (kernels/grouped_gemm.py); weights quantized in the layout each GEMM reads.
-    Inside ``weight_cache.kept_for_step()`` each MXFP8 layout is kept under ``weights_owner`` (a bf16
-    operand is a view: nothing to keep)."""
+    Given ``weights_owner``, each MXFP8 layout is kept under it for the version of its source weight
+    (``stamps``: by weight name, from the forward; a bf16 operand is a view: nothing to keep)."""
 
-    def __init__(self, weights_owner):
-        self.weights_owner = weights_owner
+    def __init__(self, weights_owner, stamps):
+        self.weights_owner, self.stamps = weights_owner, stamps
 
     def _operand(self, w_EXY, precision, along, name):
         owner = self.weights_owner if precision == "mxfp8" else None
-        return weight_cache.operand(owner, name, along, lambda: weight_operand(w_EXY, precision, along, name))
+        return weight_cache.operand(owner, name, along, self.stamps.get(name),
+                                    lambda: weight_operand(w_EXY, precision, along, name))
 
     def forward(self, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit):
         gate_RI, up_RI, h_RI = grouped_gate_up_swiglu(
@@ -183,8 +184,8 @@ def wgrad_operands(x_RH, h_RI, dy_RH, dgate_RI, dup_RI) -> dict:
 
 class _GroupedSwiGLUFFN(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit, use_triton, owner):
-        ops = _TritonOps(owner) if use_triton else _ReferenceOps
+    def forward(ctx, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit, use_triton, owner, stamps):
+        ops = _TritonOps(owner, stamps) if use_triton else _ReferenceOps
         y_RH, gate_RI, up_RI, h_RI = ops.forward(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit)
         ctx.save_for_backward(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, gate_RI, up_RI, h_RI)
         ctx.ops, ctx.precision, ctx.limit = ops, precision, limit
@@ -198,7 +199,7 @@ class _GroupedSwiGLUFFN(torch.autograd.Function):
             ctx.precision, ctx.limit,
         )
         dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI = grads
-        return dx_RH, None, dw_gate_EIH, dw_up_EIH, dw_down_EHI, None, None, None, None
+        return dx_RH, None, dw_gate_EIH, dw_up_EIH, dw_down_EHI, None, None, None, None, None
 
 
 def _check_inputs(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, use_triton):
@@ -247,6 +248,7 @@ def grouped_swiglu_ffn(
     swiglu_limit: float | None = None,
     use_triton: bool = False,
     weights_owner: object = None,
+    weight_sources: tuple | None = None,
 ) -> torch.Tensor:
     """Routed experts' SwiGLU FFN on rows grouped by expert (module docstring); autograd-capable.
 
@@ -258,15 +260,31 @@ def grouped_swiglu_ffn(
         precision: "bf16" or "mxfp8" (all six GEMMs of forward and backward in MXFP8).
         swiglu_limit: DeepSeek-V4's clamp (gate <= L, |up| <= L), None for none.
         use_triton: Triton kernels (CUDA, bf16) instead of the PyTorch reference.
-        weights_owner: who holds the weights (the experts module): inside
-            ``weight_cache.kept_for_step()`` the Triton path quantizes each MXFP8 weight layout once
-            per owner and reuses it. None: quantized on every call.
+        weights_owner: who holds the weights (the experts module): the Triton path keeps each MXFP8
+            weight layout under it and quantizes again only when its source changed. None: quantized
+            on every call.
+        weight_sources: with ``weights_owner``, the tensors (w_gate, w_up, w_down) the weights were
+            made from (e.g. the fp32 parameters they are cast from), whose in-place writes
+            (``_version``) mark the kept layouts stale.
 
     Returns:
         y_RH [R, H] in x's dtype.
     """
     _check_inputs(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, use_triton)
+    keeps = use_triton and precision == "mxfp8"  # the reference quantizes inside its GEMMs; bf16: views
+    stamps = _source_stamps(weights_owner, weight_sources, (w_gate_EIH, w_up_EIH, w_down_EHI)) if keeps else {}
     return _GroupedSwiGLUFFN.apply(
         x_RH.contiguous(), group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, swiglu_limit, use_triton,
-        weights_owner,
+        weights_owner if keeps else None, stamps,
     )
+
+
+def _source_stamps(owner, sources, weights) -> dict:
+    """{weight name: what identifies its values}: the source's version and the compute dtype it was cast to."""
+    if owner is None:
+        return {}
+    if sources is None or len(sources) != 3:
+        raise ValueError("grouped_swiglu_ffn: weights_owner needs weight_sources = (w_gate, w_up, w_down), "
+                         f"the tensors the weights were made from; got {sources!r}")
+    names = ("w_gate_EIH", "w_up_EIH", "w_down_EHI")
+    return {n: (weight_cache.stamp(s), w.dtype) for n, s, w in zip(names, sources, weights)}

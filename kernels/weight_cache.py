@@ -1,48 +1,51 @@
-"""Quantized expert weights kept for one optimizer step (``[mok] mxfp8_weight_cache``).
+"""MXFP8 expert weights quantized once per weight version (``precision = "mxfp8"``, Triton expert FFN).
 
-MXFP8 training quantizes each routed-expert weight in two layouts per micro-batch, the forward's and
-the dgrad's: at Kimi K2.7's EP=2 size ~15 ms per layer on an H200, about as long as the layer's
-GEMMs. Within one optimizer step the weights do not change, so with gradient
-accumulation every micro-batch after the first can reuse the first one's, and an RL rollout's
-decode steps all read the same weights. ``kept_for_step()`` scopes that reuse to the block it wraps
-(the pretraining trainer wraps each ``train_step``, the RL trainer each rollout); outside it nothing
-is kept.
+MXFP8 training reads each routed-expert weight in two layouts, the forward's and the dgrad's. The
+weights change only where their storage is written in place: the optimizer step, a checkpoint load,
+initialization. So each layout is quantized once per version of the weight it came from and kept
+under its owner (the experts module): every microbatch of a step, every decode step of an RL rollout,
+reads the same operand. A weight's version (``stamp``) is a count of optimizer steps and loads
+(``weights_written``: titan-mok's trainers register it as an optimizer step post-hook, the
+checkpointer calls it after a load) together with the source parameter's ``_version`` counter and
+storage address, which in-place writes outside those bump. Both are needed: the fused AdamW update
+(TorchTitan's default) writes the parameters without bumping ``_version``. Nothing is checkpointed:
+after a load or resume the first use quantizes again, same bits.
 
-Memory: while the scope is open, an MXFP8 copy of every local expert weight in each layout it was
-used in, ~1 byte per element per layout: together as much as the bf16 weights. Under FSDP those are
-copies of the gathered weights, which FSDP would otherwise free after each use.
+Memory: an MXFP8 copy of the local expert weights per layout kept, 1 byte per element plus one E8M0
+scale per 32 (~1.03 bytes per element, 0.52x the bf16 weights per layout), held from the first use
+on. Under FSDP the weights an expert forward reads are gathered again every forward into a tensor
+whose ``_version`` stays 0 and whose address can repeat across steps, so it identifies nothing: the
+caller passes no owner and each pass quantizes.
 """
 
-import contextlib
+import weakref
 
-_kept: dict | None = None  # (owner, name, along) -> operand, while a scope is open
-
-
-@contextlib.contextmanager
-def kept_for_step(enabled: bool = True):
-    """Within this block, ``operand`` makes each (owner, name, along) operand once (not ``enabled``:
-    nothing is kept, the configured-off case). The caller promises that no weight changes inside it
-    (one optimizer step: the optimizer runs after the last backward)."""
-    global _kept
-    if not enabled:
-        yield
-        return
-    if _kept is not None:
-        raise RuntimeError("kept_for_step() is already open: one optimizer step at a time")
-    _kept = {}
-    try:
-        yield
-    finally:
-        _kept = None
+# owner -> {(name, along): (stamp, operand)}; weak, so a dropped model frees its operands
+_kept: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_writes = 0  # optimizer steps and checkpoint loads so far
 
 
-def operand(owner, name: str, along: int, make):
-    """``make()``, or inside ``kept_for_step()`` the operand an earlier call made for the same
-    (owner, name, along) in this scope. ``owner`` (e.g. the experts module) is held until the scope
-    ends, so its identity cannot pass to another object meanwhile."""
-    if _kept is None or owner is None:
+def weights_written(*_hook_args) -> None:
+    """Every kept operand is stale: the optimizer stepped or a checkpoint loaded (an optimizer step
+    post-hook: takes and ignores its arguments). Frees them; each is made again on its next use."""
+    global _writes
+    _writes += 1
+    _kept.clear()
+
+
+def stamp(source) -> tuple:
+    """What identifies the values of ``source`` (a weight tensor) until it is written again."""
+    return (_writes, source._version, source.data_ptr(), source.dtype, tuple(source.shape))
+
+
+def operand(owner, name: str, along: int, source_stamp: tuple, make):
+    """``make()``'s operand for (owner, name, along), made again only when ``source_stamp`` differs
+    from the one it was made at. ``owner`` None: ``make()`` every time (nothing kept)."""
+    if owner is None:
         return make()
-    key = (owner, name, along)
-    if key not in _kept:
-        _kept[key] = make()
-    return _kept[key]
+    kept = _kept.setdefault(owner, {})
+    entry = kept.get((name, along))
+    if entry is None or entry[0] != source_stamp:
+        kept[(name, along)] = entry = (source_stamp, make())
+    return entry[1]
+

@@ -42,6 +42,7 @@ from torchtitan.components.checkpoint import (
 from torchtitan.tools.logging import logger
 
 from titan_mok import checkpoint_files as files
+from titan_mok.kernels import weight_cache
 
 SPACE_MARGIN = 1.05
 """Room a save needs, as a multiple of its estimated bytes."""
@@ -133,6 +134,7 @@ class MokCheckpointManager(CheckpointManager):
         elif self.initial_load_path and not self.initial_load_in_hf:
             self._check_before_load(Path(self.initial_load_path), training_state=not self.initial_load_model_only)
         loaded = super().load(step)
+        weight_cache.weights_written()  # MXFP8 expert weights kept from before the load are stale
         if loaded and folder.is_dir() and step != -1:
             self.last_complete = Path(self._create_checkpoint_id(step))
         return loaded

@@ -27,20 +27,11 @@ class Mok:
     elsewhere. Wherever the routed experts run the Triton FFN, a BF16 shared expert
     runs it too (as one expert holding every token)."""
 
-    mxfp8_weight_cache: bool = False
-    """With precision "mxfp8": quantize each routed-expert weight once per optimizer step
-    instead of once per microbatch, and in RL once per rollout instead of once per decode step
-    (the Triton expert FFN; ``titan_mok.kernels.weight_cache``). Costs an MXFP8 copy of the
-    local expert weights in each layout used (both: together as large as the bf16 weights)
-    while the step or rollout runs."""
 
     def __post_init__(self):
         _check_choice("mok.backend", self.backend, ("mok", "torchtitan"))
         _check_choice("mok.precision", self.precision, ("bf16", "mxfp8"))
         _check_choice("mok.kernels", self.kernels, ("auto", "reference", "triton"))
-        if self.mxfp8_weight_cache and self.precision != "mxfp8":
-            raise ValueError(f"[mok] mxfp8_weight_cache = true needs precision = 'mxfp8' (it keeps MXFP8 weights), "
-                             f"got precision = {self.precision!r}")
 
 
 @dataclass

@@ -16,7 +16,6 @@ import torch
 from torchtitan.config import ConfigManager
 
 from titan_mok import registry
-from titan_mok.moe.moe import routed_experts_on_triton
 
 
 class ConfigError(ValueError):
@@ -57,6 +56,13 @@ def _allowed_text(annotation) -> str:
     return f"a value of type {_type_name(annotation)}"
 
 
+# (section, key) -> what replaced it
+RETIRED_KEYS = {
+    ("mok", "mxfp8_weight_cache"): "precision = 'mxfp8' always quantizes each routed-expert weight once per "
+                                   "optimizer step (kernels/weight_cache.py)",
+}
+
+
 def check_toml(config_cls, toml: dict[str, Any]) -> None:
     """Unknown sections, unknown keys and wrongly typed values in a TOML dict."""
     sections = {f.name: f for f in dataclasses.fields(config_cls)}
@@ -68,6 +74,8 @@ def check_toml(config_cls, toml: dict[str, Any]) -> None:
             raise ConfigError(f"[{section}] must be a table, got {table!r}")
         hints = typing.get_type_hints(section_cls)
         for key, value in table.items():
+            if (section, key) in RETIRED_KEYS:
+                raise ConfigError(f"[{section}] {key} is retired: {RETIRED_KEYS[section, key]}; remove the key")
             if key not in hints:
                 raise ConfigError(f"[{section}] unknown key {key!r}; known keys: {', '.join(sorted(hints))}")
             if not _value_matches(value, hints[key]):
@@ -115,10 +123,6 @@ def check_job(job_config, world_size: int) -> None:
         return  # TorchTitan's own model: the [mok] section does not apply to it
     if job_config.mok.kernels == "triton" and not torch.cuda.is_available():
         raise ConfigError("[mok] kernels = 'triton' needs a CUDA GPU; use 'reference' or 'auto' on CPU")
-    if job_config.mok.mxfp8_weight_cache and not routed_experts_on_triton(job_config.mok.kernels):
-        # the reference FFN quantizes inside its GEMMs: there is nothing to keep
-        raise ConfigError(f"[mok] mxfp8_weight_cache = true needs the Triton expert FFN (kernels = 'triton', or 'auto' "
-                          f"on an SM90+ GPU); here kernels = {job_config.mok.kernels!r} runs the reference FFN")
 
 
 def _check_fault_keys(job_config, world_size: int) -> None:

@@ -18,6 +18,7 @@ from torchtitan.models.llama4.infra.parallelize import apply_fsdp
 
 from titan_mok import cpu_compat
 from titan_mok.moe.expert_parallel import MokExpertParallel
+from titan_mok.moe.experts import RoutedExperts
 
 # Ops whose outputs selective AC keeps (op mode): matmuls and the collectives.
 _OP_SAC_SAVE_LIST = {
@@ -87,4 +88,7 @@ def parallelize_moe_model(model: torch.nn.Module, parallel_dims, job_config) -> 
         )
         if not torch.cuda.is_available():
             cpu_compat.use_sum_reductions(model)
+        for module in model.modules():
+            if isinstance(module, RoutedExperts):
+                module.weights_gathered = True  # FSDP gathers them before every forward
     return model

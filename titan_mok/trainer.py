@@ -1,8 +1,8 @@
 """titan-mok's pretraining Trainer: TorchTitan's, with each microbatch's attached
 losses (MoE aux, MTP, DSA indexer; ``titan_mok.attached_loss``) weighted by the
 microbatch's share of the step's tokens, as its cross-entropy is, with
-``[mok] mxfp8_weight_cache`` each step's MXFP8 expert weights quantized once, with
-titan-mok's checkpointer (``titan_mok.checkpoint``) and with the non-finite step guard
+each step's MXFP8 expert weights marked stale by an optimizer step post-hook
+(``titan_mok.kernels.weight_cache``), with titan-mok's checkpointer (``titan_mok.checkpoint``) and with the non-finite step guard
 and fault injection of ``titan_mok.faults`` (docs/faults.md)."""
 
 import torch
@@ -19,14 +19,13 @@ class MokTrainer(Trainer):
     def __init__(self, job_config):
         super().__init__(job_config)
         self.checkpointer = MokCheckpointManager.replacing(self)
+        self.optimizers.register_step_post_hook(weight_cache.weights_written)
         injection = faults.NonfiniteInjection.from_config(job_config, self.model_parts[0])
         self.nonfinite_guard = faults.NonfiniteGuard(self, job_config.training.nonfinite, injection)
 
     def train_step(self, data_iterator):
         self.nonfinite_guard.start_step()
-        # the weights change only in the step's optimizer update, after the last backward
-        with weight_cache.kept_for_step(self.job_config.mok.mxfp8_weight_cache):
-            return super().train_step(data_iterator)
+        return super().train_step(data_iterator)
 
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor

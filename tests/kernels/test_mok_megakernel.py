@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from tests.torchrun import REPO
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
 from titan_mok.kernels.mok_megakernel import MAX_EPOCH, programs_per_sm
 from titan_mok.moe import megakernel as mk
@@ -205,7 +206,7 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills():
     stand-in driver; the interpreter cannot compile, hence a subprocess): wgmmas, no spill stack, one program per
     SM at least (the occupancy the launch checks)."""
     script = (
-        "import json, torch; from titan_mok.bench import sass; from titan_mok.kernels import mok_megakernel as m\n"
+        "import json, torch; from benchmarks.tools import sass; from titan_mok.kernels import mok_megakernel as m\n"
         "ptrs = [torch.bfloat16, torch.int64, torch.int64, torch.bfloat16, *[torch.int64] * 4, *[torch.int32] * 3,"
         " *[torch.bfloat16] * 3, torch.int64]\n"
         "ints = [2] * 6 + [0.0] + [2] * 4 + [7168, 2048] + [2] * 3\n"
@@ -217,7 +218,8 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills():
         "print(json.dumps(dict(hgmma=r['opcodes'].get('HGMMA', 0), stack=r['stack_bytes'],"
         " per_sm=sass.programs_per_sm(r))))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     report = __import__("json").loads(out.stdout.strip().splitlines()[-1])
     assert report["hgmma"] > 0 and report["stack"] == 0 and report["per_sm"] >= 1, report

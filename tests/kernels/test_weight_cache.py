@@ -1,14 +1,15 @@
-"""[mok] mxfp8_weight_cache: each MXFP8 expert weight layout quantized once per optimizer step
+"""precision = "mxfp8": each MXFP8 expert weight layout quantized once per version of its source weight
 (titan_mok.kernels.weight_cache), same bits as quantizing it on every call. CPU: Triton's interpreter."""
 
 import pytest
 import torch
 
-from titan_mok.config import Mok
 from titan_mok.kernels import grouped_ffn, weight_cache
-from titan_mok.rl.trainer import RlTrainer
-from titan_mok.trainer import MokTrainer
+from titan_mok.moe.args import MoEArgs
+from titan_mok.moe.experts import RoutedExperts
 from tests.kernels.test_grouped_ffn import CPU_CASE, make_case, run
+
+LAYOUTS = sorted((n, a) for n in ("w_gate_EIH", "w_up_EIH", "w_down_EHI") for a in (1, 2))
 
 
 def _counted_weight_operand(monkeypatch) -> list:
@@ -24,90 +25,122 @@ def _counted_weight_operand(monkeypatch) -> list:
 
 
 def _microbatches(tensors, group_end, owner, precision="mxfp8"):
-    """Two microbatches (other rows, the same weights) forward and backward, as a step would run them."""
+    """Two microbatches (other rows, the same weights) forward and backward, as a step would run them;
+    the weights given to the FFN are fresh copies each call (as a cast of fp32 parameters is)."""
     x, w_gate, w_up, w_down, dy = tensors
     second = [x.flip(0), w_gate, w_up, w_down, dy.flip(0)]
-    kw = dict(precision=precision, swiglu_limit=0.5, use_triton=True, weights_owner=owner)
+    kw = dict(precision=precision, swiglu_limit=0.5, use_triton=True, weights_owner=owner,
+              weight_sources=(w_gate, w_up, w_down) if owner is not None else None)
     return run(tensors, group_end, **kw) + run(second, group_end, **kw)
 
 
-def test_kept_weights_are_quantized_once_per_step(monkeypatch):
-    """Inside kept_for_step() the six layouts (3 weights x forward/dgrad) are quantized once for both
-    microbatches, and every output and gradient keeps its bits; outside it, once per call."""
+def _assert_same_bits(expected, got):
+    for i, (a, b) in enumerate(zip(expected, got)):
+        assert torch.equal(a, b), f"output {i} (y, dx, dw_gate, dw_up, dw_down per microbatch): other bits"
+
+
+def test_each_layout_is_quantized_once_per_weight_version(monkeypatch):
+    """Six layouts (3 weights x forward/dgrad) quantized once for both microbatches, forward, dX and weight
+    gradients bitwise equal to quantizing on every call; an in-place write to a source (an optimizer
+    update, a checkpoint load) quantizes that weight's layouts again, and nothing else."""
     tensors, group_end = make_case(**CPU_CASE)
-    owner = object()
+    owner = torch.nn.Module()
     calls = _counted_weight_operand(monkeypatch)
-    each_call = _microbatches(tensors, group_end, owner)
+    each_call = _microbatches(tensors, group_end, None)
     assert len(calls) == 12
     calls.clear()
-    with weight_cache.kept_for_step():
-        kept = _microbatches(tensors, group_end, owner)
-    assert sorted(calls) == sorted((n, a) for n in ("w_gate_EIH", "w_up_EIH", "w_down_EHI") for a in (1, 2))
-    for i, (a, b) in enumerate(zip(each_call, kept)):
-        assert torch.equal(a, b), f"output {i}: the kept weights give other bits"
+    _assert_same_bits(each_call, _microbatches(tensors, group_end, owner))
+    assert sorted(calls) == LAYOUTS
     calls.clear()
-    with weight_cache.kept_for_step():  # a new step quantizes again: nothing outlives its scope
-        _microbatches(tensors, group_end, owner)
-    assert len(calls) == 6
+    _assert_same_bits(each_call, _microbatches(tensors, group_end, owner))  # the next step, same weights
+    assert calls == []
+
+    w_up = tensors[2]
+    with torch.no_grad():
+        w_up.mul_(1.5)  # an optimizer update's in-place write
+    _assert_same_bits(_microbatches(tensors, group_end, None), _microbatches(tensors, group_end, owner))
+    assert sorted(calls[12:]) == [("w_up_EIH", 1), ("w_up_EIH", 2)]
+    calls.clear()
+    with torch.no_grad():
+        w_up.copy_(tensors[1])  # a checkpoint load's copy into the parameter
+    _assert_same_bits(_microbatches(tensors, group_end, None), _microbatches(tensors, group_end, owner))
+    assert sorted(calls[12:]) == [("w_up_EIH", 1), ("w_up_EIH", 2)]
 
 
 def test_nothing_is_kept_without_an_owner_or_in_bf16(monkeypatch):
     tensors, group_end = make_case(**CPU_CASE)
     calls = _counted_weight_operand(monkeypatch)
-    with weight_cache.kept_for_step():
-        _microbatches(tensors, group_end, owner=None)
-        assert len(calls) == 12
-        calls.clear()
-        _microbatches(tensors, group_end, owner=object(), precision="bf16")
-        assert len(calls) == 12
+    _microbatches(tensors, group_end, owner=None)
+    assert len(calls) == 12
+    calls.clear()
+    _microbatches(tensors, group_end, owner=torch.nn.Module(), precision="bf16")
+    assert len(calls) == 12
 
 
-def test_steps_do_not_nest():
-    with weight_cache.kept_for_step():
-        with pytest.raises(RuntimeError, match="already open"):
-            with weight_cache.kept_for_step():
-                pass
-    with weight_cache.kept_for_step():  # the failed one left the scope usable
-        pass
+def test_an_owner_needs_the_weight_sources():
+    tensors, group_end = make_case(**CPU_CASE)
+    x, w_gate, w_up, w_down, _ = tensors
+    with pytest.raises(ValueError, match=r"weights_owner needs weight_sources = \(w_gate, w_up, w_down\)"):
+        grouped_ffn.grouped_swiglu_ffn(x, group_end, w_gate, w_up, w_down, precision="mxfp8", use_triton=True,
+                                       weights_owner=object())
 
 
-def test_cache_needs_mxfp8_precision():
-    with pytest.raises(ValueError, match=r"mxfp8_weight_cache = true needs precision = 'mxfp8'.*'bf16'"):
-        Mok(precision="bf16", mxfp8_weight_cache=True)
-    assert Mok(precision="mxfp8", mxfp8_weight_cache=True).mxfp8_weight_cache
+def _experts(gathered: bool) -> RoutedExperts:
+    torch.manual_seed(0)
+    args = MoEArgs(num_experts=3, expert_dim=96, precision="mxfp8", kernels="triton")
+    experts = RoutedExperts(64, args, use_triton=True)  # fp32 parameters, cast to bf16 each forward
+    with torch.no_grad():
+        experts.init_weights(0.02)
+    experts.weights_gathered = gathered
+    return experts
 
 
-@pytest.mark.parametrize("enabled", [False, True])
-def test_trainer_keeps_weights_for_exactly_one_step(monkeypatch, enabled):
-    """MokTrainer.train_step runs TorchTitan's train_step (microbatches, then the optimizer update)
-    inside kept_for_step() when [mok] mxfp8_weight_cache is set, and only then. (TorchTitan's
-    train_step is replaced by a recorder here: a CPU run takes the reference FFN, which keeps nothing.)"""
-    seen = []
-    monkeypatch.setattr(MokTrainer.__mro__[1], "train_step", lambda self, it: seen.append(weight_cache._kept is not None))
-    trainer = object.__new__(MokTrainer)
-    trainer.job_config = type("JobConfig", (), {"mok": Mok(precision="mxfp8", mxfp8_weight_cache=enabled)})()
-    trainer.train_step(iter(()))
-    trainer.train_step(iter(()))
-    assert seen == [enabled, enabled] and weight_cache._kept is None
+def _train(experts, steps: int, microbatches: int, state=None, first_step: int = 0, hook: bool = True) -> list:
+    """Fused AdamW steps (TorchTitan's default; its update leaves ``_version`` as it was) with gradient
+    accumulation over microbatches, the trainers' post-hook registered; the bf16 outputs of every microbatch."""
+    optimizer = torch.optim.AdamW(experts.parameters(), lr=1e-2, fused=True)
+    if hook:
+        optimizer.register_step_post_hook(weight_cache.weights_written)
+    if state is not None:
+        experts.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+    tensors, group_end = make_case(**CPU_CASE, seed=1)
+    outputs = []
+    for step in range(first_step, first_step + steps):
+        for micro in range(microbatches):
+            x = tensors[0].roll(step + micro, 0)
+            y = experts(x, group_end)
+            y.float().square().sum().backward()
+            outputs.append(y.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+    return outputs, {"model": experts.state_dict(), "optim": optimizer.state_dict()}
 
 
-def test_rl_rollout_keeps_weights_when_configured(monkeypatch):
-    """RlTrainer.train_step generates its rollout (every decode step: the same weights) inside
-    kept_for_step() when [mok] mxfp8_weight_cache is set, and only then; the scope closes before the
-    policy updates. (The rollout is replaced by a recorder that ends the step.)"""
-    seen = []
+def test_training_quantizes_once_per_step_and_resumes_bitwise(monkeypatch):
+    """RoutedExperts with gradient accumulation: each layout quantized once per optimizer step (against
+    once per microbatch when quantized every pass, as under FSDP), every microbatch's output bitwise
+    the same; a load into a fresh module (a resume) makes its operands again from the loaded weights
+    and continues with the uninterrupted run's bits."""
+    calls = _counted_weight_operand(monkeypatch)
+    each_pass, _ = _train(_experts(gathered=True), steps=3, microbatches=2)
+    assert len(calls) == 3 * 2 * 6
+    calls.clear()
+    kept, _ = _train(_experts(gathered=False), steps=3, microbatches=2)
+    assert len(calls) == 3 * 6 and sorted(calls[:6]) == LAYOUTS
+    _assert_same_bits(each_pass, kept)
 
-    class RolloutDone(Exception):
-        pass
+    calls.clear()
+    first, state = _train(_experts(gathered=False), steps=2, microbatches=2)
+    resumed_module = _experts(gathered=False)
+    resumed, _ = _train(resumed_module, steps=1, microbatches=2, state=state, first_step=2)
+    assert len(calls) == 3 * 6  # 2 steps, then 1 after the load: quantized from the loaded weights
+    _assert_same_bits(kept, first + resumed)
 
-    def recorded_rollout(self):
-        seen.append(weight_cache._kept is not None)
-        raise RolloutDone
 
-    monkeypatch.setattr(RlTrainer, "_rollout", recorded_rollout)
-    trainer = object.__new__(RlTrainer)
-    for enabled in (False, True):
-        trainer.job_config = type("JobConfig", (), {"rl": None, "mok": Mok(precision="mxfp8", mxfp8_weight_cache=enabled)})()
-        with pytest.raises(RolloutDone):
-            trainer.train_step(iter(()))
-    assert seen == [False, True] and weight_cache._kept is None
+def test_without_the_optimizer_hook_a_fused_update_would_be_missed():
+    """Why the trainers register ``weights_written``: the fused AdamW update writes the parameters without
+    bumping ``_version``, so without the hook the second step reads the first step's operands."""
+    each_pass, _ = _train(_experts(gathered=True), steps=2, microbatches=1)
+    unhooked, _ = _train(_experts(gathered=False), steps=2, microbatches=1, hook=False)
+    assert torch.equal(each_pass[0], unhooked[0]) and not torch.equal(each_pass[1], unhooked[1])

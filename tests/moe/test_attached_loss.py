@@ -58,11 +58,13 @@ def test_trainer_weights_a_microbatch_by_its_share_of_the_step_tokens(monkeypatc
     from torchtitan.train import Trainer
 
     import titan_mok.attached_loss as attached
+    from titan_mok.faults import NonfiniteGuard
     from titan_mok.trainer import MokTrainer
 
     seen = []
     monkeypatch.setattr(Trainer, "forward_backward_step", lambda self, **kw: seen.append(attached._weight))
     labels = torch.tensor([[5, -100, 7], [-100, 9, -100]])
-    MokTrainer.forward_backward_step(object.__new__(MokTrainer), input_dict={}, labels=labels,
-                                     global_valid_tokens=torch.tensor(12.0))
+    trainer = object.__new__(MokTrainer)
+    trainer.nonfinite_guard = NonfiniteGuard(trainer, "ignore", None)  # [training] nonfinite off: no optimizer hook
+    MokTrainer.forward_backward_step(trainer, input_dict={}, labels=labels, global_valid_tokens=torch.tensor(12.0))
     assert [w.item() for w in seen] == [0.25] and attached._weight == 1.0

@@ -29,6 +29,14 @@ def test_debug_config_parses():
     assert config.mok.backend == "mok" and config.parallelism.expert_parallel_degree == 2
 
 
+def test_retired_weight_cache_key_says_it_is_always_on(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text(open(DEBUG).read().replace('precision = "bf16"', 'precision = "mxfp8"\nmxfp8_weight_cache = true'))
+    with pytest.raises(ConfigError, match=r"\[mok\] mxfp8_weight_cache is retired: precision = 'mxfp8' always "
+                                          r"quantizes each routed-expert weight once per optimizer step"):
+        parse(config=str(path))
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -59,8 +67,6 @@ def test_wrong_literal_in_toml(tmp_path):
         (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
          r"selective_ac_option = 'op' fails"),
         (["--mok.kernels", "triton"], r"\[mok\] kernels = 'triton' needs a CUDA GPU"),
-        (["--mok.precision", "mxfp8", "--mok.mxfp8_weight_cache", "--mok.kernels", "reference"],
-         r"\[mok\] mxfp8_weight_cache = true needs the Triton expert FFN .* kernels = 'reference'"),
         (["--parallelism.tensor_parallel_degree", "2"], r"\[parallelism\] tensor_parallel_degree = 2: titan-mok's models support FSDP/HSDP and EP only"),
         (["--parallelism.pipeline_parallel_degree", "2"], r"\[parallelism\] pipeline_parallel_degree = 2: titan-mok's models support"),
         (["--checkpoint.last_save_in_hf"], r"\[checkpoint\] last_save_in_hf = true saves the model only: set last_save_model_only"),

@@ -17,9 +17,9 @@ STEPS, MID = 6, 3
 pytestmark = pytest.mark.slow
 
 
-def _run(folder: Path) -> dict[int, float]:
+def _run(folder: Path, precision: str) -> dict[int, float]:
     torchrun.run(
-        "titan_mok.train", CONFIG, "--training.steps", str(STEPS), "--metrics.log_freq", "1",
+        "titan_mok.train", CONFIG, "--mok.precision", precision, "--training.steps", str(STEPS), "--metrics.log_freq", "1",
         "--job.dump_folder", str(folder), "--checkpoint.enable", "--checkpoint.interval", str(MID),
         "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "float32",
     )
@@ -33,12 +33,13 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return torch.load(folder / "weights.pt", weights_only=True)
 
 
-def test_resumed_pretraining_continues_bitwise(tmp_path):
-    full = _run(tmp_path / "full")
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_resumed_pretraining_continues_bitwise(tmp_path, precision):
+    full = _run(tmp_path / "full", precision)
     assert sorted(full) == list(range(1, STEPS + 1))
     mid = Path("checkpoint") / f"step-{MID}"
     shutil.copytree(tmp_path / "full" / mid, tmp_path / "resumed" / mid)
-    resumed = _run(tmp_path / "resumed")
+    resumed = _run(tmp_path / "resumed", precision)
     assert resumed == {step: full[step] for step in range(MID + 1, STEPS + 1)}
     a, b = _weights(tmp_path / "full"), _weights(tmp_path / "resumed")
     assert a.keys() == b.keys() and len(a) > 10

@@ -48,6 +48,10 @@ class RoutedExperts(nn.Module):
         self.use_triton = use_triton
         self.kernels = args.kernels
         self.ep_mesh = None
+        # Set by parallelize when FSDP (and so EP) gathers these weights before every forward: then
+        # each pass quantizes them (a gathered tensor's version does not identify its values;
+        # kernels/weight_cache.py)
+        self.weights_gathered = False
         # Rows these experts computed on this rank (after dispatch), accumulated: summed over the
         # ranks it equals T·K routed slots exactly when no row was dropped (the metrics check it).
         self.register_buffer("rows_computed", torch.zeros(1, dtype=torch.float32), persistent=False)
@@ -59,12 +63,15 @@ class RoutedExperts(nn.Module):
         """Rows grouped by local expert ([R, H], ends [L]) → expert outputs [R, H] in x's dtype."""
         with torch.no_grad():
             self.rows_computed.add_(group_end_L[-1])  # rows past group_end_L[-1] are padding
-        w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_RH.dtype) for w in self.local_weights())
+        sources = self.local_weights()
+        w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_RH.dtype) for w in sources)
         # "auto" runs the Triton FFN on CUDA tensors only: a CPU copy of the layer runs the reference
         use_triton = self.use_triton and (x_RH.is_cuda or self.kernels == "triton")
+        owner = None if self.weights_gathered else self
         return grouped_swiglu_ffn(
             x_RH, group_end_L, w_gate_LIH, w_up_LIH, w_down_LHI,
-            precision=self.precision, swiglu_limit=self.swiglu_limit, use_triton=use_triton, weights_owner=self,
+            precision=self.precision, swiglu_limit=self.swiglu_limit, use_triton=use_triton, weights_owner=owner,
+            weight_sources=sources,
         )
 
     def init_weights(self, init_std: float) -> None:

@@ -113,6 +113,7 @@ class RlTrainer(Trainer):
     def __init__(self, job_config):
         super().__init__(job_config)
         self.checkpointer = MokCheckpointManager.replacing(self)  # docs/faults.md: partial saves, checked loads
+        self.optimizers.register_step_post_hook(weight_cache.weights_written)  # kept MXFP8 weights are stale
         self.model = self.model_parts[0]
         cached = has_kv_cache_step(self.model)
         logger.info("RL rollouts: " + ("KV-cache decoding" if cached else "recomputation (no KV-cache step yet)"))
@@ -172,9 +173,7 @@ class RlTrainer(Trainer):
     def train_step(self, data_iterator):
         """One GRPO step; ``data_iterator`` (the pretraining stream) is not read."""
         rl = self.job_config.rl
-        # every decode step of a rollout reads the same weights: [mok] mxfp8_weight_cache quantizes them once
-        with weight_cache.kept_for_step(self.job_config.mok.mxfp8_weight_cache):
-            rollout, prompts, rollout_s = self._rollout()
+        rollout, prompts, rollout_s = self._rollout()
         self.metrics_processor.data_loading_times.append(0.0)  # prompts are generated inside the rollout
 
         # NOTE: host sync: rewards score decoded text.
