@@ -62,7 +62,8 @@ def test_trainer_weights_a_microbatch_by_its_share_of_the_step_tokens(monkeypatc
     from titan_mok.trainer import MokTrainer
 
     seen = []
-    monkeypatch.setattr(Trainer, "forward_backward_step", lambda self, **kw: seen.append(attached._weight))
+    monkeypatch.setattr(Trainer, "forward_backward_step",
+                        lambda self, **kw: seen.append(attached._weight) or torch.zeros(()))  # a loss
     labels = torch.tensor([[5, -100, 7], [-100, 9, -100]])
     trainer = object.__new__(MokTrainer)
     trainer.nonfinite_guard = NonfiniteGuard(trainer, "ignore", None)  # [training] nonfinite off: no optimizer hook
