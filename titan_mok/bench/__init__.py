@@ -1,1 +1,2 @@
-"""GPU benchmarks (run on the H200 machine; results in benchmarks/NOTES.md)."""
+"""Benchmarks a user runs: the MoE layer against TorchTitan's own (layer), training end to end (e2e).
+Numbers and commands: docs/performance.md."""
