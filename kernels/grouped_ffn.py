@@ -225,7 +225,7 @@ def _check_inputs(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision
     if precision == "mxfp8" and (dim_h % 32 or dim_i % 32):
         raise ValueError(f"grouped_swiglu_ffn: mxfp8 needs H ({dim_h}) and I ({dim_i}) to be multiples of 32")
     if use_triton:
-        if x_RH.device.type != "cuda" and not _interpreting():
+        if x_RH.device.type != "cuda" and not interpreting():
             raise ValueError("grouped_swiglu_ffn: use_triton=True needs CUDA tensors (or TRITON_INTERPRET=1)")
         if x_RH.dtype != torch.bfloat16:
             raise TypeError(f"grouped_swiglu_ffn: the Triton path runs bfloat16 activations/weights, got {x_RH.dtype}")
@@ -233,7 +233,8 @@ def _check_inputs(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision
             raise ValueError(f"grouped_swiglu_ffn: group_end_E is on {group_end_E.device}, x_RH on {x_RH.device}")
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton kernels run in Triton's interpreter (CPU tensors, programs one after another)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -67,7 +67,6 @@ Not here: MXFP8 (bf16 only), the shared expert (an input of the finish), the bac
 """
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +74,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from titan_mok.kernels.grouped_gemm import _dot
+from titan_mok.kernels.grouped_gemm import _DOT_F32, _dot
 from titan_mok.kernels.grouped_tiles import _bf16_rne, _group_of, _swiglu_out
 from titan_mok.kernels.mok_combine import _round_to, _slot_term
 
@@ -99,8 +98,6 @@ BLOCK_K = 64
 """K step of every GEMM: the Triton grouped FFN's bf16 step (the interpreter rounds to fp32 once per step)."""
 MAX_EPOCH = 2**31 // 64 - 1
 """Largest epoch before the host resets the flags: e·K stays inside int32 for K <= 64."""
-# Triton's interpreter multiplies bf16 tiles as raw bits: operands go to fp32 there (grouped_gemm's _DOT_F32)
-_DOT_F32 = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit

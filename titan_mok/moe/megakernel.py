@@ -22,11 +22,11 @@ multi-GPU ranks (the same kernel with symmetric-memory peer tables: one hosted r
 ``[mok] kernels`` setting (training needs the backward).
 """
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
+from titan_mok.kernels.grouped_ffn import interpreting
 from titan_mok.kernels.mok_megakernel import (
     MAX_EPOCH,
     LaunchShape,
@@ -90,17 +90,13 @@ class _Workspace:
 _WORKSPACES: dict[tuple, _Workspace] = {}
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _resolve(config: MegakernelConfig, ranks: int, dim_h: int, dim_i: int, num_local: int, has_limit: bool,
              device: torch.device, serialized: bool) -> MegakernelConfig:
     """Fill the config's None sizes (module docstring of MegakernelConfig); a concurrent launch the device cannot
     hold at once is refused here, before anything is allocated (the launcher checks it again)."""
     comm, compute = config.comm_programs, config.compute_programs
     total = None
-    if not _interpreting():
+    if not interpreting():
         total = co_resident_programs(device.index, dim_h, dim_i, num_local, config.block_m, config.block_n,
                                      config.num_warps, has_limit)
     if comm is None or compute is None:
@@ -200,7 +196,7 @@ def _check(xs, weights, ids, shared, expert_weights, num_experts):
         if tuple(w.shape) != shape or w.dtype != torch.bfloat16 or not w.is_contiguous() or w.device != xs[0].device:
             raise ValueError(f"megakernel_routed_experts: {name} must be a contiguous bfloat16 {shape} on "
                              f"{xs[0].device}, got {w.dtype} {tuple(w.shape)} (contiguous: {w.is_contiguous()})")
-    if xs[0].device.type != "cuda" and not _interpreting():
+    if xs[0].device.type != "cuda" and not interpreting():
         raise ValueError("megakernel_routed_experts needs CUDA tensors (or TRITON_INTERPRET=1)")
     return ranks, num_tokens, top_k, dim_h, dim_i
 
@@ -245,8 +241,8 @@ def megakernel_routed_experts(
         raise NotImplementedError("megakernel_routed_experts is forward-only (its backward is not written yet): "
                                   "call it under torch.no_grad(), or use [mok] kernels = 'triton' for training")
     ranks, num_tokens, top_k, dim_h, dim_i = _check(xs, weights, ids, shared, expert_weights, num_experts)
-    serialized = _interpreting() if serialized is None else serialized
-    if _interpreting() and not serialized:
+    serialized = interpreting() if serialized is None else serialized
+    if interpreting() and not serialized:
         raise ValueError("megakernel_routed_experts: Triton's interpreter runs programs one at a time, so the "
                          "concurrent launch would spin forever; use serialized=True (or None)")
     if stall_rank is not None and not 0 <= stall_rank < ranks:
