@@ -10,6 +10,9 @@ its bits do not depend on the batch around it or on the EP degree (docs/design.m
 Elementwise transcendentals that sit on a decode/trainer path without a row
 structure run once on a flat tensor padded to a fixed multiple instead
 (``pointwise_padded``: one kernel, no tail).
+fp32 GEMMs on CUDA (the router's logits) run instead as one Triton launch whose
+per-element FMA order is fixed (``row_linear``): invariant by construction, without a
+launch per tile.
 Weight gradients are one GEMM over all rows (deterministic; they are sums over
 the batch, not per-row results).
 
@@ -18,6 +21,8 @@ Legend: M rows, K reduction, N output features.
 
 import torch
 import torch.nn.functional as F
+
+from titan_mok.kernels.row_linear import row_linear_fp32
 
 TILE_M = 64
 """Rows per GEMM tile: every forward and input-gradient product has this M."""
@@ -53,17 +58,25 @@ def tiled_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
     return out_MN[:num_rows]
 
 
+def row_invariant_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+    """``a_MK @ b_KN``, row-batch-invariant: fp32 on CUDA in one Triton launch (kernels/row_linear.py says
+    why), else on row tiles."""
+    if a_MK.is_cuda and a_MK.dtype == torch.float32 and b_KN.dtype == torch.float32:
+        return row_linear_fp32(a_MK, b_KN)
+    return tiled_mm(a_MK, b_KN)
+
+
 class _RowInvariantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x_MK, w_NK)
-        return tiled_mm(x_MK, w_NK.t())
+        return row_invariant_mm(x_MK, w_NK.t())
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
         x_MK, w_NK = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
-        dx_MK = tiled_mm(dy_MN, w_NK) if ctx.needs_input_grad[0] else None
+        dx_MK = row_invariant_mm(dy_MN, w_NK) if ctx.needs_input_grad[0] else None
         dw_NK = torch.mm(dy_MN.t(), x_MK) if ctx.needs_input_grad[1] else None
         return dx_MK, dw_NK
 

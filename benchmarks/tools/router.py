@@ -6,7 +6,7 @@ against 64-row tiles (the CPU path; every device's path before 2026-12-01).
 Per shape (full flavor, top-k routing, the expert bias where the model has one): forward
 (scores → expert choice → combine weights) and forward + backward (fixed cotangents on the
 weights and scores, to the logits); median of ``--iters`` CUDA-event timings after warm-up.
-The logits GEMM is not included (it stays on row tiles: cuBLAS picks its algorithm by M).
+The logits GEMM is not included (kernels/row_linear.py: one row-invariant launch on CUDA).
 """
 
 import argparse
