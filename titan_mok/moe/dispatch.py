@@ -117,6 +117,12 @@ def combine_weight_grads(dout32_TH: torch.Tensor, y_TKH: torch.Tensor) -> torch.
     return map_row_tiles(lambda dout, y: (dout.unsqueeze(1) * y.float()).sum(dim=-1), dout32_TH, y_TKH)
 
 
+def shared_output(shared):
+    """The shared expert's output for the combine: ``shared`` itself (a tensor or None), or what it returns when it
+    is a function (the layer passes one so that the shared expert runs after the routed experts are launched)."""
+    return shared() if callable(shared) else shared
+
+
 class _Dispatch(torch.autograd.Function):
     """dispatch(x_TH, handle): token rows to their experts' ranks, [T, H] → [R, H] grouped by local expert."""
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from titan_mok.kernels.mok_combine import slot_reduce, slot_scale
 from titan_mok.kernels.mok_rows import move_rows
 from titan_mok.kernels.mok_schedule import mok_schedule
-from titan_mok.moe.dispatch import combine_weight_grads
+from titan_mok.moe.dispatch import combine_weight_grads, shared_output
 from titan_mok.moe.workspace import MokWorkspace, get_workspace
 
 
@@ -164,7 +164,7 @@ def fused_routed_experts(
     x_TH: torch.Tensor,
     weights_TK: torch.Tensor,
     topk_idx_TK: torch.Tensor,
-    shared_TH: torch.Tensor | None,
+    shared: torch.Tensor | Callable[[], torch.Tensor] | None,
     group: dist.ProcessGroup | None,
     experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     *,
@@ -175,7 +175,8 @@ def fused_routed_experts(
     """schedule → dispatch → experts → combine; [T, H] → [T, H] in out_dtype (None: x's dtype).
 
     ``experts(x_RH, group_end_L) -> y_RH`` is the layer's routed-experts module (its forward runs
-    the Triton grouped FFN, ``kernels/grouped_ffn.py``, and lets FSDP gather its weights)."""
+    the Triton grouped FFN, ``kernels/grouped_ffn.py``, and lets FSDP gather its weights); ``shared`` the
+    shared expert's output, None, or a function returning it (called after the experts' launch)."""
     handle = build_fused_handle(topk_idx_TK, num_experts, group, x_TH.shape[1], x_TH.dtype, max_rows_per_rank)
     y_RH = experts(fused_dispatch(x_TH, handle), handle.group_end)
-    return fused_combine(y_RH, weights_TK, shared_TH, handle, out_dtype or x_TH.dtype)
+    return fused_combine(y_RH, weights_TK, shared_output(shared), handle, out_dtype or x_TH.dtype)

@@ -13,6 +13,8 @@ zeroes it), ``expert_load [E]`` fp32 (metrics read and zero it),
 ``router.hash_table [V, K]`` int64 (hash-routed layers).
 """
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,7 +26,7 @@ from titan_mok.kernels.mok_combine import ref_slot_reduce
 from titan_mok.kernels.row_tiles import autocast_dtype
 from titan_mok.moe.args import MoEArgs
 from titan_mok.moe.aux_loss import load_balance_aux_loss
-from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch
+from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch, shared_output
 from titan_mok.moe.experts import RoutedExperts, SharedExpert
 from titan_mok.moe.fused import fused_routed_experts
 from titan_mok.moe.router import TopKRouter
@@ -164,20 +166,23 @@ class MoE(nn.Module):
         if bad_ids:
             raise ValueError(f"token_ids_BS must lie in [0, hash_vocab_size = {self.args.hash_vocab_size}) on every rank")
 
-    def routed(self, x_TH, weights_TK, topk_idx_TK, shared_TH, group, out_dtype) -> torch.Tensor:
+    def routed(self, x_TH, weights_TK, topk_idx_TK, shared, group, out_dtype) -> torch.Tensor:
         """Routed experts and combine on given router outputs (the layer's forward past the router
-        and shared expert; the layer benchmark times it alone): y_TH [T, H] in out_dtype."""
+        and shared expert; the layer benchmark times it alone): y_TH [T, H] in out_dtype.
+
+        ``shared``: the shared expert's output [T, H], None, or a function returning it, called once the
+        routed experts are launched: its host time then overlaps their GPU time instead of delaying them."""
         if self.args.backend == "torchtitan":
             y_TKH = routed_torchtitan(self.experts, x_TH, topk_idx_TK)
-            return ref_slot_reduce(y_TKH, weights_TK, shared_TH, out_dtype)
+            return ref_slot_reduce(y_TKH, weights_TK, shared_output(shared), out_dtype)
         if self.args.kernels == "triton":  # fused path over symmetric memory (titan_mok.moe.fused), no host sync
             return fused_routed_experts(
-                x_TH, weights_TK, topk_idx_TK, shared_TH, group, self.experts,
+                x_TH, weights_TK, topk_idx_TK, shared, group, self.experts,
                 num_experts=self.args.num_experts, max_rows_per_rank=self.args.max_rows_per_rank, out_dtype=out_dtype,
             )
         handle = build_dispatch_handle(topk_idx_TK, self.args.num_experts, group, self.args.max_rows_per_rank)
         y_RH = self.experts(dispatch(x_TH, handle), handle.group_end)
-        return combine(y_RH, weights_TK, shared_TH, handle, out_dtype)
+        return combine(y_RH, weights_TK, shared_output(shared), handle, out_dtype)
 
     def forward(self, x_BSH: torch.Tensor, token_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
         """x_BSH [B, S, H] → y_BSH [B, S, H] (same dtype); token_ids_BS only for hash routing."""
@@ -203,8 +208,8 @@ class MoE(nn.Module):
         # Under AMP (TorchTitan's mixed precision without FSDP, e.g. one GPU) the experts compute in
         # autocast's dtype, as nn.Linear would; the combine returns the layer's input dtype.
         x_ffn_TH = x_TH.to(autocast_dtype(x_TH))
-        shared_TH = self.shared_expert(x_ffn_TH) if self.shared_expert is not None else None
-        y_TH = self.routed(x_ffn_TH, weights_TK, topk_idx_TK, shared_TH, group, x_TH.dtype)
+        shared = partial(self.shared_expert, x_ffn_TH) if self.shared_expert is not None else None
+        y_TH = self.routed(x_ffn_TH, weights_TK, topk_idx_TK, shared, group, x_TH.dtype)
         if self.args.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux_loss = load_balance_aux_loss(scores_TE, topk_idx_TK)
             y_TH = attach_loss(y_TH, aux_loss, self.args.aux_loss_coef, "moe_aux")
