@@ -12,6 +12,8 @@ from torchtitan.models.utils import trunc_normal_
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, ref_swiglu
 from titan_mok.kernels.row_tiles import pointwise_padded, row_invariant_linear
 from titan_mok.moe.args import MoEArgs
+from titan_mok.moe.megakernel import MegakernelConfig
+from titan_mok.moe.megakernel_autograd import TokenRouting, megakernel_routed_experts_trainable
 
 
 def local_expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -31,7 +33,9 @@ class RoutedExperts(nn.Module):
     """The E routed SwiGLU experts: ``w_gate, w_up [E, I, H]``, ``w_down [E, H, I]``.
 
     ``forward(x_RH, group_end_L)`` runs the FFN (``titan_mok.kernels.grouped_ffn.grouped_swiglu_ffn``)
-    on rows grouped by this rank's experts. The layer calls it (rather than reading
+    on rows grouped by this rank's experts; ``forward(x_TH, routing=TokenRouting(...))`` (``[mok] kernels =
+    "megakernel"``, one rank) runs the routed experts and the combine on token rows through the megakernel
+    (``titan_mok.moe.megakernel_autograd``). The layer calls it (rather than reading
     the weights itself) so that FSDP's hooks on this module gather the weights.
     Under expert parallelism the weights are DTensors ``Shard(0)`` on the ``ep``
     mesh and ``ep_mesh`` is that mesh (set by the EP strategy).
@@ -52,6 +56,8 @@ class RoutedExperts(nn.Module):
         # each pass quantizes them (a gathered tensor's version does not identify its values;
         # kernels/weight_cache.py)
         self.weights_gathered = False
+        # The megakernel's launch sizes (kernels = "megakernel"); None fields: sized for the device
+        self.megakernel_config = MegakernelConfig()
         # Rows these experts computed on this rank (after dispatch), accumulated: summed over the
         # ranks it equals T·K routed slots exactly when no row was dropped (the metrics check it).
         self.register_buffer("rows_computed", torch.zeros(1, dtype=torch.float32), persistent=False)
@@ -59,8 +65,17 @@ class RoutedExperts(nn.Module):
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return local_expert_weights(self)
 
-    def forward(self, x_RH: torch.Tensor, group_end_L: torch.Tensor) -> torch.Tensor:
-        """Rows grouped by local expert ([R, H], ends [L]) → expert outputs [R, H] in x's dtype."""
+    def forward(self, x: torch.Tensor, group_end_L: torch.Tensor | None = None,
+                routing: TokenRouting | None = None) -> torch.Tensor:
+        """Rows grouped by local expert (x_RH [R, H], ends ``group_end_L`` [L]) → expert outputs [R, H] in x's
+        dtype; or, with ``routing`` instead of ``group_end_L``, token rows x_TH [T, H] → the combined output
+        [T, H] in ``routing.out_dtype`` (the megakernel, one rank)."""
+        if (group_end_L is None) == (routing is None):
+            raise TypeError("RoutedExperts.forward takes grouped rows with group_end_L, or token rows with routing: "
+                            "exactly one of the two")
+        if routing is not None:
+            return self._megakernel(x, routing)
+        x_RH = x
         with torch.no_grad():
             self.rows_computed.add_(group_end_L[-1])  # rows past group_end_L[-1] are padding
         sources = self.local_weights()
@@ -73,6 +88,15 @@ class RoutedExperts(nn.Module):
             precision=self.precision, swiglu_limit=self.swiglu_limit, use_triton=use_triton, weights_owner=owner,
             weight_sources=sources,
         )
+
+    def _megakernel(self, x_TH: torch.Tensor, routing: TokenRouting) -> torch.Tensor:
+        # the megakernel reads contiguous weights in the activations' dtype (under AMP: a cast of the fp32 masters)
+        weights = tuple(w.to(x_TH.dtype).contiguous() for w in self.local_weights())
+        out_TH, group_end_E = megakernel_routed_experts_trainable(
+            x_TH, routing, weights, swiglu_limit=self.swiglu_limit, config=self.megakernel_config)
+        with torch.no_grad():
+            self.rows_computed.add_(group_end_E[-1])
+        return out_TH
 
     def init_weights(self, init_std: float) -> None:
         init_expert_weights(self, init_std)
