@@ -19,19 +19,25 @@ class Mok:
     precision: Literal["bf16", "mxfp8"] = "bf16"
     """Routed-expert GEMM precision. The shared expert is always BF16."""
 
-    kernels: Literal["auto", "reference", "triton"] = "auto"
+    kernels: Literal["auto", "reference", "triton", "megakernel"] = "auto"
     """Implementation of the mok backend. "reference": pure PyTorch, runs
     anywhere. "triton": the symmetric-memory dispatch/combine kernels plus the
-    Triton expert FFN (Hopper, needs a CUDA GPU; no host sync). "auto": the
-    reference dispatch/combine with the Triton expert FFN on SM90+, pure PyTorch
-    elsewhere. Wherever the routed experts run the Triton FFN, a BF16 shared expert
-    runs it too (as one expert holding every token)."""
+    Triton expert FFN (Hopper, needs a CUDA GPU; no host sync). "megakernel": the
+    routed experts' forward as one persistent launch (the MoK megakernel), its
+    backward recomputing the FFN forward and then as "triton" (gradients bitwise
+    "triton"'s); Hopper, one rank (expert_parallel_degree = 1), precision "bf16".
+    "auto": the fastest measured path for the device: "triton" on SM90+ GPUs; the
+    reference dispatch/combine with the Triton expert FFN there when the model sets
+    a receive-buffer capacity (MoEArgs.max_rows_per_rank) and in RL rollouts (token
+    counts differ between calls and ranks); pure PyTorch elsewhere. Wherever the
+    routed experts run the Triton FFN, a BF16 shared expert runs it too (as one
+    expert holding every token)."""
 
 
     def __post_init__(self):
         _check_choice("mok.backend", self.backend, ("mok", "torchtitan"))
         _check_choice("mok.precision", self.precision, ("bf16", "mxfp8"))
-        _check_choice("mok.kernels", self.kernels, ("auto", "reference", "triton"))
+        _check_choice("mok.kernels", self.kernels, ("auto", "reference", "triton", "megakernel"))
 
 
 @dataclass
@@ -178,7 +184,10 @@ class Training:
     (the step's forward is re-run under hooks to find it); no update, so no checkpoint holds
     non-finite weights. "skip": log the same and drop the step's gradients (weights, optimizer
     state and MoE load-balancing biases unchanged; the data and LR schedule move on). "ignore":
-    no check (TorchTitan's behaviour). Non-finite MoE router logits stop the run in every mode."""
+    no check (TorchTitan's behaviour). Non-finite MoE router logits stop the run in every mode where
+    the MoE layer checks them on the host: on the reference schedule ([mok] kernels "reference", and
+    "auto" off Hopper); the host-sync-free paths ("triton", "megakernel", "auto" on Hopper) leave
+    them to this check."""
 
 
 @dataclass

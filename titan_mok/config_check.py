@@ -121,8 +121,16 @@ def check_job(job_config, world_size: int) -> None:
     _check_fault_keys(job_config, world_size)
     if name == registry.BASELINE_MODEL:
         return  # TorchTitan's own model: the [mok] section does not apply to it
-    if job_config.mok.kernels == "triton" and not torch.cuda.is_available():
-        raise ConfigError("[mok] kernels = 'triton' needs a CUDA GPU; use 'reference' or 'auto' on CPU")
+    kernels = job_config.mok.kernels
+    if kernels == "megakernel" and ep > 1:
+        raise ConfigError(f"[mok] kernels = 'megakernel' runs on one rank: real multi-GPU EP for the megakernel is "
+                          f"not wired yet, so [parallelism] expert_parallel_degree = {ep} needs kernels 'triton' or "
+                          "'auto'")
+    if kernels == "megakernel" and job_config.mok.precision != "bf16":
+        raise ConfigError(f"[mok] kernels = 'megakernel' runs precision 'bf16' only, got [mok] precision = "
+                          f"{job_config.mok.precision!r}; use kernels 'triton' or 'auto' for it")
+    if kernels in ("triton", "megakernel") and not torch.cuda.is_available():
+        raise ConfigError(f"[mok] kernels = {kernels!r} needs a CUDA GPU; use 'reference' or 'auto' on CPU")
 
 
 def _check_fault_keys(job_config, world_size: int) -> None:

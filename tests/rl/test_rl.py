@@ -11,13 +11,15 @@ from titan_mok import registry
 from titan_mok.config import Rl
 from titan_mok.data import CharTokenizer
 from titan_mok.models.kimi_k2_7_code import KimiK27CodeModel, kimi_k2_7_code_configs
-from titan_mok.rl.generate import generate, has_kv_cache_step
+from titan_mok.rl.generate import generate, has_kv_cache_step, varying_token_counts
 from titan_mok.rl.grpo import clipped_pg_loss_sum, group_advantages
 from titan_mok.rl.invariant import BatchInvariantMode, invariant_attention
 from titan_mok.rl.reference import ReferencePolicy
 from titan_mok.rl.sampling import sample, sequence_key, token_logprobs
 from titan_mok.rl.tasks import make_prompt, reward
 from titan_mok.config_check import ConfigError, MokConfigManager
+from titan_mok.moe import MoE
+from titan_mok.moe.moe import routed_schedule
 from titan_mok.rl.trainer import ParityError, check_rl_job, completion_logprobs, judge_parity
 
 SEQ_LEN, NEW = 48, 20
@@ -240,7 +242,32 @@ def test_rl_job_checks(monkeypatch):
     check_rl_job(MokConfigManager().parse_args(base))
     with pytest.raises(ConfigError, match=r"\[training\] seq_len = 20 must exceed \[rl\] max_new_tokens = 20"):
         check_rl_job(MokConfigManager().parse_args([*base, "--training.seq_len", "20"]))
-    config = MokConfigManager().parse_args(base)
-    config.mok.kernels = "triton"  # (on CPU the general check rejects it first)
-    with pytest.raises(ConfigError, match=r"\[mok\] kernels = 'triton' is not supported by RL rollouts"):
-        check_rl_job(config)
+    for kernels in ("triton", "megakernel"):
+        config = MokConfigManager().parse_args(base)
+        config.mok.kernels = kernels  # (on CPU the general check rejects it first)
+        with pytest.raises(ConfigError, match=rf"\[mok\] kernels = '{kernels}' is not supported by RL rollouts"):
+            check_rl_job(config)
+
+
+def test_rollouts_keep_auto_on_the_reference_schedule(model, monkeypatch):
+    """Rollout calls change their token count from call to call (and between ranks): inside ``generate`` "auto"
+    does not take the fused path, whose buffers are allocated per count (titan_mok.moe.moe.routed_schedule)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert layers and all(m.fixed_token_count for m in layers)
+    with varying_token_counts(model):
+        assert not any(m.fixed_token_count for m in layers)
+        assert all(routed_schedule("auto", None, True, m.fixed_token_count) == "reference" for m in layers)
+    assert all(m.fixed_token_count for m in layers)
+    seen = []
+
+    def recording(layer):
+        def schedule(x_TH):
+            seen.append(layer.fixed_token_count)
+            return "reference"
+        return schedule
+
+    for layer in layers:
+        monkeypatch.setattr(layer, "_schedule", recording(layer))
+    _rollout(model, [0], new=2)
+    assert seen and not any(seen)
+    assert all(m.fixed_token_count for m in layers)

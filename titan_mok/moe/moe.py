@@ -29,8 +29,13 @@ from titan_mok.moe.aux_loss import load_balance_aux_loss
 from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch, shared_output
 from titan_mok.moe.experts import RoutedExperts, SharedExpert
 from titan_mok.moe.fused import fused_routed_experts
+from titan_mok.moe.megakernel_autograd import TokenRouting
 from titan_mok.moe.router import TopKRouter
 from titan_mok.moe.torchtitan_backend import TorchTitanExperts, routed_torchtitan
+
+
+KERNELS = ("auto", "reference", "triton", "megakernel")
+"""The choices of ``[mok] kernels`` (MoEArgs.kernels)."""
 
 
 def check_moe_args(args: MoEArgs, dim: int) -> None:
@@ -84,22 +89,45 @@ def check_moe_args(args: MoEArgs, dim: int) -> None:
     if args.precision == "mxfp8" and (dim % 32 or args.expert_dim % 32):
         raise ValueError(f"MoEArgs.precision = 'mxfp8' needs dim ({dim}) and expert_dim ({args.expert_dim}) "
                          "to be multiples of 32 (the MXFP8 block)")
-    if args.backend == "torchtitan" and (args.precision != "bf16" or args.kernels == "triton"):
+    if args.backend == "torchtitan" and (args.precision != "bf16" or args.kernels in ("triton", "megakernel")):
         raise ValueError(
             "MoEArgs.backend = 'torchtitan' is TorchTitan's bf16 grouped GEMM baseline: it needs precision 'bf16' "
             f"and kernels 'auto' or 'reference', got precision {args.precision!r}, kernels {args.kernels!r}"
         )
-    if args.kernels not in ("auto", "reference", "triton"):
-        raise ValueError(f"MoEArgs.kernels = {args.kernels!r}; choose 'auto', 'reference' or 'triton'")
-    if args.kernels == "triton" and not has_cuda_capability(9, 0):
-        raise ValueError("MoEArgs.kernels = 'triton' needs a CUDA GPU with compute capability >= 9.0; "
+    if args.kernels not in KERNELS:
+        raise ValueError(f"MoEArgs.kernels = {args.kernels!r}; choose one of {list(KERNELS)}")
+    if args.kernels in ("triton", "megakernel") and not has_cuda_capability(9, 0):
+        raise ValueError(f"MoEArgs.kernels = {args.kernels!r} needs a CUDA GPU with compute capability >= 9.0; "
                          "use 'reference' or 'auto'")
+    if args.kernels == "megakernel" and args.precision != "bf16":
+        raise ValueError(f"MoEArgs.kernels = 'megakernel' runs precision 'bf16' only (the megakernel has no MXFP8 "
+                         f"yet), got precision {args.precision!r}; use kernels 'triton' or 'auto' for it")
+    if args.kernels == "megakernel" and args.max_rows_per_rank is not None:
+        raise ValueError(f"MoEArgs.max_rows_per_rank = {args.max_rows_per_rank} bounds the reference schedule's "
+                         "receive buffer; kernels = 'megakernel' has none (a fixed ring, dropless): set it to None")
 
 
 def routed_experts_on_triton(kernels: str) -> bool:
     """Whether ``[mok] kernels`` runs the experts' Triton FFN (kernels/grouped_ffn.py) here: "triton",
-    or "auto" on Hopper or newer."""
-    return kernels == "triton" or (kernels == "auto" and has_cuda_capability(9, 0))
+    "megakernel", or "auto" on Hopper or newer."""
+    return kernels in ("triton", "megakernel") or (kernels == "auto" and has_cuda_capability(9, 0))
+
+
+def routed_schedule(kernels: str, max_rows_per_rank: int | None, hopper_tensors: bool, fixed_token_count: bool) -> str:
+    """How a call's rows reach the experts and come back: "reference" (``titan_mok.moe.dispatch``: host-known
+    counts, ``all_to_all_single``), "fused" (``titan_mok.moe.fused``: symmetric memory, no host sync) or
+    "megakernel" (``titan_mok.moe.megakernel_autograd``).
+
+    "auto" takes the fastest measured path: "fused" (the ``"triton"`` kernels) for CUDA tensors on SM90+
+    (``hopper_tensors``), since it beat the reference schedule with the Triton FFN in every shape measured,
+    forward and backward; but "reference" where the fused path cannot run: with ``max_rows_per_rank`` set (the
+    fused buffers are sized for the worst case), or when the token count may change between calls or differ
+    between EP ranks (``fixed_token_count`` False: RL rollouts; the fused buffers are allocated per count,
+    collectively). Elsewhere (CPU tensors, older GPUs) "reference"."""
+    if kernels == "auto":
+        fused = hopper_tensors and max_rows_per_rank is None and fixed_token_count
+        return "fused" if fused else "reference"
+    return {"reference": "reference", "triton": "fused", "megakernel": "megakernel"}[kernels]
 
 
 class MoE(nn.Module):
@@ -111,6 +139,9 @@ class MoE(nn.Module):
         # The experts' FFN (kernels/grouped_ffn.py): Triton kernels on Hopper under "auto" (routed and,
         # in BF16, shared).
         self.use_triton = routed_experts_on_triton(args.kernels)
+        # Whether every call has the same token count, on every EP rank (training); RL rollouts clear it
+        # (titan_mok.rl.trainer), so that "auto" keeps the reference schedule there (routed_schedule).
+        self.fixed_token_count = True
         self.router = TopKRouter(args, dim)
         if args.backend == "mok":
             self.experts = RoutedExperts(dim, args, self.use_triton)
@@ -166,6 +197,11 @@ class MoE(nn.Module):
         if bad_ids:
             raise ValueError(f"token_ids_BS must lie in [0, hash_vocab_size = {self.args.hash_vocab_size}) on every rank")
 
+    def _schedule(self, x_TH: torch.Tensor) -> str:
+        """This call's routed path (routed_schedule): "reference", "fused" or "megakernel"."""
+        return routed_schedule(self.args.kernels, self.args.max_rows_per_rank, self.use_triton and x_TH.is_cuda,
+                               self.fixed_token_count)
+
     def routed(self, x_TH, weights_TK, topk_idx_TK, shared, group, out_dtype) -> torch.Tensor:
         """Routed experts and combine on given router outputs (the layer's forward past the router
         and shared expert; the layer benchmark times it alone): y_TH [T, H] in out_dtype.
@@ -175,11 +211,23 @@ class MoE(nn.Module):
         if self.args.backend == "torchtitan":
             y_TKH = routed_torchtitan(self.experts, x_TH, topk_idx_TK)
             return ref_slot_reduce(y_TKH, weights_TK, shared_output(shared), out_dtype)
-        if self.args.kernels == "triton":  # fused path over symmetric memory (titan_mok.moe.fused), no host sync
+        schedule = self._schedule(x_TH)
+        if schedule == "fused":  # symmetric memory (titan_mok.moe.fused), no host sync
             return fused_routed_experts(
                 x_TH, weights_TK, topk_idx_TK, shared, group, self.experts,
                 num_experts=self.args.num_experts, max_rows_per_rank=self.args.max_rows_per_rank, out_dtype=out_dtype,
             )
+        if schedule == "megakernel":
+            if group is not None:
+                raise ValueError(
+                    "[mok] kernels = 'megakernel' runs on one rank (EP degree 1), but this layer is expert-parallel: "
+                    "real multi-GPU EP for the megakernel is not wired yet; use kernels = 'triton' or 'auto' under "
+                    "expert parallelism"
+                )
+            # called as the experts module, so that FSDP's hooks gather its weights; the shared output goes into
+            # the megakernel's finish, so the shared expert runs before the launch
+            routing = TokenRouting(weights_TK, topk_idx_TK, shared_output(shared), out_dtype)
+            return self.experts(x_TH, routing=routing)
         handle = build_dispatch_handle(topk_idx_TK, self.args.num_experts, group, self.args.max_rows_per_rank)
         y_RH = self.experts(dispatch(x_TH, handle), handle.group_end)
         return combine(y_RH, weights_TK, shared_output(shared), handle, out_dtype)
@@ -193,7 +241,8 @@ class MoE(nn.Module):
         expert_bias_E = self.expert_bias if self.args.use_expert_bias else None
         group = self._ep_group()
         logits_TE = self.router.logits(x_TH)
-        if self.args.kernels != "triton":  # the fused path does not sync with the host (ids checked on device)
+        if self.args.backend == "torchtitan" or self._schedule(x_TH) == "reference":
+            # the fused path and the megakernel do not sync with the host (ids checked on device)
             self._check_data_all_ranks(logits_TE, token_ids_T, group)
         weights_TK, topk_idx_TK, scores_TE = self.router(logits_TE, expert_bias_E, token_ids_T)
 

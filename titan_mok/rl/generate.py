@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titan_mok.moe import MoE
 from titan_mok.rl import cached_dsv4, cached_mla, cached_qwen
 from titan_mok.rl.kv_cache import Positions
 from titan_mok.rl.sampling import sample
@@ -105,6 +106,21 @@ class RecomputeDecoder:
         return self._logits_at(pos_B)
 
 
+@contextmanager
+def varying_token_counts(model: torch.nn.Module):
+    """Rollout forwards: prefills of each rank's own length, then decode steps; so kernels = "auto" keeps
+    the MoE layers on the reference schedule, whose buffers follow each call's counts (the fused path's
+    are allocated per token count, collectively: ``titan_mok.moe.moe.routed_schedule``)."""
+    saved = [(m, m.fixed_token_count) for m in model.modules() if isinstance(m, MoE)]
+    for module, _ in saved:
+        module.fixed_token_count = False
+    try:
+        yield
+    finally:
+        for module, fixed in saved:
+            module.fixed_token_count = fixed
+
+
 @dataclass
 class Rollout:
     tokens_BS: torch.Tensor
@@ -163,7 +179,7 @@ def generate(
     done_B = torch.zeros(bsz, dtype=torch.bool, device=device)
 
     decoder = (CachedDecoder if has_kv_cache_step(model) else RecomputeDecoder)(model, tokens_BS)
-    with decoder.running():
+    with decoder.running(), varying_token_counts(model):
         logits_BV = decoder.prefill(prompt_len_B, max(len(p) for p in prompts))
         for t in range(max_new_tokens):
             token_B, logprob_B = sample(logits_BV, keys_B, t, temperature, top_p)

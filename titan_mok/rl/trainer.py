@@ -65,10 +65,11 @@ def check_rl_job(job_config) -> None:
             f"[training] seq_len = {job_config.training.seq_len} must exceed [rl] max_new_tokens = "
             f"{job_config.rl.max_new_tokens} (it holds prompt + completion)"
         )
-    if job_config.mok.kernels == "triton":
+    if job_config.mok.kernels in ("triton", "megakernel"):
         # The symmetric-memory path needs the same token count on every EP rank; each rank's
-        # rollout prefill has its own prompt length.
-        raise ConfigError("[mok] kernels = 'triton' is not supported by RL rollouts; use 'reference' or 'auto'")
+        # rollout prefill has its own prompt length. The megakernel's workspace is per token count.
+        raise ConfigError(f"[mok] kernels = {job_config.mok.kernels!r} is not supported by RL rollouts; "
+                          "use 'reference' or 'auto'")
 
 
 @contextmanager

@@ -1,0 +1,180 @@
+"""``[mok] kernels = "megakernel"`` in the MoE layer, on CPU (Triton's interpreter, the megakernel's serialized
+mode), against ``kernels = "triton"`` (the fused path, which runs on CPU at one rank): the layer's output, its input
+gradient and every parameter's gradient, bit for bit (torch.equal); with activation checkpointing, with layers
+sharing the megakernel's workspace, run to run; the errors for what the megakernel does not run; and which path
+``kernels = "auto"`` takes. On a GPU: test_mok_megakernel_layer_gpu.py.
+
+Hopper is required by both kernels' build-time check; these tests lift it (``has_cuda_capability``) since the
+interpreter runs the same kernels here.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from titan_mok.moe import MoE, MoEArgs
+from titan_mok.moe import megakernel as mk
+from titan_mok.moe import moe as moe_module
+from titan_mok.moe.moe import routed_schedule
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's serialized "
+                                 "megakernel on CPU tensors; on a GPU see test_mok_megakernel_layer_gpu.py")
+H, I, E, K, T = 64, 32, 8, 2, 16
+CASES = {
+    # bf16 parameters; sigmoid scores with the expert bias, an ungated shared expert (bf16 output)
+    "bf16": dict(dtype=torch.bfloat16, amp=False, args=dict(route_scale=2.5)),
+    # fp32 master weights under autocast (one GPU's AMP); softmax scores, a gated shared expert (fp32 output),
+    # DeepSeek-V4's SwiGLU clamp on the routed and shared experts
+    "amp_gated_clamped": dict(dtype=torch.float32, amp=True, args=dict(
+        score_func="softmax", use_expert_bias=False, load_balance_coeff=None, shared_expert_gate=True,
+        swiglu_limit=0.3, shared_expert_swiglu_limit=0.3)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _hopper(monkeypatch):
+    monkeypatch.setattr(moe_module, "has_cuda_capability", lambda major, minor: True)
+
+
+def _layer(kernels: str, case: str = "bf16", seed: int = 0, **overrides) -> MoE:
+    spec = CASES[case]
+    args = MoEArgs(num_experts=E, top_k=K, expert_dim=I, shared_expert_dim=32, kernels=kernels,
+                   **{**spec["args"], **overrides})
+    torch.manual_seed(seed)
+    moe = MoE(args, H)
+    moe.init_weights(0.1, torch.device("cpu"))
+    with torch.no_grad():  # weights large enough that routing and the clamps matter
+        for p in moe.parameters():
+            p.normal_(0, 0.2)
+        moe.expert_bias.normal_(0, 0.1)
+    return moe.to(spec["dtype"])
+
+
+def _inputs(case: str = "bf16", seed: int = 1, tokens: int = T):
+    g = torch.Generator().manual_seed(seed)
+    dtype = CASES[case]["dtype"]
+    return (torch.randn(1, tokens, H, generator=g).to(dtype), torch.randn(1, tokens, H, generator=g).to(dtype))
+
+
+def _run(layers, x, dy, case: str = "bf16", checkpointed: bool = False):
+    """Output, input gradient and every parameter's gradient (by layer index and name) of the layers in sequence."""
+    xs = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=CASES[case]["amp"]):
+        y = xs
+        for layer in layers:
+            y = checkpoint(layer, y, use_reentrant=False) if checkpointed else layer(y)
+    y.backward(dy)
+    grads = {(i, n): p.grad.clone() for i, layer in enumerate(layers) for n, p in layer.named_parameters()
+             if p.grad is not None}
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    return y.detach(), xs.grad, grads
+
+
+def _assert_bitwise(got, want):
+    (y, dx, grads), (y_want, dx_want, grads_want) = got, want
+    assert torch.equal(y, y_want), "output"
+    assert torch.equal(dx, dx_want), "input gradient"
+    assert grads.keys() == grads_want.keys()
+    assert any(name == "experts.w_down" for _, name in grads)  # the routed experts got gradients
+    for key in grads_want:
+        assert torch.equal(grads[key], grads_want[key]), f"gradient of {key}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@interpreted
+def test_forward_and_every_gradient_equal_the_triton_path(case):
+    x, dy = _inputs(case)
+    triton_layer, mega_layer = _layer("triton", case), _layer("megakernel", case)
+    want = _run([triton_layer], x, dy, case)
+    got = _run([mega_layer], x, dy, case)
+    _assert_bitwise(got, want)
+    assert got[0].dtype == CASES[case]["dtype"]
+    # the metrics' dropless check: the experts computed every routed slot (T·K rows), as on the fused path
+    assert mega_layer.experts.rows_computed.item() == triton_layer.experts.rows_computed.item() == T * K
+    assert torch.equal(mega_layer.tokens_per_expert, triton_layer.tokens_per_expert)
+    _assert_bitwise(_run([mega_layer], x, dy, case), got)  # run to run
+
+
+@interpreted
+def test_activation_checkpointing_and_layers_sharing_the_workspace():
+    """Two layers of one shape (one megakernel workspace), each recomputed in the backward (non-reentrant
+    checkpointing, as TorchTitan's apply_ac): the gradients of both equal the triton path's without checkpointing."""
+    x, dy = _inputs(seed=2)
+    want = _run([_layer("triton", seed=3), _layer("triton", seed=4)], x, dy)
+    mega = [_layer("megakernel", seed=3), _layer("megakernel", seed=4)]
+    _assert_bitwise(_run(mega, x, dy, checkpointed=True), want)
+    _assert_bitwise(_run(mega, x, dy), want)
+
+
+@interpreted
+def test_backward_reads_nothing_from_the_workspace():
+    """The workspace is every same-shaped layer's: overwritten with NaN between the forward and the backward, the
+    gradients are still the triton path's."""
+    x, dy = _inputs(seed=5)
+    want = _run([_layer("triton")], x, dy)
+    layer = _layer("megakernel")
+    xs = x.clone().requires_grad_()
+    y = layer(xs)
+    assert mk._WORKSPACES
+    with torch.no_grad():
+        for ws in mk._WORKSPACES.values():
+            for buf in (ws.bufs.ring_VQMH, ws.bufs.h_VCMI, *ws.symmetric["x_TH"], *ws.symmetric["slots_NH"]):
+                buf.fill_(float("nan"))
+    y.backward(dy)
+    grads = {(0, n): p.grad for n, p in layer.named_parameters() if p.grad is not None}
+    _assert_bitwise((y.detach(), xs.grad, grads), want)
+
+
+def test_what_the_megakernel_does_not_run_is_refused(one_rank_gloo):
+    with pytest.raises(ValueError, match="kernels = 'megakernel' runs precision 'bf16' only.*got precision 'mxfp8'"):
+        MoE(MoEArgs(num_experts=E, expert_dim=I, kernels="megakernel", precision="mxfp8"), H)
+    with pytest.raises(ValueError, match="max_rows_per_rank = 10 bounds the reference schedule's receive buffer"):
+        MoE(MoEArgs(num_experts=E, expert_dim=I, kernels="megakernel", max_rows_per_rank=10), H)
+    with pytest.raises(ValueError, match="TorchTitan's bf16 grouped GEMM baseline.*kernels 'megakernel'"):
+        MoE(MoEArgs(num_experts=E, expert_dim=I, kernels="megakernel", backend="torchtitan"), H)
+    with pytest.raises(ValueError, match=r"MoEArgs.kernels = 'fused'; choose one of \['auto', 'reference', "
+                                         r"'triton', 'megakernel'\]"):
+        MoE(MoEArgs(kernels="fused"), H)
+    # an expert-parallel group (here the 1-rank group handed over as the layer's EP group)
+    layer = _layer("megakernel")
+    x_TH = torch.randn(T, H).to(torch.bfloat16)
+    weights_TK, ids_TK = torch.rand(T, K), torch.randint(E, (T, K))
+    with pytest.raises(ValueError, match=r"\[mok\] kernels = 'megakernel' runs on one rank \(EP degree 1\).*"
+                                         "real multi-GPU EP for the megakernel is not wired yet"):
+        layer.routed(x_TH, weights_TK, ids_TK, None, dist.group.WORLD, torch.bfloat16)
+    # fp32 activations (no AMP): the megakernel runs bf16
+    with pytest.raises(ValueError, match="x_TH of rank 0 must be .* torch.bfloat16"):
+        _layer("megakernel", "amp_gated_clamped")(torch.randn(1, T, H))
+
+
+def test_megakernel_needs_hopper_without_the_interpreter(monkeypatch):
+    monkeypatch.setattr(moe_module, "has_cuda_capability", lambda major, minor: False)
+    with pytest.raises(ValueError, match="kernels = 'megakernel' needs a CUDA GPU with compute capability >= 9.0"):
+        MoE(MoEArgs(kernels="megakernel"), H)
+
+
+@pytest.mark.parametrize("kernels, max_rows, hopper_tensors, fixed, want", [
+    ("auto", None, True, True, "fused"),  # Hopper: the fastest measured path
+    ("auto", 100, True, True, "reference"),  # a capacity: the fused buffers are the worst case
+    ("auto", None, True, False, "reference"),  # token counts vary (RL rollouts)
+    ("auto", None, False, True, "reference"),  # CPU tensors or an older GPU
+    ("reference", None, True, True, "reference"),
+    ("triton", None, False, True, "fused"),
+    ("megakernel", None, True, True, "megakernel"),
+])
+def test_auto_takes_the_fused_path_where_it_can_run(kernels, max_rows, hopper_tensors, fixed, want):
+    assert routed_schedule(kernels, max_rows, hopper_tensors, fixed) == want
+
+
+def test_auto_on_cpu_tensors_is_the_reference_and_checks_router_logits():
+    """A Hopper machine's "auto" layer on CPU tensors: the reference schedule, with its host check of the logits."""
+    layer = _layer("auto")
+    x, _ = _inputs()
+    assert layer.use_triton and layer._schedule(x[0]) == "reference"
+    x[0, 3, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="NaN or Inf"):
+        layer(x)
