@@ -151,11 +151,11 @@ def test_titan_and_reference_compute_the_same_layer(shape, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_full_kimi_layer_on_gpu(tmp_path):
     out = tmp_path / "rows.jsonl"
-    proc = _bench("--shape", "kimi_k2_7_code", "--impl", "titan,auto,triton", "--precision", "bf16",
+    proc = _bench("--shape", "kimi_k2_7_code", "--impl", "titan,auto,triton,megakernel", "--precision", "bf16",
                   "--json", str(out), timeout=1200)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = {r["impl"]: r for r in _rows(out)}
-    assert set(rows) == {"titan", "auto", "triton"}
+    assert set(rows) == {"titan", "auto", "triton", "megakernel"}
     for row in rows.values():
         _check_measured(row, rows["titan"])
         assert row["dtype"] == "bfloat16" and row["peak_mem_gib"] > 0

@@ -219,10 +219,13 @@ IMPLS = {
                   build_titan, routed_titan, ("bf16",)),
     "reference": Impl("titan-mok MoE, backend mok, kernels reference (pure PyTorch)",
                       partial(build_mok, backend="mok", kernels="reference"), routed_mok),
-    "auto": Impl("titan-mok MoE, backend mok, kernels auto (reference dispatch/combine, Triton FFN on SM90+)",
+    "auto": Impl("titan-mok MoE, backend mok, kernels auto (the fused path on SM90+ CUDA, else the reference)",
                  partial(build_mok, backend="mok", kernels="auto"), routed_mok),
     "triton": Impl("titan-mok MoE, backend mok, kernels triton (the fused path over symmetric memory; SM90+)",
                    partial(build_mok, backend="mok", kernels="triton"), routed_mok),
+    "megakernel": Impl("titan-mok MoE, backend mok, kernels megakernel (the forward megakernel; its backward "
+                       "recomputes the FFN, then as triton; SM90+, EP 1)",
+                       partial(build_mok, backend="mok", kernels="megakernel"), routed_mok, ("bf16",)),
     "mok_tt": Impl("titan-mok router/shared/combine + TorchTitan grouped experts: the A/B where only the "
                    "routed path differs (titan-mok MoE, backend torchtitan)",
                    partial(build_mok, backend="torchtitan", kernels="auto"), routed_mok, ("bf16",)),
