@@ -16,10 +16,10 @@ launch (per token, wait for its K rows, then the ordered fp32 reduction with the
 The workspace of a (device, P, T, K, H, I, config) is allocated at its first call and reused; its flags
 are never reset between calls (per-call epochs).
 
-Not here: the backward (an input that requires grad raises NotImplementedError), MXFP8, the shared expert
-inside the launch (``shared_TH`` is an input, computed by the caller as in the fused path), real
-multi-GPU ranks (the same kernel with symmetric-memory peer tables: one hosted rank per launch), and the
-``[mok] kernels`` setting (training needs the backward).
+Not here: the backward (an input that requires grad raises NotImplementedError; ``[mok] kernels = "megakernel"``
+trains through ``titan_mok.moe.megakernel_autograd``, whose backward recomputes the FFN), MXFP8, the shared expert
+inside the launch (``shared_TH`` is an input, computed by the caller as in the fused path), and real
+multi-GPU ranks (the same kernel with symmetric-memory peer tables: one hosted rank per launch).
 """
 
 from dataclasses import dataclass, replace
