@@ -99,6 +99,28 @@ def test_forward_and_every_gradient_equal_the_triton_path(case):
     _assert_bitwise(_run([mega_layer], x, dy, case), got)  # run to run
 
 
+@pytest.mark.parametrize("frozen", ["input", "experts", "experts_and_input"])
+@interpreted
+def test_gradients_of_what_requires_them(frozen):
+    """An input or expert weights without requires_grad: the other gradients are still the triton path's."""
+    x, dy = _inputs(seed=6)
+    results = []
+    for kernels in ("triton", "megakernel"):
+        layer = _layer(kernels)
+        if "experts" in frozen:
+            layer.experts.requires_grad_(False)
+        xs = x.clone().requires_grad_("input" not in frozen)
+        y = layer(xs)
+        y.backward(dy)
+        grads = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+        results.append((y.detach(), xs.grad, grads))
+    (y_want, dx_want, grads_want), (y, dx, grads) = results
+    assert torch.equal(y, y_want) and (dx is None) == (dx_want is None) == ("input" in frozen)
+    assert dx is None or torch.equal(dx, dx_want)
+    assert grads.keys() == grads_want.keys() and ("experts.w_gate" in grads) == ("experts" not in frozen)
+    assert all(torch.equal(grads[n], grads_want[n]) for n in grads_want)
+
+
 @interpreted
 def test_activation_checkpointing_and_layers_sharing_the_workspace():
     """Two layers of one shape (one megakernel workspace), each recomputed in the backward (non-reentrant

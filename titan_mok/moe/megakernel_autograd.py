@@ -66,35 +66,39 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
     def backward(ctx, dout_TH):
         x_TH, weights_TK, w_gate_EIH, w_up_EIH, w_down_EHI, group_end_E, row_slot_N = ctx.saved_tensors
         needs_dx, needs_dweights, _, *needs_dw = ctx.needs_input_grad[:6]
+        ffn_needs = [needs_dx, *needs_dw]  # through the FFN: its rows, w_gate, w_up, w_down
         num_tokens, top_k = weights_TK.shape
         dout_TH = dout_TH.contiguous()
-        rows_of_slots_N = _inverse_permutation(row_slot_N)
-        dweights_TK = dx_TH = None
-        dw = [None, None, None]
-        if needs_dweights or needs_dx or any(needs_dw):
-            ffn_grads = [needs_dx, *needs_dw]
-            with torch.enable_grad():
-                # grouped row i is token row_slot[i] // K (the fused path's pull)
-                x_RH = x_TH.detach().index_select(0, row_slot_N // top_k).requires_grad_(needs_dx)
-                weights = [w.detach().requires_grad_(need) for w, need in zip((w_gate_EIH, w_up_EIH, w_down_EHI),
-                                                                                needs_dw)]
-                y_RH = grouped_swiglu_ffn(x_RH, group_end_E, *weights, swiglu_limit=ctx.swiglu_limit,
-                                          use_triton=True)
-            if needs_dweights:  # <dY[t], row[t, j]> in fp32, as the fused combine's backward
-                y_TKH = y_RH.detach().index_select(0, rows_of_slots_N).view(num_tokens, top_k, -1)
-                dweights_TK = combine_weight_grads(dout_TH.float(), y_TKH)
-            if any(ffn_grads):
-                dy_TKH = dout_TH.new_empty(num_tokens, top_k, dout_TH.shape[1], dtype=x_TH.dtype)
-                slot_scale(weights_TK.contiguous(), dout_TH, dy_TKH)  # w·dY per (token, slot)
-                dy_RH = dy_TKH.view(num_tokens * top_k, -1).index_select(0, row_slot_N)
-                inputs = [t for t, need in zip((x_RH, *weights), ffn_grads) if need]
-                grads = iter(torch.autograd.grad(y_RH, inputs, dy_RH))
-                dx_RH, *dw = (next(grads) if need else None for need in ffn_grads)
-                if needs_dx:  # each row's gradient to its (token, slot), then the ordered sum over slots
-                    dx_TKH = dx_RH.index_select(0, rows_of_slots_N).view(num_tokens, top_k, -1)
-                    dx_TH = slot_reduce(dx_TKH, None, None, x_TH.dtype)
         dshared_TH = None if ctx.shared_dtype is None else dout_TH.to(ctx.shared_dtype)
-        return dx_TH, dweights_TK, dshared_TH, *dw, None, None, None, None, None, None
+        unused = (None,) * 6  # topk_idx, group_end, row_slot, swiglu_limit, out_dtype, config
+        if not (needs_dweights or any(ffn_needs)):
+            return None, None, dshared_TH, None, None, None, *unused
+        rows_of_slots_N = _inverse_permutation(row_slot_N)
+
+        def to_slots(rows_NH):  # grouped rows → [T, K, H] by (token, slot): the fused path's push
+            return rows_NH.index_select(0, rows_of_slots_N).view(num_tokens, top_k, -1)
+
+        with torch.enable_grad():
+            # grouped row i is token row_slot[i] // K (the fused path's pull)
+            x_RH = x_TH.detach().index_select(0, row_slot_N // top_k).requires_grad_(needs_dx)
+            weights = [w.detach().requires_grad_(need) for w, need in zip((w_gate_EIH, w_up_EIH, w_down_EHI),
+                                                                            needs_dw)]
+            y_RH = grouped_swiglu_ffn(x_RH, group_end_E, *weights, swiglu_limit=ctx.swiglu_limit, use_triton=True)
+        # <dY[t], row[t, j]> in fp32, as the fused combine's backward
+        dweights_TK = combine_weight_grads(dout_TH.float(), to_slots(y_RH.detach())) if needs_dweights else None
+        grads = [None] * 4
+        if any(ffn_needs):
+            dy_TKH = dout_TH.new_empty(num_tokens, top_k, dout_TH.shape[1], dtype=x_TH.dtype)
+            slot_scale(weights_TK.contiguous(), dout_TH, dy_TKH)  # w·dY per (token, slot)
+            dy_RH = dy_TKH.view(num_tokens * top_k, -1).index_select(0, row_slot_N)
+            del dy_TKH
+            inputs = [t for t, need in zip((x_RH, *weights), ffn_needs) if need]
+            computed = iter(torch.autograd.grad(y_RH, inputs, dy_RH))
+            grads = [next(computed) if need else None for need in ffn_needs]
+        dx_RH, *dw = grads
+        # each row's gradient to its (token, slot), then the sum over slots in ascending order, in fp32
+        dx_TH = slot_reduce(to_slots(dx_RH), None, None, x_TH.dtype) if needs_dx else None
+        return dx_TH, dweights_TK, dshared_TH, *dw, *unused
 
 
 def _inverse_permutation(row_slot_N: torch.Tensor) -> torch.Tensor:
