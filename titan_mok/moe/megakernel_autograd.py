@@ -1,8 +1,8 @@
 """``[mok] kernels = "megakernel"``: the routed experts' forward through the MoK megakernel
 (``titan_mok.moe.megakernel.megakernel_routed_experts``, one rank), with a backward, so that it trains.
 
-Legend: T tokens, K top-k, N = T·K slots (= rows: one rank, every slot is one expert row), H hidden,
-I expert FFN size, E experts.
+Legend: T tokens, K top-k, N = T·K slots, R = N rows grouped by expert (one rank: every slot is one row),
+H hidden, I expert FFN size, E experts.
 
 Forward: ``out[t] = cast(shared[t] + Σ_j w[t,j]·expert_{e[t,j]}(x[t]))``, the megakernel's one persistent
 launch plus its finish, bitwise the ``"triton"`` path's (``titan_mok.moe.fused``) output. Beside it, the
