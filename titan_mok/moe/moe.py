@@ -224,10 +224,14 @@ class MoE(nn.Module):
                     "real multi-GPU EP for the megakernel is not wired yet; use kernels = 'triton' or 'auto' under "
                     "expert parallelism"
                 )
-            # called as the experts module, so that FSDP's hooks gather its weights; the shared output goes into
-            # the megakernel's finish, so the shared expert runs before the launch
+            # x's gradient is a sum over its consumers, in the order the autograd engine reaches them: later nodes
+            # first. On the fused path the dispatch node precedes the shared expert's; the shared output goes into
+            # the megakernel's finish, so the shared expert runs first here, and this view, made before it, keeps
+            # the routed experts' gradient reaching x after the shared expert's: the same sum, bit for bit.
+            x_rows_TH = x_TH.view_as(x_TH)
             routing = TokenRouting(weights_TK, topk_idx_TK, shared_output(shared), out_dtype)
-            return self.experts(x_TH, routing=routing)
+            # called as the experts module, so that FSDP's hooks gather its weights
+            return self.experts(x_rows_TH, routing=routing)
         handle = build_dispatch_handle(topk_idx_TK, self.args.num_experts, group, self.args.max_rows_per_rank)
         y_RH = self.experts(dispatch(x_TH, handle), handle.group_end)
         return combine(y_RH, weights_TK, shared_output(shared), handle, out_dtype)
