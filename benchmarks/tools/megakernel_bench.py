@@ -1,6 +1,7 @@
 """The MoK forward megakernel against today's triton path, routed experts' forward only, one GPU.
 
     python3 benchmarks/tools/megakernel_bench.py [--tokens 2048] [--ranks 1 2 4 8] [--experts 384] [--iters 30]
+        [--comm-programs C] [--group-tiles G] [--lag LAG] [--ring-tiles Q] [--num-stages S]
 
 Legend: P virtual ranks, T tokens per rank, K top-k, H hidden, I expert FFN size, E experts (all on this GPU).
 
@@ -12,7 +13,8 @@ of --iters after warm-up:
 - mega P=P: the megakernel at virtual EP = P, T tokens per rank (the protocol's cost against P=1: flags,
   per-rank rings and schedules, the programs split among ranks).
 Each megakernel output is checked bitwise against the triton path's first. Default shape: Kimi K2.7 Code's
-experts (H 7168, I 2048, E 384, K 8).
+experts (H 7168, I 2048, E 384, K 8). The last columns: the P=P launch's programs per rank, its item order (tiles per
+group, lag in groups) and its ring per rank.
 """
 
 import argparse
@@ -51,6 +53,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--comm-programs", type=int, default=None, help="per rank (default: the config's)")
     parser.add_argument("--ring-tiles", type=int, default=None, help="per rank (default: the config's)")
+    parser.add_argument("--group-tiles", type=int, default=MegakernelConfig.group_tiles, help="tiles per item step")
+    parser.add_argument("--lag", type=int, default=MegakernelConfig.lag, help="groups A items run ahead of B items")
+    parser.add_argument("--num-stages", type=int, default=MegakernelConfig.num_stages, help="GEMM pipeline depth")
     opts = parser.parse_args()
     dim_h, dim_i, num_experts, top_k = opts.hidden, opts.expert_dim, opts.experts, opts.top_k
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -58,11 +63,12 @@ def main() -> None:
     expert_weights = tuple((torch.randn(*shape, generator=g, **bf16) * 0.02).contiguous()
                            for shape in ((num_experts, dim_i, dim_h), (num_experts, dim_i, dim_h),
                                          (num_experts, dim_h, dim_i)))
-    config = MegakernelConfig(comm_programs=opts.comm_programs, ring_tiles=opts.ring_tiles)
+    config = MegakernelConfig(comm_programs=opts.comm_programs, ring_tiles=opts.ring_tiles,
+                              group_tiles=opts.group_tiles, lag=opts.lag, num_stages=opts.num_stages)
     print(f"{torch.cuda.get_device_name()}, H {dim_h}, I {dim_i}, E {num_experts}, K {top_k}, T {opts.tokens} per "
           f"rank; ms, median of {opts.iters}")
     print(f"{'P':>2} {'tokens':>7} {'triton':>8} {'mega P=1':>9} {'mega P=P':>9} {'P=P/triton':>10} "
-          f"{'P=P/P=1':>8}  programs/rank (comm+compute), ring")
+          f"{'P=P/P=1':>8}  programs/rank (comm+compute), group x lag, ring/rank")
     for ranks in opts.ranks:
         tokens = ranks * opts.tokens
         x_TH = torch.randn(tokens, dim_h, generator=g, **bf16)
@@ -91,10 +97,10 @@ def main() -> None:
                 row.append(time_ms(lambda: mega(parts), opts.iters))
             row += row[-1:] * (3 - len(row))  # P = 1: one megakernel run
         ws = [w for key, w in _WORKSPACES.items() if key[1:3] == (ranks, opts.tokens)][-1]
-        ring_mb = ws.bufs.ring_VQMH.numel() * 2 / 1e6
+        ring_mb = (ws.bufs.ring_VQMH[0].numel() + ws.bufs.h_VQMI[0].numel()) * 2 / 1e6
         print(f"{ranks:2} {tokens:7} {row[0]:8.3f} {row[1]:9.3f} {row[2]:9.3f} {row[2] / row[0]:10.3f} "
               f"{row[2] / row[1]:8.3f}  {ws.shape.comm_programs}+{ws.shape.compute_programs}, "
-              f"{ws.bufs.ring_tiles} tiles ({ring_mb:.0f} MB)")
+              f"{ws.shape.group_tiles} x {ws.shape.lag}, {ws.bufs.ring_tiles} tiles ({ring_mb:.0f} MB)")
         _WORKSPACES.clear()  # free this P's buffers before the next
         torch.cuda.empty_cache()
 

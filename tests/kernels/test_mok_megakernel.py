@@ -1,5 +1,6 @@
 """The MoK forward megakernel (kernels/mok_megakernel.py via titan_mok.moe.megakernel) on CPU, in Triton's
-interpreter, serialized (publish, then per ring round: pull, compute; waits are assertions), at virtual EP.
+interpreter, serialized (publish, then per ring round: pull, gate/up items, down items; waits are assertions), at
+virtual EP. Also the item order the kernel decodes, and the per-tile counters phase by phase.
 
 The bits it must give: today's triton path on the same rows, i.e. the reference backend's dispatch, the Triton
 grouped FFN (``grouped_swiglu_ffn(use_triton=True)``, in the interpreter too) and the reference combine (the
@@ -8,16 +9,30 @@ tokens at once. So each test also holds a token's output independent of P and of
 torch.equal. GPU (the concurrent launch): test_mok_megakernel_gpu.py.
 """
 
+import functools
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tests.torchrun import REPO
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
-from titan_mok.kernels.mok_megakernel import MAX_EPOCH, programs_per_sm
+from titan_mok.kernels.mok_megakernel import (
+    MAX_EPOCH,
+    PHASE_COMM,
+    PHASE_DOWN,
+    PHASE_GATE_UP,
+    PHASE_PUBLISH,
+    _item,
+    megakernel_phase,
+    programs_per_sm,
+    read_error,
+)
 from titan_mok.moe import megakernel as mk
 from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch
 from titan_mok.moe.megakernel import MegakernelConfig, megakernel_routed_experts, raise_on_megakernel_error
@@ -27,7 +42,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the interpreter's serialized mode; on a GPU see test_mok_megakernel_gpu.py")
 T, K, E, I = 16, 2, 8, 64
-SMALL = MegakernelConfig(comm_programs=1, compute_programs=2, ring_tiles=3, block_m=16, block_n=32)
+SMALL = MegakernelConfig(comm_programs=1, compute_programs=2, group_tiles=2, lag=1, ring_tiles=4, block_m=16,
+                         block_n=32)
 
 
 def routing(kind: str, ranks: int, tokens: int = T, experts: int = E, seed: int = 0) -> torch.Tensor:
@@ -51,14 +67,14 @@ def routing(kind: str, ranks: int, tokens: int = T, experts: int = E, seed: int 
     return ids
 
 
-def layer_inputs(ranks: int, dim_h: int, seed: int = 1, tokens: int = T):
+def layer_inputs(ranks: int, dim_h: int, seed: int = 1, tokens: int = T, dim_i: int = I):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(ranks * tokens, dim_h, generator=g).to(torch.bfloat16)
     weights = torch.rand(ranks * tokens, K, generator=g)
     shared = torch.randn(ranks * tokens, dim_h, generator=g).to(torch.bfloat16)
-    w_gate = (torch.randn(E, I, dim_h, generator=g) * 0.1).to(torch.bfloat16)
-    w_up = (torch.randn(E, I, dim_h, generator=g) * 0.1).to(torch.bfloat16)
-    w_down = (torch.randn(E, dim_h, I, generator=g) * 0.1).to(torch.bfloat16)
+    w_gate = (torch.randn(E, dim_i, dim_h, generator=g) * 0.1).to(torch.bfloat16)
+    w_up = (torch.randn(E, dim_i, dim_h, generator=g) * 0.1).to(torch.bfloat16)
+    w_down = (torch.randn(E, dim_h, dim_i, generator=g) * 0.1).to(torch.bfloat16)
     return [t.to(DEVICE) for t in (x, weights, shared)], tuple(w.to(DEVICE) for w in (w_gate, w_up, w_down))
 
 
@@ -105,7 +121,8 @@ def test_smallest_ring_most_skewed_routing_is_dropless_and_bitwise():
     programs of each kind: every tile waits for the previous one's slot; nothing dropped, same bits."""
     (x, weights, shared), expert_weights = layer_inputs(2, 64)
     ids = routing("one_expert", 2)
-    config = MegakernelConfig(comm_programs=2, compute_programs=2, ring_tiles=1, block_m=16, block_n=32)
+    config = MegakernelConfig(comm_programs=2, compute_programs=2, group_tiles=1, lag=0, ring_tiles=1, block_m=16,
+                              block_n=32)
     want = triton_path(x, weights, ids.to(DEVICE), shared, expert_weights)
     assert torch.equal(megakernel(2, x, weights, ids, shared, expert_weights, config), want)
 
@@ -119,6 +136,159 @@ def test_wide_rows_clamp_and_no_shared_expert():
     want = triton_path(x, weights, ids.to(DEVICE), None, expert_weights, swiglu_limit=0.5)
     got = megakernel(2, x, weights, ids, None, expert_weights, config, swiglu_limit=0.5)
     assert torch.equal(got, want)
+
+
+@interpreted
+def test_column_blocks_not_dividing_hidden_or_ffn_size():
+    """H = 96 and I = 80 in 64-column items: each GEMM's last column block is partial (and H's last K step)."""
+    (x, weights, shared), expert_weights = layer_inputs(2, 96, seed=15, dim_i=80)
+    ids = routing("skewed", 2, seed=16)
+    config = MegakernelConfig(comm_programs=1, compute_programs=2, group_tiles=3, lag=1, block_m=16, block_n=64)
+    want = triton_path(x, weights, ids.to(DEVICE), shared, expert_weights)
+    assert torch.equal(megakernel(2, x, weights, ids, shared, expert_weights, config), want)
+
+
+# Item orders and rings (per rank: T·K = 32 rows in 16-row tiles over 4 local experts, about 4 to 6 tiles)
+ORDERS = {
+    "lag 0, groups of 1, a ring of 1": dict(group_tiles=1, lag=0, ring_tiles=1),
+    "groups across the ring's windows": dict(group_tiles=3, lag=0, ring_tiles=4, comm_programs=2, compute_programs=3),
+    "the largest lag the ring allows": dict(group_tiles=1, lag=2, ring_tiles=3),
+    "lag past the last tile: every A item first": dict(group_tiles=2, lag=6, ring_tiles=14),
+}
+
+
+@pytest.mark.parametrize("kind", ["skewed", "empty_experts"])
+@pytest.mark.parametrize("order", ORDERS)
+@interpreted
+def test_item_orders_and_rings_give_the_same_bits(order, kind):
+    (x, weights, shared), expert_weights = layer_inputs(2, 64, seed=17)
+    ids = routing(kind, 2, seed=18)
+    config = MegakernelConfig(**{**dict(comm_programs=1, compute_programs=2, block_m=16, block_n=32), **ORDERS[order]})
+    want = triton_path(x, weights, ids.to(DEVICE), shared, expert_weights)
+    assert torch.equal(megakernel(2, x, weights, ids, shared, expert_weights, config), want), order
+
+
+@triton.jit
+def _item_order_kernel(out_ptr, items, G, LAG, NB_I, NB_H, BLOCK: tl.constexpr):
+    j = tl.arange(0, BLOCK)
+    is_a, tile, block = _item(j, G, LAG, NB_I, NB_H)
+    ok = j < items
+    tl.store(out_ptr + 3 * j, is_a.to(tl.int32), mask=ok)
+    tl.store(out_ptr + 3 * j + 1, tile, mask=ok)
+    tl.store(out_ptr + 3 * j + 2, block, mask=ok)
+
+
+@pytest.mark.parametrize("group, lag, ring", [(1, 0, 1), (3, 1, 6), (3, 1, 7), (2, 4, 10), (3, 1, 5), (2, 1, 3)])
+@interpreted
+def test_item_order_puts_every_wait_on_earlier_work(group, lag, ring):
+    """The kernel's own item decoding (``_item``) for 7 tiles, 3 + 2 column blocks: every item once; A items column
+    block major within their group; every B item after its tile's A items; a group's first item after the B items
+    of the tiles whose ring slots its tiles take (the pulls' waits), which holds exactly when (lag + 1)·G <= Q."""
+    tiles, nb_i, nb_h = 7, 3, 2
+    items = (triton.cdiv(tiles, group) + lag) * group * (nb_i + nb_h)
+    out = torch.zeros(items, 3, dtype=torch.int32, device=DEVICE)
+    _item_order_kernel[(1,)](out, items, group, lag, nb_i, nb_h, BLOCK=triton.next_power_of_2(items))
+    is_a, tile, block = out.cpu().unbind(1)
+    real = (tile >= 0) & (tile < tiles)
+    done = sorted(zip(is_a[real].tolist(), tile[real].tolist(), block[real].tolist()))
+    assert done == sorted([(1, i, b) for i in range(tiles) for b in range(nb_i)] +
+                          [(0, i, c) for i in range(tiles) for c in range(nb_h)])
+    where = {key: j for j, key in enumerate(zip(is_a.tolist(), tile.tolist(), block.tolist())) if real[j]}
+    for i in range(tiles):
+        assert max(where[1, i, b] for b in range(nb_i)) < min(where[0, i, c] for c in range(nb_h))
+        if i % group:  # column block major: block b of tile i right after block b of the tile before it
+            assert all(where[1, i, b] == where[1, i - 1, b] + 1 for b in range(nb_i))
+    pulls_wait_on_earlier_work = all(
+        max(where[0, i - ring, c] for c in range(nb_h)) < min(where[1, i // group * group, b] for b in range(nb_i))
+        for i in range(ring, tiles))
+    assert pulls_wait_on_earlier_work == ((lag + 1) * group <= ring or tiles <= ring)
+
+
+@interpreted
+def test_a_lag_the_ring_cannot_hold_is_refused():
+    (x, weights, shared), expert_weights = layer_inputs(2, 64)
+    ids = routing("balanced", 2)
+    config = MegakernelConfig(comm_programs=1, compute_programs=2, group_tiles=2, lag=2, ring_tiles=5, block_m=16,
+                              block_n=32)
+    with pytest.raises(ValueError, match=r"ring_tiles = 5 must be >= \(lag \+ 1\) x group_tiles = \(2 \+ 1\) x 2 = 6"):
+        megakernel(2, x, weights, ids, shared, expert_weights, config)
+
+
+@interpreted
+def test_counters_rearm_and_flags_agree_after_a_call():
+    """After a call every per-slot item count and the item counter are back at 0, and every slot used holds this
+    call's stamps in ready, h_ready and consumed alike (its tile pulled, its gate/up done, its down done)."""
+    (x, weights, shared), expert_weights = layer_inputs(2, 64, seed=19)
+    ids = routing("skewed", 2, seed=20)
+    megakernel(2, x, weights, ids, shared, expert_weights)
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 2, T, K, 64, I, E // 2, SMALL)]
+    bufs = ws.bufs
+    for count in (bufs.gate_up_done_VQ, bufs.down_done_VQ, bufs.next_item_V, bufs.programs_done_V):
+        assert not count.any(), count
+    assert torch.equal(bufs.ready_VQ, bufs.h_ready_VQ) and torch.equal(bufs.ready_VQ, bufs.consumed_VQ)
+    assert (bufs.ready_VQ >> 32 == ws.epoch).any()
+
+
+@interpreted
+def test_a_tile_is_published_by_its_last_item_only():
+    """The serialized phases by hand over parts of the item order (SMALL: groups of 2 tiles, lag 1, 2 + 2 column
+    blocks; step 0: A(0, 0), A(1, 0), A(0, 1), A(1, 1); step 1: A(2..3, ·), then B(0, 0), B(1, 0), B(0, 1), B(1, 1)):
+    h_ready only once every A item of the tile ran, consumed and the arrivals only once every B item did."""
+    (x, weights, shared), expert_weights = layer_inputs(1, 64, seed=22)
+    ids = routing("balanced", 1)  # 4 rows per expert: tile i is expert i's
+    megakernel(1, x, weights, ids, shared, expert_weights)  # allocates the workspace
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 1, T, K, 64, I, E, SMALL)]
+    bufs = ws.bufs
+    schedule = mk.tile_schedules([ids.to(DEVICE)], E, E, SMALL.block_m)
+    epoch = ws.next_epoch()
+    run = functools.partial(megakernel_phase, bufs, schedule, expert_weights, ws.shape, epoch=epoch,
+                            swiglu_limit=None, tiles=(0, SMALL.ring_tiles))
+    stamp = epoch << 32  # round 0
+    arrivals = ws.symmetric["arrivals_T"][0]
+    arrived = arrivals.sum().item()
+    run(PHASE_PUBLISH)
+    run(PHASE_COMM)
+    run(PHASE_GATE_UP, items=(0, 1))
+    assert bufs.gate_up_done_VQ[0, :2].tolist() == [1, 0] and (bufs.h_ready_VQ[0, :2] != stamp).all()
+    run(PHASE_GATE_UP, items=(1, 3))
+    assert bufs.gate_up_done_VQ[0, :2].tolist() == [0, 1] and bufs.h_ready_VQ[0, :2].tolist()[0] == stamp
+    assert bufs.h_ready_VQ[0, 1] != stamp
+    run(PHASE_GATE_UP, items=(3, 8))
+    assert bufs.h_ready_VQ[0, :2].tolist() == [stamp, stamp] and not bufs.gate_up_done_VQ.any()
+    run(PHASE_DOWN, items=(12, 15))
+    assert bufs.down_done_VQ[0, :2].tolist() == [0, 1] and bufs.consumed_VQ[0, 0] == stamp
+    assert bufs.consumed_VQ[0, 1] != stamp and arrivals.sum().item() == arrived + 4  # tile 0: expert 0's 4 rows
+    run(PHASE_DOWN, items=(15, 16))
+    assert bufs.consumed_VQ[0, :2].tolist() == [stamp, stamp] and arrivals.sum().item() == arrived + 8
+    assert not bufs.down_done_VQ.any() and read_error(bufs.errors) is None
+    ws.reset()  # the call was left unfinished (only the first window ran): its tokens' arrivals are short
+
+
+@pytest.mark.parametrize("skipped, wait", [
+    ("communication", "ring ready: rank 0's compute program waited for ring tile 0 to be pulled"),
+    ("gate/up", "h ready: rank 0's compute program waited for the gate/up items of ring tile 0"),
+])
+@interpreted
+def test_a_missing_phase_is_a_named_error_then_the_workspace_recovers(skipped, wait):
+    """The serialized phases run by hand, one left out: the wait that needed it ends in the named error."""
+    (x, weights, shared), expert_weights = layer_inputs(1, 64, seed=21)
+    ids = routing("balanced", 1)
+    want = triton_path(x, weights, ids.to(DEVICE), shared, expert_weights)
+    assert torch.equal(megakernel(1, x, weights, ids, shared, expert_weights), want)  # allocates the workspace
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 1, T, K, 64, I, E, SMALL)]
+    schedule = mk.tile_schedules([ids.to(DEVICE)], E, E, SMALL.block_m)
+    run = functools.partial(megakernel_phase, ws.bufs, schedule, expert_weights, ws.shape, epoch=ws.next_epoch(),
+                            swiglu_limit=None)
+    window = (0, SMALL.ring_tiles)
+    run(PHASE_PUBLISH)
+    if skipped != "communication":
+        run(PHASE_COMM, tiles=window)
+    if skipped != "gate/up":
+        run(PHASE_GATE_UP, tiles=window)
+    run(PHASE_DOWN, tiles=window)
+    with pytest.raises(RuntimeError, match=re.escape(f"mok megakernel: timed out: {wait} ")):
+        raise_on_megakernel_error()
+    assert torch.equal(megakernel(1, x, weights, ids, shared, expert_weights), want)
 
 
 @interpreted
@@ -202,18 +372,14 @@ def test_programs_per_sm_counts_registers_shared_memory_and_threads():
                                                     "nvidia", "bin", "cuobjdump")),
                     reason="Triton's wheel has no ptxas/cuobjdump here")
 def test_compiles_for_sm90_with_wgmma_and_no_spills():
-    """The concurrent launch's kernel at Kimi K2.7's sizes, compiled for sm_90 on the CPU (titan_mok.bench.sass's
-    stand-in driver; the interpreter cannot compile, hence a subprocess): wgmmas, no spill stack, one program per
-    SM at least (the occupancy the launch checks)."""
+    """The concurrent launch's kernel at Kimi K2.7's sizes and the default config, compiled for sm_90 on the CPU
+    (benchmarks/tools/sass.py's stand-in driver; the interpreter cannot compile, hence a subprocess): wgmmas, no
+    spill stack, one program per SM at least (the occupancy the launch checks)."""
     script = (
-        "import json, torch; from benchmarks.tools import sass; from titan_mok.kernels import mok_megakernel as m\n"
-        "ptrs = [torch.bfloat16, torch.int64, torch.int64, torch.bfloat16, *[torch.int64] * 4, *[torch.int32] * 3,"
-        " *[torch.bfloat16] * 3, torch.int64]\n"
-        "ints = [2] * 6 + [0.0] + [2] * 4 + [7168, 2048] + [2] * 3\n"
-        "c = dict(PHASE=0, HAS_LIMIT=False, LOG_L=2, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, BLOCK_H=256, DOT_F32=False,"
-        " num_warps=8)\n"
+        "import json; from benchmarks.tools import sass; from titan_mok.kernels import mok_megakernel as m\n"
+        "from titan_mok.moe.megakernel import MegakernelConfig as C\n"
         "with sass.compiling_for_sm90():\n"
-        "    k = m._megakernel.warmup(*ptrs, *ints, grid=(1,), **c)\n"
+        "    k = m.compile_megakernel(7168, 2048, 48, C.block_m, C.block_n, C.num_warps, C.num_stages, False)\n"
         "r = sass.kernel_report('_megakernel', k)\n"
         "print(json.dumps(dict(hgmma=r['opcodes'].get('HGMMA', 0), stack=r['stack_bytes'],"
         " per_sm=sass.programs_per_sm(r))))\n")

@@ -3,7 +3,8 @@ each other's flags) at virtual EP 1, 2, 4, 8.
 
 Claims, compared bit for bit: the concurrent launch equals the serialized one (the interpreter's mode, here
 compiled) and today's triton path on the same tokens (reference dispatch, the Triton grouped FFN on the GPU,
-reference combine, at EP = 1), for every routing of the CPU tests and the smallest ring; it repeats its bits;
+reference combine, at EP = 1), for every routing of the CPU tests, the smallest ring and the CPU tests' item
+orders; it repeats its bits;
 a rank that never publishes ends in the bounded device error (recorded, or with ``trap`` an assertion naming
 the wait) within a few timeouts; a launch the device cannot hold at once is refused; no host sync.
 """
@@ -16,7 +17,7 @@ import time
 import pytest
 import torch
 
-from tests.kernels.test_mok_megakernel import E, layer_inputs, megakernel, routing, triton_path
+from tests.kernels.test_mok_megakernel import ORDERS, E, layer_inputs, megakernel, routing, triton_path
 from titan_mok.moe.megakernel import MegakernelConfig, megakernel_routed_experts, raise_on_megakernel_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -45,9 +46,22 @@ def test_concurrent_equals_serialized_and_triton_path(ranks, kind):
 def test_smallest_ring_under_the_most_skewed_routing(ranks):
     """One ring tile per rank and two programs of each kind: every tile waits for its slot's previous tile."""
     x, weights, ids, shared, expert_weights = _inputs(ranks, "one_expert", seed=3)
-    config = MegakernelConfig(comm_programs=2, compute_programs=2, ring_tiles=1)
+    config = MegakernelConfig(comm_programs=2, compute_programs=2, group_tiles=1, lag=0, ring_tiles=1)
     want = triton_path(x, weights, ids, shared, expert_weights)
     assert torch.equal(megakernel(ranks, x, weights, ids, shared, expert_weights, config), want)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("ranks", [1, 8])
+def test_item_orders_and_rings_concurrently(ranks, order):
+    """The CPU tests' item orders and rings (their group, lag and ring; the device's programs), run concurrently:
+    B items racing the A items they need, pulls racing the B items that free their slots."""
+    x, weights, ids, shared, expert_weights = _inputs(ranks, "skewed", seed=6)
+    sizes = {k: v for k, v in ORDERS[order].items() if k in ("group_tiles", "lag", "ring_tiles")}
+    want = triton_path(x, weights, ids, shared, expert_weights)
+    first = megakernel(ranks, x, weights, ids, shared, expert_weights, MegakernelConfig(**sizes))
+    assert torch.equal(megakernel(ranks, x, weights, ids, shared, expert_weights, MegakernelConfig(**sizes)), first)
+    assert torch.equal(first, want), f"{ranks} ranks, {order}: differs from the triton path"
 
 
 def test_stalled_rank_ends_in_the_bounded_error_and_the_workspace_recovers():

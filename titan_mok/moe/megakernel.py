@@ -41,23 +41,39 @@ from titan_mok.kernels.mok_schedule import mok_schedule
 
 @dataclass(frozen=True)
 class MegakernelConfig:
-    """Sizes of the megakernel's launch (per rank: each rank of a virtual-EP launch gets the same)."""
+    """Sizes of the megakernel's launch (per rank: each rank of a virtual-EP launch gets the same).
+
+    Defaults at Kimi K2.7's sizes (H 7168, I 2048, 384 experts, K 8) on an H100 (132 SMs, one program per SM):
+    P = 1 runs 16 communication + 116 compute programs, P = 8 2 + 14 per rank. A step of the item order is 8 tiles
+    (8 x 72 items): one step's A items (128) alone outnumber the compute programs, and at P = 8 (~6 tiles per
+    expert) an expert's tiles read each weight block side by side. Lag 1: a group's B items come after the next
+    group's A items, by when their own A items have long finished. The ring holds 32 tiles per rank (8 x (1 + 3): the
+    groups from B to A, and two pulled ahead), 37.7 MB per rank (kernels/mok_megakernel.py: Q·M·(H + I)·2 bytes)."""
 
     comm_programs: int | None = None
     """Communication programs per rank. None: an eighth of the rank's share of the programs the device runs
     at once (at least 1); 1 under Triton's interpreter."""
     compute_programs: int | None = None
     """Compute programs per rank. None: the rest of the rank's share; 2 under Triton's interpreter."""
+    group_tiles: int = 8
+    """Tiles per step of the item order (G): their A items, column block major, then the B items of the group lag
+    steps back."""
+    lag: int = 1
+    """Groups by which A items run ahead of the B items that read their output; (lag + 1) x group_tiles <=
+    ring_tiles (deadlock freedom)."""
     ring_tiles: int | None = None
-    """Ring tiles per rank (each block_m rows of H). None: 2 × compute programs, so that every compute program
-    can find its next tile pulled while it computes one (Kimi K2.7, 132 SMs of one program each, P = 1:
-    2 × 116 tiles of 64 × 7168 bf16 rows, 213 MB). Any size >= 1 takes any routing (tiles are recycled)."""
+    """Ring tiles per rank (each block_m rows of H, and their block_m rows of I). None: group_tiles x (lag + 3).
+    Any size >= (lag + 1) x group_tiles takes any routing (tiles are recycled)."""
     block_m: int = 64
     """Rows per tile (the GEMMs' M)."""
     block_n: int = 128
-    """Output columns per GEMM step."""
+    """Output columns per work item (the GEMMs' N)."""
     num_warps: int = 8
-    """Warps per program (4 spill registers at Kimi K2.7's sizes, by ptxas for sm_90)."""
+    """Warps per program."""
+    num_stages: int = 4
+    """Software-pipeline depth of the GEMMs' K loops: shared memory per program is num_stages x the operand tiles
+    of one gate/up K step (40 KB at the defaults: 160 KB, one program per SM; ptxas for sm_90: 255 registers, no
+    spills, at Kimi K2.7's sizes)."""
     timeout_ms: float = 10_000.0
     """Bound of every wait on another program; then a device error naming the wait."""
 
@@ -69,7 +85,7 @@ class _Workspace:
     symmetric: dict[str, list[torch.Tensor]]
     """Each rank's symmetric buffers by name (``bufs.tables`` holds their addresses)."""
     flags: list[torch.Tensor]
-    """Everything a reset zeroes: ring flags, arrival counters, x_ready."""
+    """Everything a reset zeroes: ring flags, item counters, arrival counters, x_ready."""
     timeout_ms: float
     epoch: int = 0
 
@@ -98,7 +114,7 @@ def _resolve(config: MegakernelConfig, ranks: int, dim_h: int, dim_i: int, num_l
     total = None
     if not interpreting():
         total = co_resident_programs(device.index, dim_h, dim_i, num_local, config.block_m, config.block_n,
-                                     config.num_warps, has_limit)
+                                     config.num_warps, config.num_stages, has_limit)
     if comm is None or compute is None:
         per_rank = (comm or 1) + (compute or 2) if total is None else total // ranks
         comm = comm if comm is not None else max(1, per_rank // 8)
@@ -109,9 +125,16 @@ def _resolve(config: MegakernelConfig, ranks: int, dim_h: int, dim_i: int, num_l
     if total is not None and not serialized and ranks * (comm + compute) > total:
         raise RuntimeError(f"mok megakernel: {ranks} ranks x ({comm} communication + {compute} compute) programs "
                            f"exceed the {total} this device runs at once, so its spin-waits could deadlock: use fewer")
-    ring = config.ring_tiles if config.ring_tiles is not None else 2 * compute
-    if ring < 1:
-        raise ValueError(f"MegakernelConfig.ring_tiles = {ring} must be >= 1")
+    if config.group_tiles < 1 or config.lag < 0 or config.num_stages < 1:
+        raise ValueError(f"MegakernelConfig: group_tiles = {config.group_tiles} must be >= 1, lag = {config.lag} >= 0 "
+                         f"and num_stages = {config.num_stages} >= 1")
+    in_flight = (config.lag + 1) * config.group_tiles
+    ring = config.ring_tiles if config.ring_tiles is not None else config.group_tiles * (config.lag + 3)
+    if ring < in_flight:
+        raise ValueError(f"MegakernelConfig.ring_tiles = {ring} must be >= (lag + 1) x group_tiles = ({config.lag} "
+                         f"+ 1) x {config.group_tiles} = {in_flight}: a group's tiles take the ring slots that the "
+                         "B items lag + 1 groups back free, which come before them in the item order only then (a "
+                         "wait on later work could deadlock)")
     if config.block_m < 16 or config.block_m & (config.block_m - 1) or config.block_n < 16 or (
             config.block_n & (config.block_n - 1)):
         raise ValueError(f"MegakernelConfig: block_m = {config.block_m} and block_n = {config.block_n} must be "
@@ -131,20 +154,25 @@ def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, num_local, cfg: Megakernel
     tables = {name: torch.tensor([b.data_ptr() for b in per_rank], dtype=torch.int64, device=device)
               for name, per_rank in (("x_TH", x_PTH), ("slots_NH", slots_PNH), ("arrivals_T", arrivals_PT),
                                      ("x_ready", x_ready_P))}
-    ring, compute = cfg.ring_tiles, cfg.compute_programs
+    ring, compute, rows = cfg.ring_tiles, cfg.compute_programs, cfg.block_m
+    flag = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
     bufs = MegakernelBuffers(
-        ring_VQMH=torch.zeros(ranks, ring, cfg.block_m, dim_h, **bf16),
-        ready_VQ=torch.zeros(ranks, ring, dtype=torch.int64, device=device),
-        consumed_VQ=torch.zeros(ranks, ring, dtype=torch.int64, device=device),
-        h_VCMI=torch.zeros(ranks, compute, cfg.block_m, dim_i, **bf16),
+        ring_VQMH=torch.zeros(ranks, ring, rows, dim_h, **bf16),
+        h_VQMI=torch.zeros(ranks, ring, rows, dim_i, **bf16),
+        ready_VQ=flag(ranks, ring, dtype=torch.int64),
+        h_ready_VQ=flag(ranks, ring, dtype=torch.int64),
+        consumed_VQ=flag(ranks, ring, dtype=torch.int64),
+        gate_up_done_VQ=flag(ranks, ring, dtype=torch.int32),
+        down_done_VQ=flag(ranks, ring, dtype=torch.int32),
+        next_item_V=flag(ranks, dtype=torch.int32),
+        programs_done_V=flag(ranks, dtype=torch.int32),
         tables=tables,
         errors=torch.zeros(6, dtype=torch.int64, device=device),
     )
-    shape = LaunchShape(ranks, 0, ranks, num_tokens, top_k, num_local, cfg.comm_programs, compute, cfg.block_n,
-                        cfg.num_warps)
+    shape = LaunchShape(ranks, 0, ranks, num_tokens, top_k, num_local, cfg.comm_programs, compute, cfg.group_tiles,
+                        cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages)
     symmetric = {"x_TH": x_PTH, "slots_NH": slots_PNH, "arrivals_T": arrivals_PT, "x_ready": x_ready_P}
-    return _Workspace(shape, bufs, symmetric, [bufs.ready_VQ, bufs.consumed_VQ, *arrivals_PT, *x_ready_P],
-                      cfg.timeout_ms)
+    return _Workspace(shape, bufs, symmetric, [*bufs.flags, *arrivals_PT, *x_ready_P], cfg.timeout_ms)
 
 
 def raise_on_megakernel_error() -> None:
@@ -155,6 +183,19 @@ def raise_on_megakernel_error() -> None:
         if message is not None:
             ws.reset()
             raise RuntimeError(message)
+
+
+def tile_schedules(ids: list[torch.Tensor], num_local: int, num_experts: int, block_m: int):
+    """Every rank's schedule (``kernels/mok_schedule.py``) and tile ends: (group_end_PL, tile_end_PL, row_slot_PR)
+    int32, from each rank's top-k ids [T, K] (on the device, no host sync)."""
+    ranks = len(ids)
+    ids_PN = torch.stack([i.reshape(-1) for i in ids]).to(torch.int32)  # slot t·K + j of rank p
+    schedules = [mok_schedule(ids_PN, rank, num_local, num_experts) for rank in range(ranks)]
+    group_end_PL = torch.stack([group_end for group_end, _ in schedules])
+    row_slot_PR = torch.stack([row_slot for _, row_slot in schedules])
+    counts_PL = torch.diff(group_end_PL, dim=1, prepend=group_end_PL.new_zeros(ranks, 1))
+    tile_end_PL = torch.div(counts_PL + block_m - 1, block_m, rounding_mode="floor").cumsum(1).to(torch.int32)
+    return group_end_PL, tile_end_PL, row_slot_PR
 
 
 def _as_list(name: str, t, ranks: int | None, virtual: bool) -> list:
@@ -257,14 +298,9 @@ def megakernel_routed_experts(
 
     for x_buf_TH, x in zip(ws.symmetric["x_TH"], xs):
         x_buf_TH.copy_(x)
-    ids_PN = torch.stack([i.reshape(-1) for i in ids]).to(torch.int32)  # slot t·K + j of rank p
-    schedules = [mok_schedule(ids_PN, rank, num_local, num_experts) for rank in range(ranks)]
-    group_end_PL = torch.stack([group_end for group_end, _ in schedules])
-    row_slot_PR = torch.stack([row_slot for _, row_slot in schedules])
-    counts_PL = torch.diff(group_end_PL, dim=1, prepend=group_end_PL.new_zeros(ranks, 1))
-    tile_end_PL = torch.div(counts_PL + cfg.block_m - 1, cfg.block_m, rounding_mode="floor").cumsum(1).to(torch.int32)
+    schedule = tile_schedules(ids, num_local, num_experts, cfg.block_m)
     epoch = ws.next_epoch()
-    megakernel_launch(ws.bufs, (group_end_PL, tile_end_PL, row_slot_PR), expert_weights, ws.shape, epoch=epoch,
+    megakernel_launch(ws.bufs, schedule, expert_weights, ws.shape, epoch=epoch,
                       swiglu_limit=swiglu_limit, serialized=serialized, stall_rank=stall_rank,
                       timeout_ms=cfg.timeout_ms)
     out_PTH = torch.empty(ranks, num_tokens, dim_h, dtype=out_dtype or xs[0].dtype, device=device)
