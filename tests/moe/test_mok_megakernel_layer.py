@@ -144,7 +144,7 @@ def test_backward_reads_nothing_from_the_workspace():
     assert mk._WORKSPACES
     with torch.no_grad():
         for ws in mk._WORKSPACES.values():
-            for buf in (ws.bufs.ring_VQMH, ws.bufs.h_VCMI, *ws.symmetric["x_TH"], *ws.symmetric["slots_NH"]):
+            for buf in (ws.bufs.ring_VQMH, ws.bufs.h_VQMI, *ws.symmetric["x_TH"], *ws.symmetric["slots_NH"]):
                 buf.fill_(float("nan"))
     y.backward(dy)
     grads = {(0, n): p.grad for n, p in layer.named_parameters() if p.grad is not None}
