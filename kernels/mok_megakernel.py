@@ -1,44 +1,50 @@
 """The MoK forward megakernel: one persistent launch in which communication programs pull token rows
 into a fixed ring of row tiles while compute programs run the expert FFN on the tiles already there,
-in work items of one tile by one column block, and push each result row to its source's combine slot
-(docs/design.md §5.9).
+in work items of one tile by one column block, and push each result row to its source's combine slot;
+optionally the shared expert too, as more items on each rank's own tokens (docs/design.md §5.9).
 
 Legend: P ep degree, V ranks hosted by this launch (P under virtual EP: all ranks on one device; 1 for
 a real rank of a multi-GPU group), T tokens per rank, K top-k, N = T·K slots per rank, H hidden,
-I expert FFN size, L local experts per rank, Q ring tiles per rank, M rows per tile (BLOCK_M),
-C compute programs per rank, G tiles per group (a step of the item order), NB_I = cdiv(I, BLOCK_N) and
-NB_H = cdiv(H, BLOCK_N) column blocks, S = G·(NB_I + NB_H) items per step.
+I expert FFN size, I_S the shared expert's, L local experts per rank, Q ring tiles per rank, M rows per
+tile (BLOCK_M), C compute programs per rank, G tiles per group (a step of the item order), SG groups of
+shared-expert tiles (0: no shared expert in the launch), F = Q + SG·G flag slots, NB_I = cdiv(I, BLOCK_N),
+NB_IS = cdiv(I_S, BLOCK_N) and NB_H = cdiv(H, BLOCK_N) column blocks.
 
 Programs: rank v of this launch owns program ids [v·(COMM + C), (v + 1)·(COMM + C)); the first COMM
-are communication programs, the other C compute programs. A rank's tiles are its schedule's rows
+are communication programs, the other C compute programs. A rank's routed tiles are its schedule's rows
 (``kernels/mok_schedule.py``: per local expert, (source rank, token, slot) order) cut into M-row tiles
 per expert, numbered i = 0, 1, ... expert by expert; tile i lives in ring slot q = i mod Q during round
-n = i div Q. Communication program c moves tiles i ≡ c (mod COMM) in ascending i.
+n = i div Q. Communication program c moves tiles i ≡ c (mod COMM) in ascending i. The shared expert's
+tiles are the rank's own token rows [u·M, u·M + M), u < cdiv(T, M), read from its x_TH in place.
 
-Work items of tile i (all of a tile's rows at once, so a weight block is read once per tile):
-- A(i, b), b < NB_I: h[:, cols b] = swiglu(x_tile @ w_gate[cols b].T, x_tile @ w_up[cols b].T) over all of H,
-  into the h tile of slot q (``h_VQMI``);
-- B(i, c), c < NB_H: y[:, cols c] = h_tile @ w_down[cols c].T over all of I; real row r's y stored into its
-  source rank's combine slot.
-Item order (per rank, j = 0, 1, ...): step s = j div S holds first the A items of the tiles of group s
-(tiles [s·G, s·G + G)), column block major (A(s·G, 0), A(s·G + 1, 0), ..., A(s·G, 1), ...: the tiles of
-one expert read each weight block side by side, so from L2 after the first), then the B items of group
-s - LAG, likewise; items of tiles past the last (or before the first) are skipped. So A items run LAG groups
-ahead of the B items that need them, and a program taking a B item rarely finds its A items still running.
-Compute programs claim items one at a time, in ascending j, from a per-rank counter (``next_item``, an
-atomic add): a free program takes the lowest unclaimed item, so the work balances itself. The last program
-to find the items exhausted (``programs_done`` counts them) zeroes both counters, so every launch starts at
-item 0 without a host reset, also after an error (every program gets there).
+Work items of a tile (all of a tile's rows at once, so a weight block is read once per tile):
+- A(·, b), b < NB_I (NB_IS): h[:, cols b] = swiglu(x_tile @ w_gate[cols b].T, x_tile @ w_up[cols b].T) over
+  all of H, into the tile's h rows (``h_VQMI`` of slot q; the shared expert's ``shared_h_VRI``);
+- B(·, c), c < NB_H: y[:, cols c] = h_tile @ w_down[cols c].T over all of I (I_S); each real row's y stored
+  into its source rank's combine slot (the shared expert's: into ``shared_out_VTH``, which the finish adds).
+Item order (per rank, j = 0, 1, ...): tiles u of the order are the shared expert's first (SG groups of G,
+the last padded with tiles that are skipped), then the routed ones (u = SG·G + i). Step s holds first the
+A items of group s (tiles [s·G, s·G + G)), column block major (A(s·G, 0), A(s·G + 1, 0), ..., A(s·G, 1),
+...: the tiles of one expert read each weight block side by side, so from L2 after the first), then the B
+items of group s - LAG, likewise; items of tiles past the last (or before the first) are skipped. So A items
+run LAG groups ahead of the B items that need them, a program taking a B item rarely finds its A items still
+running, and the shared expert's items, which wait on no pull, come first and fill the wait for the first
+pulled tiles. Compute programs claim items one at a time, in ascending j, from a per-rank counter
+(``next_item``, an atomic add): a free program takes the lowest unclaimed item, so the work balances
+itself. The last program to find the items exhausted (``programs_done`` counts them) zeroes both counters,
+so every launch starts at item 0 without a host reset, also after an error (every program gets there).
 
 Buffers. Symmetric (each rank's own, peers reach them through int64 [P] address tables, exactly as
 ``torch.distributed._symmetric_memory`` peer pointers; under virtual EP the "peers" are the other
 virtual ranks' allocations on the same device): ``x_TH`` (token rows), ``slots_NH`` (combine slots
 (token, slot)), ``arrivals_T`` int32 (rows pushed per token), ``x_ready`` int64 [1] (x_TH published).
-Local to a rank: ``ring_VQMH`` (row tiles), ``h_VQMI`` (the SwiGLU rows of each slot's tile), int64
-``ready_VQ`` / ``h_ready_VQ`` / ``consumed_VQ`` (per slot: tile pulled / h complete / slot free), int32
-``gate_up_done_VQ`` / ``down_done_VQ`` (per slot: A / B items of its tile done), int32 ``next_item_V`` /
-``programs_done_V`` (the item counter), ``errors`` int64 [6]. Ring memory per rank: Q·M·(H + I)·2 bytes
-(Kimi K2.7, H 7168, I 2048, the default Q = 32, M = 64: 37.7 MB; 302 MB for 8 virtual ranks).
+Local to a rank: ``ring_VQMH`` (row tiles), ``h_VQMI`` (the SwiGLU rows of each slot's tile), ``ready_VQ``
+int64 (per slot: tile pulled); per flag slot f (the ring's Q slots, then the shared expert's tiles) int64
+``h_ready_VF`` / ``consumed_VF`` (h complete / tile done) and int32 ``gate_up_done_VF`` / ``down_done_VF``
+(A / B items of its tile done); int32 ``next_item_V`` / ``programs_done_V`` (the item counter); ``errors``
+int64 [6]; with the shared expert ``shared_h_VRI`` (R = SG·G·M rows of I_S) and ``shared_out_VTH``. Ring
+memory per rank: Q·M·(H + I)·2 bytes (Kimi K2.7, H 7168, I 2048, the default Q = 32, M = 64: 37.7 MB;
+302 MB for 8 virtual ranks); the shared expert adds SG·G·M·I_S·2 + T·H·2 bytes (37.7 MB at T = 2048).
 
 Protocol of one call (epoch e, counted by the host from 1, passed as an argument: no flag is reset
 between calls, a flag is compared with the value this call writes; stamp(e, n) = e·2^32 + n):
@@ -50,55 +56,63 @@ between calls, a flag is compared with the value this call writes; stamp(e, n) =
   copies the tile's rows from the source ranks' x_TH (row j of expert rows: token (s mod N) div K of
   rank s div N for s = row_slot[j]; rows past the expert's end are zeros) and stores ready[q] =
   stamp(e, n) (release).
-- A(i, b): acquire ready[q] = stamp(e, n); compute and store h columns b; then old = gate_up_done[q]++
-  (acq_rel: this item's h stores are ordered before, and the last arriver sees every other's). The item
-  that sees old = NB_I - 1 rearms gate_up_done[q] = 0 and stores h_ready[q] = stamp(e, n) (release).
-- B(i, c): acquire h_ready[q] = stamp(e, n); compute columns c of y and store each real row's into its
-  combine slot; then old = down_done[q]++ (acq_rel). The item that sees NB_H - 1 rearms down_done[q] = 0,
-  stores consumed[q] = stamp(e, n) (release: every read of the slot's row tile and h tile is done), then
-  adds 1 to arrivals[token] on each real row's source rank (release; the other B items' slot stores are
-  ordered before through the counter), once per row.
-- finish (a second, small launch, ``megakernel_finish``): each rank's token t waits until
-  arrivals[t] = e·K (acquire), then out[t] = cast(Σ_j w[t,j]·slots[t,j] + shared[t]) in fp32, ascending j.
+- A item of routed tile i: acquire ready[q] = stamp(e, n) (a shared tile's waits for nothing: its rows
+  were written before the launch); compute and store its h columns; then old = gate_up_done[f]++ (acq_rel:
+  this item's h stores are ordered before, and the last arriver sees every other's). The item that sees
+  old = NB_I - 1 (NB_IS) rearms gate_up_done[f] = 0 and stores h_ready[f] = stamp(e, n) (release; a shared
+  tile's stamp is stamp(e, 0)).
+- B item: acquire h_ready[f]; compute its columns of y and store each real row's; then old =
+  down_done[f]++ (acq_rel). The item that sees NB_H - 1 rearms down_done[f] = 0, stores consumed[f] =
+  stamp (release: every read of the slot's row tile and h tile is done; read by the pulls, not for a
+  shared tile), then adds 1 to arrivals[token] of each real row's source rank (release; the other B
+  items' stores are ordered before through the counter), once per row.
+- finish (a second, small launch, ``megakernel_finish``): each rank's token t waits until arrivals[t] =
+  e·(K + 1) with the shared expert in the launch, else e·K (acquire), then out[t] = cast(Σ_j w[t,j]·slots[t,j]
+  + shared[t]·scale[t]) in fp32, ascending j (scale: optional, per token; shared: the launch's or an input).
 Stamps only grow, so a flag left by an earlier call or round never matches. The per-slot item counts go
 back to 0 when a tile is done, the item counter when a launch ends; the host zeroes them with the flags
-(``reset``, also after an error, which can leave a count short). The arrival counters grow by K per call;
-the host zeroes every flag and counter and restarts at epoch 1 before e·K would leave int32
-(``MAX_EPOCH``): one memset every ~2^31 / K calls.
+(``reset``, also after an error, which can leave a count short). The arrival counters grow by K (+ 1) per
+call; the host zeroes every flag and counter and restarts at epoch 1 before they would leave int32
+(``MAX_EPOCH``): one memset every ~2^31 / (K + 1) calls. A workspace runs with or without the shared
+expert, always the same (its arrivals expect the same growth every call).
 Across calls no barrier is needed: a rank rewrites x_TH for call e + 1 only after its finish of call
 e saw every one of its rows pushed (so pulled), and peers push into its slots for call e + 1 only
 after acquiring its x_ready = e + 1, which it stores after that finish.
 
-Deadlock freedom: rank a rank's work by item index j, with pull(i) just before the first item of tile i's
-group (step i div G). Every wait is on lower-ranked work: A(i, ·) on pull(i); B(i, ·) on A(i, ·), LAG >= 0
-steps earlier; pull(i) on the B items of tile i - Q, in step (i - Q) div G + LAG, which is below i div G
-for every i exactly when (LAG + 1)·G <= Q (checked on the host); x_ready is stored before any wait of its
-program. A communication program pulls in ascending i; a compute program holds one item at a time, and
-claims are ascending. Take the lowest unfinished piece of work: a pull's program has finished its earlier
-pulls and its wait is met, so it runs; an item either is held, by a program that can only be at it and
-whose waits are met, or is unclaimed, and then nothing above it is claimed, every claimed item is
-finished, and a free compute program takes it. So the launch always progresses, provided every program
-is running: the launcher checks that the grid fits the device at once (programs per SM from the compiled
-kernel's registers, shared memory and warps) and raises otherwise.
+Deadlock freedom: rank a rank's work by item index j, with pull(i) just before the first item of routed
+tile i's group (step SG + i div G). Every wait is on lower-ranked work: a routed A item on pull(i); a B
+item on its tile's A items, LAG >= 0 steps earlier; pull(i) on the B items of tile i - Q, in step
+SG + (i - Q) div G + LAG, which is below SG + i div G for every i exactly when (LAG + 1)·G <= Q (checked on
+the host); x_ready is stored before any wait of its program. A communication program pulls in ascending
+i; a compute program holds one item at a time, and claims are ascending. Take the lowest unfinished piece
+of work: a pull's program has finished its earlier pulls and its wait is met, so it runs; an item either
+is held, by a program that can only be at it and whose waits are met, or is unclaimed, and then nothing
+above it is claimed, every claimed item is finished, and a free compute program takes it. So the launch
+always progresses, provided every program is running: the launcher checks that the grid fits the device
+at once (programs per SM from the compiled kernel's registers, shared memory and warps) and raises
+otherwise.
 Every wait is bounded (``timeout_ms``): on timeout, or when another program already recorded an error, a
 program records (code, waiting rank, index, seen, expected) in ``errors`` (first error wins) and stops
 taking work; ``megakernel_finish`` then stops the device with an assertion naming the wait
 (``trap=True``) or leaves the record to ``read_error`` (``trap=False``).
 
 Serialized mode (``serialized=True``; Triton's interpreter runs programs one after another, so a spin
-there never ends): a launch publishes, then per window of Q tiles (one round) a launch of the
+there never ends): a launch publishes; the shared expert's tiles: a launch of the compute programs runs
+their A items, one their B items; then per window of Q routed tiles (one round) a launch of the
 communication programs pulls the window's tiles, a launch of the compute programs runs their A items,
-and one their B items, each claiming from the item counter as above; waits become assertions (the
-flag must already hold its value, else the same error record).
+and one their B items, each claiming from the item counter as above over the steps that hold them; waits
+become assertions (the flag must already hold its value, else the same error record).
 
 Bits: the FFN of a row is the Triton grouped FFN's arithmetic (``kernels/grouped_gemm.py``, bf16):
 fp32 accumulation over K in 64-wide steps (BLOCK_K: the interpreter's rounding follows the step, the
 GPU's MMA chain does not), g and u rounded to bf16, h = silu(g)·u from them rounded to bf16, y
-rounded to bf16 (RNE); the reduction is ``mok_combine.slot_reduce``'s (no FMA contraction). Each output
-element is computed by one item (no split-K, no atomics on values), so a token's output does not depend
-on the tile, the item order, the program, the ring size, the group, the lag, the batch or P.
+rounded to bf16 (RNE); so a shared expert row is ``SharedExpert(use_triton=True)``'s. The reduction is
+``mok_combine.slot_reduce``'s (no FMA contraction; a scaled shared row rounded to fp32 before its add, as
+the gated SharedExpert's fp32 output). Each output element is computed by one item (no split-K, no atomics
+on values), so a token's output does not depend on the tile, the item order, the program, the ring size,
+the group, the lag, the batch or P.
 
-Not here: MXFP8 (bf16 only), the shared expert (an input of the finish), the backward.
+Not here: MXFP8 (bf16 only), the backward.
 """
 
 import functools
@@ -123,18 +137,21 @@ WAIT_RING_READY = tl.constexpr(2)
 WAIT_RING_FREE = tl.constexpr(3)
 WAIT_ARRIVALS = tl.constexpr(4)
 WAIT_H_READY = tl.constexpr(5)
+WAIT_SHARED_H_READY = tl.constexpr(6)
 WAIT_NAMES = {
     1: "x_ready: rank {rank}'s communication program waited for rank {index} to publish its token rows",
     2: "ring ready: rank {rank}'s compute program waited for ring tile {index} to be pulled",
     3: "ring free: rank {rank}'s communication program waited for the ring slot of tile {index} to be consumed",
     4: "arrivals: rank {rank} waited for all K expert rows of its token {index}",
     5: "h ready: rank {rank}'s compute program waited for the gate/up items of ring tile {index}",
+    6: "shared h ready: rank {rank}'s compute program waited for the shared expert's gate/up items of its token "
+       "tile {index}",
 }
 
 BLOCK_K = 64
 """K step of every GEMM: the Triton grouped FFN's bf16 step (the interpreter rounds to fp32 once per step)."""
-MAX_EPOCH = 2**31 // 64 - 1
-"""Largest epoch before the host resets the flags: e·K stays inside int32 for K <= 64."""
+MAX_EPOCH = 2**31 // 65 - 1
+"""Largest epoch before the host resets the flags: e·(K + 1) stays inside int32 for K <= 64."""
 
 
 @triton.jit
@@ -198,10 +215,10 @@ def _pull_tile(tile_ptr, x_table, row_slot_ptr, rows, ok, N, K, H, BLOCK_M: tl.c
 
 
 @triton.jit
-def _gate_up_block(a_ptr, wg_ptr, wu_ptr, h_ptr, n0, H, I, limit, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """h[:, n0:n0 + BLOCK_N] = swiglu(a @ w_gate[n0:n0 + BLOCK_N].T, a @ w_up[...].T) for one ring tile a [M, H]
-    (bf16, row-major; h [M, I])."""
+def _gate_up_block(a_ptr, a_ok, wg_ptr, wu_ptr, h_ptr, n0, H, I, limit, HAS_LIMIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """h[:, n0:n0 + BLOCK_N] = swiglu(a @ w_gate[n0:n0 + BLOCK_N].T, a @ w_up[...].T) for one row tile a [M, H]
+    (bf16, row-major; rows where not a_ok read as zeros; h [M, I])."""
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -212,7 +229,7 @@ def _gate_up_block(a_ptr, wg_ptr, wu_ptr, h_ptr, n0, H, I, limit, HAS_LIMIT: tl.
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < H
         # .cg: another SM wrote the tile; read it from L2, never from a line this SM cached in an earlier round
-        a = tl.load(a_ptr + offs_m[:, None] * H + offs_k[None, :], mask=k_ok[None, :], other=0.0,
+        a = tl.load(a_ptr + offs_m[:, None] * H + offs_k[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0,
                     cache_modifier=".cg")
         w_ok = n_ok[:, None] & k_ok[None, :]
         acc1 = _dot(a, tl.trans(tl.load(wg_ptr + w_rows + offs_k[None, :], mask=w_ok, other=0.0)), acc1, DOT_F32)
@@ -225,7 +242,7 @@ def _gate_up_block(a_ptr, wg_ptr, wu_ptr, h_ptr, n0, H, I, limit, HAS_LIMIT: tl.
 def _down_block(h_ptr, wd_ptr, dst_ptrs, ok, n0, H, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     """y[:, n0:n0 + BLOCK_N] = h @ w_down[n0:n0 + BLOCK_N].T (h [M, I], w_down [H, I]); real row r's columns
-    stored at dst_ptrs[r] (its combine slot's row)."""
+    stored at dst_ptrs[r] (its output row)."""
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
@@ -234,7 +251,7 @@ def _down_block(h_ptr, wd_ptr, dst_ptrs, ok, n0, H, I, BLOCK_M: tl.constexpr, BL
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < I
-        # .cg: other SMs wrote h, and this slot's h is rewritten every round
+        # .cg: other SMs wrote h, and a ring slot's h is rewritten every round
         a = tl.load(h_ptr + offs_m[:, None] * I + offs_k[None, :], mask=k_ok[None, :], other=0.0,
                     cache_modifier=".cg")
         b = tl.load(wd_ptr + w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
@@ -252,6 +269,7 @@ def _first_tile(worker, workers, tile_lo):
 def _comm_program(c, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_table, group_end_ptr, tile_end_ptr,
                   row_slot_ptr, err_ptr, epoch, stall_rank, timeout_us, tile_lo, tile_hi, P, L, N, K, H, Q, COMM,
                   PHASE: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Publishes x_ready, then pulls the routed tiles i in [tile_lo, tile_hi) dealt to it (module docstring)."""
     SERIAL: tl.constexpr = PHASE != 0
     alive = rank != stall_rank  # the stalled rank (a test hook) publishes nothing
     if PHASE == 0 or PHASE == 1:
@@ -264,6 +282,7 @@ def _comm_program(c, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_t
             src_ready = tl.load(x_ready_table + src).to(tl.pointer_type(tl.int64))
             alive = _wait(src_ready, epoch.to(tl.int64), err_ptr, WAIT_X_READY, rank, src, timeout_us, SERIAL)
             src += 1
+        tile_lo = tl.maximum(tile_lo, 0)
         end = tl.minimum(tl.load(tile_end_ptr + L - 1), tile_hi)
         i = _first_tile(c, COMM, tile_lo)
         while alive & (i < end):
@@ -282,12 +301,17 @@ def _comm_program(c, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_t
 
 
 @triton.jit
-def _item(j, G, LAG, NB_I, NB_H):
-    """Item j -> (an A item?, its tile, its column block): step j div S holds the A items of group s's tiles
-    [s·G, s·G + G), column block major, then the B items of group s - LAG's (a tile < 0 before step LAG)."""
-    per_step_a = G * NB_I
-    step = j // (per_step_a + G * NB_H)
-    r = j % (per_step_a + G * NB_H)
+def _item(j, G, LAG, NB_I, NB_H, NB_IS, SG):
+    """Item j -> (an A item?, its tile u, its column block): step s holds the A items of group s's tiles
+    [s·G, s·G + G), column block major, then the B items of group s - LAG's (a tile < 0 before step LAG); groups
+    below SG are the shared expert's (NB_IS column blocks of gate/up per tile, the routed ones' NB_I)."""
+    shared_items = SG * G * (NB_IS + NB_H)
+    in_shared = j < shared_items
+    per_step = G * (tl.where(in_shared, NB_IS, NB_I) + NB_H)
+    since = tl.where(in_shared, j, j - shared_items)
+    step = tl.where(in_shared, 0, SG) + since // per_step
+    r = since % per_step
+    per_step_a = per_step - G * NB_H
     is_a = r < per_step_a
     r_b = r - per_step_a
     tile = tl.where(is_a, step * G + r % G, (step - LAG) * G + r_b % G)
@@ -296,115 +320,134 @@ def _item(j, G, LAG, NB_I, NB_H):
 
 
 @triton.jit
-def _gate_up_item(i, b, rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, gate_up_done_ptr, group_end_ptr, tile_end_ptr,
-                  wg_ptr, wu_ptr, err_ptr, epoch, timeout_us, limit, L, H, I, Q, NB_I, SERIAL: tl.constexpr,
-                  HAS_LIMIT: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """A(i, b) (module docstring); False when its wait ran out."""
-    q = i % Q
-    n = i // Q
-    ok = _wait(ready_ptr + q, _stamp(epoch, n), err_ptr, WAIT_RING_READY, rank, i, timeout_us, SERIAL)
-    if ok:
-        e = _group_of(i, tile_end_ptr, L, LOG_L)
-        w_off = e.to(tl.int64) * I * H
-        q64 = q.to(tl.int64)
-        _gate_up_block(ring_ptr + q64 * BLOCK_M * H, wg_ptr + w_off, wu_ptr + w_off, h_ptr + q64 * BLOCK_M * I,
-                       b * BLOCK_N, H, I, limit, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-        tl.debug_barrier()  # every thread's h columns stored, and its reads of the ring tile done, before the count
-        if tl.atomic_add(gate_up_done_ptr + q, 1, sem="acq_rel", scope="sys") == NB_I - 1:
-            # the tile's last A item: every other's h columns are ordered before this (acq_rel); rearm the count for
-            # the slot's next round (ordered before it by the release below)
-            tl.atomic_xchg(gate_up_done_ptr + q, 0, sem="relaxed", scope="sys")
-            tl.atomic_xchg(h_ready_ptr + q, _stamp(epoch, n), sem="release", scope="sys")
-    return ok
+def _gate_up_item(f, stamp, a_ptr, a_ok, wg_ptr, wu_ptr, h_ptr, n0, h_ready_ptr, gate_up_done_ptr, H, I, NB_I, limit,
+                  HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_F32: tl.constexpr):
+    """An A item of the tile of flag slot f (its wait done): h columns [n0, n0 + BLOCK_N), then the count; the
+    tile's last A item publishes h_ready[f] = stamp."""
+    _gate_up_block(a_ptr, a_ok, wg_ptr, wu_ptr, h_ptr, n0, H, I, limit, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+    tl.debug_barrier()  # every thread's h columns stored, and its reads of the row tile done, before the count
+    if tl.atomic_add(gate_up_done_ptr + f, 1, sem="acq_rel", scope="sys") == NB_I - 1:
+        # the tile's last A item: every other's h columns are ordered before this (acq_rel); rearm the count for the
+        # slot's next round (ordered before it by the release below)
+        tl.atomic_xchg(gate_up_done_ptr + f, 0, sem="relaxed", scope="sys")
+        tl.atomic_xchg(h_ready_ptr + f, stamp, sem="release", scope="sys")
 
 
 @triton.jit
-def _down_item(i, c, rank, h_ptr, h_ready_ptr, consumed_ptr, down_done_ptr, slots_table, arrivals_table,
-               group_end_ptr, tile_end_ptr, row_slot_ptr, wd_ptr, err_ptr, epoch, timeout_us, L, N, K, H, I, Q, NB_H,
-               SERIAL: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """B(i, c) (module docstring); False when its wait ran out."""
-    q = i % Q
-    n = i // Q
-    ok = _wait(h_ready_ptr + q, _stamp(epoch, n), err_ptr, WAIT_H_READY, rank, i, timeout_us, SERIAL)
-    if ok:
-        e, rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
-        s = tl.load(row_slot_ptr + rows, mask=real, other=0)  # gathered slot p·N + t·K + j
-        src = s // N
-        slot_ptrs = tl.load(slots_table + src, mask=real, other=0).to(tl.pointer_type(tl.bfloat16))
-        _down_block(h_ptr + q.to(tl.int64) * BLOCK_M * I, wd_ptr + e.to(tl.int64) * H * I,
-                    slot_ptrs + (s % N).to(tl.int64) * H, real, c * BLOCK_N, H, I, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-        tl.debug_barrier()  # every thread's slot stores and h reads done before the count
-        if tl.atomic_add(down_done_ptr + q, 1, sem="acq_rel", scope="sys") == NB_H - 1:
-            # the tile's last B item: every other's slot stores and reads are ordered before this (acq_rel)
-            tl.atomic_xchg(down_done_ptr + q, 0, sem="relaxed", scope="sys")
-            tl.atomic_xchg(consumed_ptr + q, _stamp(epoch, n), sem="release", scope="sys")
-            tl.debug_barrier()  # the count's acquire before every thread's arrival increments
-            arrivals = tl.load(arrivals_table + src, mask=real, other=0).to(tl.pointer_type(tl.int32))
-            tl.atomic_add(arrivals + (s % N) // K, 1, mask=real, sem="release", scope="sys")
-    return ok
+def _down_item(f, stamp, h_ptr, wd_ptr, dst_ptrs, arrival_ptrs, real, n0, consumed_ptr, down_done_ptr, H, I, NB_H,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """A B item of the tile of flag slot f (its wait done): output columns [n0, n0 + BLOCK_N) of its real rows,
+    then the count; the tile's last B item stores consumed[f] = stamp and adds 1 at each real row's arrival
+    counter."""
+    _down_block(h_ptr, wd_ptr, dst_ptrs, real, n0, H, I, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+    tl.debug_barrier()  # every thread's output stores and h reads done before the count
+    if tl.atomic_add(down_done_ptr + f, 1, sem="acq_rel", scope="sys") == NB_H - 1:
+        # the tile's last B item: every other's output stores and reads are ordered before this (acq_rel)
+        tl.atomic_xchg(down_done_ptr + f, 0, sem="relaxed", scope="sys")
+        tl.atomic_xchg(consumed_ptr + f, stamp, sem="release", scope="sys")
+        tl.debug_barrier()  # the count's acquire before every thread's arrival increments
+        tl.atomic_add(arrival_ptrs, 1, mask=real, sem="release", scope="sys")
 
 
 @triton.jit
-def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, consumed_ptr, h_ready_ptr, gate_up_done_ptr, down_done_ptr,
-                     next_item_ptr, programs_done_ptr, slots_table, arrivals_table, group_end_ptr, tile_end_ptr,
-                     row_slot_ptr, wg_ptr, wu_ptr, wd_ptr, err_ptr, epoch, timeout_us, tile_lo, tile_hi, item_lo,
-                     item_hi, limit, L, N, K, H, I, Q, COMPUTE, G, LAG, PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                     LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_F32: tl.constexpr):
+def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr, gate_up_done_ptr, down_done_ptr,
+                     next_item_ptr, programs_done_ptr, x_table, slots_table, arrivals_table, group_end_ptr,
+                     tile_end_ptr, row_slot_ptr, wg_ptr, wu_ptr, wd_ptr, shared_h_ptr, shared_out_ptr, wsg_ptr, wsu_ptr,
+                     wsd_ptr, err_ptr, epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, shared_limit, L,
+                     T, N, K, H, I, I_S, Q, COMPUTE, G, LAG, SG, PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                     SHARED: tl.constexpr, HAS_SHARED_LIMIT: tl.constexpr, LOG_L: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """Claims items until none is left (module docstring), running those of its launch's kind and window."""
     SERIAL: tl.constexpr = PHASE != 0
     NB_I = tl.cdiv(I, BLOCK_N)
     NB_H = tl.cdiv(H, BLOCK_N)
+    NB_IS = tl.cdiv(I_S, BLOCK_N)
+    first_routed = SG * G  # tile u of the item order: the shared expert's below first_routed, routed u - first_routed
     tiles = tl.load(tile_end_ptr + L - 1)
-    end = tl.minimum((tl.cdiv(tiles, G) + LAG) * G * (NB_I + NB_H), item_hi)
+    end = tl.minimum(SG * G * (NB_IS + NB_H) + (tl.cdiv(tiles, G) + LAG) * G * (NB_I + NB_H), item_hi)
     tile_lo = tl.maximum(tile_lo, 0)
-    tile_hi = tl.minimum(tile_hi, tiles)
+    tile_hi = tl.minimum(tile_hi, first_routed + tiles)
     alive = tl.full((), 1, tl.int1)
     j = item_lo + tl.atomic_add(next_item_ptr, 1, sem="relaxed", scope="gpu")
     while alive & (j < end):
-        is_a, i, block = _item(j, G, LAG, NB_I, NB_H)
-        mine = (i >= tile_lo) & (i < tile_hi)  # a tile of this launch's window (every tile but in serialized mode)
+        is_a, u, block = _item(j, G, LAG, NB_I, NB_H, NB_IS, SG)
+        # a tile of this launch's window (every tile but in serialized mode); the shared groups' padding tiles: none
+        mine = (u >= tile_lo) & (u < tile_hi) & ((u >= first_routed) | (u * BLOCK_M < T))
+        i = u - first_routed  # the routed tile
+        q = i % Q
+        stamp = _stamp(epoch, tl.maximum(i, 0) // Q)  # a shared tile's: round 0
+        n0 = block * BLOCK_N
         if PHASE != 4:
-            if is_a & mine:
-                alive = _gate_up_item(i, block, rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, gate_up_done_ptr,
-                                      group_end_ptr, tile_end_ptr, wg_ptr, wu_ptr, err_ptr, epoch, timeout_us, limit,
-                                      L, H, I, Q, NB_I, SERIAL, HAS_LIMIT, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+            if is_a & mine & (u >= first_routed):
+                alive = _wait(ready_ptr + q, stamp, err_ptr, WAIT_RING_READY, rank, i, timeout_us, SERIAL)
+                if alive:
+                    e, _rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
+                    w_off = e.to(tl.int64) * I * H
+                    _gate_up_item(q, stamp, ring_ptr + q.to(tl.int64) * BLOCK_M * H, real, wg_ptr + w_off,
+                                  wu_ptr + w_off, h_ptr + q.to(tl.int64) * BLOCK_M * I, n0, h_ready_ptr,
+                                  gate_up_done_ptr, H, I, NB_I, limit, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+            if SHARED:
+                if is_a & mine & (u < first_routed):  # this rank's own tokens: no wait (written before the launch)
+                    rows = u * BLOCK_M + tl.arange(0, BLOCK_M)
+                    x_ptr = tl.load(x_table + rank).to(tl.pointer_type(tl.bfloat16))
+                    _gate_up_item(Q + u, stamp, x_ptr + u.to(tl.int64) * BLOCK_M * H, rows < T, wsg_ptr, wsu_ptr,
+                                  shared_h_ptr + u.to(tl.int64) * BLOCK_M * I_S, n0, h_ready_ptr, gate_up_done_ptr, H,
+                                  I_S, NB_IS, shared_limit, HAS_SHARED_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
         if PHASE != 3:
-            if (is_a == 0) & mine:
-                alive = _down_item(i, block, rank, h_ptr, h_ready_ptr, consumed_ptr, down_done_ptr, slots_table,
-                                   arrivals_table, group_end_ptr, tile_end_ptr, row_slot_ptr, wd_ptr, err_ptr, epoch,
-                                   timeout_us, L, N, K, H, I, Q, NB_H, SERIAL, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K,
-                                   DOT_F32)
+            if (is_a == 0) & mine & (u >= first_routed):
+                alive = _wait(h_ready_ptr + q, stamp, err_ptr, WAIT_H_READY, rank, i, timeout_us, SERIAL)
+                if alive:
+                    e, rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
+                    s = tl.load(row_slot_ptr + rows, mask=real, other=0)  # gathered slot p·N + t·K + j
+                    src = s // N
+                    slot_ptrs = tl.load(slots_table + src, mask=real, other=0).to(tl.pointer_type(tl.bfloat16))
+                    arrivals = tl.load(arrivals_table + src, mask=real, other=0).to(tl.pointer_type(tl.int32))
+                    _down_item(q, stamp, h_ptr + q.to(tl.int64) * BLOCK_M * I, wd_ptr + e.to(tl.int64) * H * I,
+                               slot_ptrs + (s % N).to(tl.int64) * H, arrivals + (s % N) // K, real, n0, consumed_ptr,
+                               down_done_ptr, H, I, NB_H, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+            if SHARED:
+                if (is_a == 0) & mine & (u < first_routed):
+                    alive = _wait(h_ready_ptr + Q + u, stamp, err_ptr, WAIT_SHARED_H_READY, rank, u, timeout_us,
+                                  SERIAL)
+                    if alive:
+                        rows = u * BLOCK_M + tl.arange(0, BLOCK_M)
+                        arrivals = tl.load(arrivals_table + rank).to(tl.pointer_type(tl.int32))
+                        _down_item(Q + u, stamp, shared_h_ptr + u.to(tl.int64) * BLOCK_M * I_S, wsd_ptr,
+                                   shared_out_ptr + rows.to(tl.int64) * H, arrivals + rows, rows < T, n0,
+                                   consumed_ptr, down_done_ptr, H, I_S, NB_H, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
         j = item_lo + tl.atomic_add(next_item_ptr, 1, sem="relaxed", scope="gpu")
     # this program claims nothing more; the last of the rank's programs to get here rearms the counter for the next
-    # launch (stream order puts that launch after every claim of this one)
-    # (acq_rel: the others' claims are ordered before the reset)
+    # launch (stream order puts that launch after every claim of this one; acq_rel: the others' claims come before)
     if tl.atomic_add(programs_done_ptr, 1, sem="acq_rel", scope="gpu") == COMPUTE - 1:
         tl.atomic_xchg(next_item_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(programs_done_ptr, 0, sem="relaxed", scope="gpu")
 
 
-# not specialized: the integers that vary per call or per configuration (one compiled kernel per H, I and tiles)
+# not specialized: the integers that vary per call or per configuration (one compiled kernel per H, I, I_S and tiles)
 @triton.jit(do_not_specialize=["first_rank", "epoch", "stall_rank", "timeout_us", "tile_lo", "tile_hi", "item_lo",
-                               "item_hi", "P", "L", "T", "K", "Q", "COMM", "COMPUTE", "G", "LAG"])
+                               "item_hi", "P", "L", "T", "K", "Q", "COMM", "COMPUTE", "G", "LAG", "SG"])
 def _megakernel(
-    # local to the hosted ranks: ring [V, Q, M, H] bf16, h [V, Q, M, I] bf16
-    ring_ptr, h_ptr,
-    # ... int64 [V, Q]: ready, h_ready, consumed; int32 [V, Q]: gate_up_done, down_done; int32 [V]: next_item,
-    # programs_done
-    ready_ptr, h_ready_ptr, consumed_ptr, gate_up_done_ptr, down_done_ptr, next_item_ptr, programs_done_ptr,
+    # local to the hosted ranks: ring [V, Q, M, H] bf16, h [V, Q, M, I] bf16; int64 [V, Q] ready
+    ring_ptr, h_ptr, ready_ptr,
+    # per flag slot f (the ring's Q slots, then the shared expert's SG·G tiles; F = Q + SG·G): int64 [V, F] h_ready,
+    # consumed; int32 [V, F] gate_up_done, down_done; int32 [V]: next_item, programs_done
+    h_ready_ptr, consumed_ptr, gate_up_done_ptr, down_done_ptr, next_item_ptr, programs_done_ptr,
     # int64 [P] addresses of every rank's symmetric buffers
     x_table, slots_table, arrivals_table, x_ready_table,
     # the hosted ranks' schedules: group_end, tile_end int32 [V, L], row_slot int32 [V, P·N]
     group_end_ptr, tile_end_ptr, row_slot_ptr,
     # the hosted ranks' expert weights: w_gate, w_up [V·L, I, H], w_down [V·L, H, I] bf16
     wg_ptr, wu_ptr, wd_ptr,
+    # the shared expert (SHARED): its h [V, SG·G·M, I_S] and output [V, T, H] bf16, its weights w_gate, w_up
+    # [I_S, H], w_down [H, I_S] bf16
+    shared_h_ptr, shared_out_ptr, wsg_ptr, wsu_ptr, wsd_ptr,
     err_ptr,
-    first_rank, epoch, stall_rank, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit,
-    P, L, T, K, H, I, Q, COMM, COMPUTE, G, LAG,
-    PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr,
+    first_rank, epoch, stall_rank, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, shared_limit,
+    P, L, T, K, H, I, I_S, Q, COMM, COMPUTE, G, LAG, SG,
+    PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, SHARED: tl.constexpr, HAS_SHARED_LIMIT: tl.constexpr,
+    LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     local = pid // (COMM + COMPUTE)  # this program's rank, within the launch
@@ -412,33 +455,37 @@ def _megakernel(
     rank = first_rank + local
     N = T * K
     local64 = local.to(tl.int64)
+    F = Q + SG * G
     ring_ptr += local64 * Q * BLOCK_M * H
     ready_ptr += local64 * Q
-    consumed_ptr += local64 * Q
+    consumed_ptr += local64 * F
     group_end_ptr += local * L
     tile_end_ptr += local * L
     row_slot_ptr += local64 * P * N
+    first_tile = SG * G  # the item order's tiles: the shared expert's first, then the routed (tile i: first_tile + i)
     if role < COMM:
         if PHASE <= 2:
             _comm_program(role, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_table, group_end_ptr,
-                          tile_end_ptr, row_slot_ptr, err_ptr, epoch, stall_rank, timeout_us, tile_lo, tile_hi, P, L,
-                          N, K, H, Q, COMM, PHASE, LOG_L, BLOCK_M, BLOCK_H)
+                          tile_end_ptr, row_slot_ptr, err_ptr, epoch, stall_rank, timeout_us, tile_lo - first_tile,
+                          tile_hi - first_tile, P, L, N, K, H, Q, COMM, PHASE, LOG_L, BLOCK_M, BLOCK_H)
     else:
         if PHASE == 0 or PHASE >= 3:
             w_off = local64 * L * I * H  # the hosted rank's first expert
-            _compute_program(rank, ring_ptr, h_ptr + local64 * Q * BLOCK_M * I, ready_ptr, consumed_ptr,
-                             h_ready_ptr + local64 * Q, gate_up_done_ptr + local64 * Q, down_done_ptr + local64 * Q,
-                             next_item_ptr + local, programs_done_ptr + local, slots_table, arrivals_table,
+            _compute_program(rank, ring_ptr, h_ptr + local64 * Q * BLOCK_M * I, ready_ptr, h_ready_ptr + local64 * F,
+                             consumed_ptr, gate_up_done_ptr + local64 * F, down_done_ptr + local64 * F,
+                             next_item_ptr + local, programs_done_ptr + local, x_table, slots_table, arrivals_table,
                              group_end_ptr, tile_end_ptr, row_slot_ptr, wg_ptr + w_off, wu_ptr + w_off, wd_ptr + w_off,
-                             err_ptr, epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, L, N, K, H, I, Q,
-                             COMPUTE, G, LAG, PHASE, HAS_LIMIT, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                             shared_h_ptr + local64 * first_tile * BLOCK_M * I_S, shared_out_ptr + local64 * T * H,
+                             wsg_ptr, wsu_ptr, wsd_ptr, err_ptr, epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi,
+                             limit, shared_limit, L, T, N, K, H, I, I_S, Q, COMPUTE, G, LAG, SG, PHASE, HAS_LIMIT,
+                             SHARED, HAS_SHARED_LIMIT, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
 
 
 # debug: the device assertions below are compiled in
 @triton.jit(debug=True, do_not_specialize=["first_rank", "arrivals_expected", "timeout_us"])
-def _finish_kernel(slots_table, arrivals_table, w_ptr, shared_ptr, out_ptr, err_ptr, first_rank, arrivals_expected,
-                   timeout_us, T, H, K: tl.constexpr, HAS_SHARED: tl.constexpr, SERIAL: tl.constexpr,
-                   TRAP: tl.constexpr, BLOCK_H: tl.constexpr):
+def _finish_kernel(slots_table, arrivals_table, w_ptr, shared_ptr, scale_ptr, out_ptr, err_ptr, first_rank,
+                   arrivals_expected, timeout_us, T, H, K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, SERIAL: tl.constexpr, TRAP: tl.constexpr, BLOCK_H: tl.constexpr):
     local = tl.program_id(0) // T
     t = (tl.program_id(0) % T).to(tl.int64)
     rank = first_rank + local
@@ -451,6 +498,8 @@ def _finish_kernel(slots_table, arrivals_table, w_ptr, shared_ptr, out_ptr, err_
         tl.device_assert(code != WAIT_RING_FREE, "mok megakernel: timed out waiting for a ring slot to be consumed")
         tl.device_assert(code != WAIT_ARRIVALS, "mok megakernel: timed out waiting for a token's K rows to arrive")
         tl.device_assert(code != WAIT_H_READY, "mok megakernel: timed out waiting for a ring tile's gate/up items")
+        tl.device_assert(code != WAIT_SHARED_H_READY,
+                         "mok megakernel: timed out waiting for the shared expert's gate/up items")
     slots_ptr = tl.load(slots_table + rank).to(tl.pointer_type(tl.bfloat16))
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -460,30 +509,54 @@ def _finish_kernel(slots_table, arrivals_table, w_ptr, shared_ptr, out_ptr, err_
         acc = acc + _slot_term(slots_ptr, w_ptr, slots_ptr, t, j, cols, ok, H, K, True, False)
     row = (local.to(tl.int64) * T + t) * H
     if HAS_SHARED:
-        acc = acc + tl.load(shared_ptr + row + cols, mask=ok, other=0.0).to(tl.float32)
+        shared = tl.load(shared_ptr + row + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_SCALE:  # a per-token scale of the shared output (Qwen3.5's gate), rounded to fp32 before the add
+            shared = shared * tl.load(scale_ptr + local * T + t)
+        acc = acc + shared
     tl.store(out_ptr + row + cols, _round_to(acc, out_ptr), mask=ok)
 
 
 # ----------------------------------------------------------------------------- host side
 
 
+@dataclass(frozen=True)
+class SharedFFN:
+    """The shared expert, run inside the launch on each hosted rank's own tokens: bf16 contiguous w_gate [I_S, H],
+    w_up [I_S, H], w_down [H, I_S], its own SwiGLU clamp."""
+
+    w_gate_IH: torch.Tensor
+    w_up_IH: torch.Tensor
+    w_down_HI: torch.Tensor
+    swiglu_limit: float | None = None
+
+    @property
+    def dim(self) -> int:
+        return self.w_gate_IH.shape[0]
+
+
 @dataclass
 class MegakernelBuffers:
-    """What a launch reads and writes besides the schedule and the weights (module docstring)."""
+    """What a launch reads and writes besides the schedule and the weights (module docstring; F = Q + SG·G flag
+    slots: the ring's, then the shared expert's tiles')."""
 
     ring_VQMH: torch.Tensor
     h_VQMI: torch.Tensor
     ready_VQ: torch.Tensor
-    h_ready_VQ: torch.Tensor
-    consumed_VQ: torch.Tensor
-    gate_up_done_VQ: torch.Tensor
-    down_done_VQ: torch.Tensor
+    h_ready_VF: torch.Tensor
+    consumed_VF: torch.Tensor
+    gate_up_done_VF: torch.Tensor
+    down_done_VF: torch.Tensor
     next_item_V: torch.Tensor
     programs_done_V: torch.Tensor
     tables: dict[str, torch.Tensor]
     """"x_TH", "slots_NH", "arrivals_T", "x_ready": int64 [P] addresses of every rank's buffer."""
     errors: torch.Tensor
     """int64 [6]: code, waiting rank, index, seen, expected (0: no error)."""
+    shared_h_VRI: torch.Tensor | None = None
+    """The shared expert's h rows (R = SG·G·M: its tiles, the last groups' padded) [V, R, I_S] bf16; None: no shared
+    expert in the launch."""
+    shared_out_VTH: torch.Tensor | None = None
+    """The shared expert's output rows [V, T, H] bf16 (the finish adds them)."""
 
     @property
     def ring_tiles(self) -> int:
@@ -496,7 +569,7 @@ class MegakernelBuffers:
     @property
     def flags(self) -> list[torch.Tensor]:
         """The launch's own flags and counters (the symmetric ones are the caller's)."""
-        return [self.ready_VQ, self.h_ready_VQ, self.consumed_VQ, self.gate_up_done_VQ, self.down_done_VQ,
+        return [self.ready_VQ, self.h_ready_VF, self.consumed_VF, self.gate_up_done_VF, self.down_done_VF,
                 self.next_item_V, self.programs_done_V]
 
 
@@ -517,14 +590,30 @@ class LaunchShape:
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 4
+    shared_groups: int = 0
+    """SG: the item order's groups of shared-expert tiles (0: no shared expert in the launch)."""
 
     @property
     def programs(self) -> int:
         return self.hosted_ranks * (self.comm_programs + self.compute_programs)
 
-    def items_per_step(self, dim_h: int, dim_i: int) -> int:
-        """S = G·(NB_I + NB_H): the A items of a group of tiles and the B items of another (module docstring)."""
-        return self.group_tiles * (triton.cdiv(dim_i, self.block_n) + triton.cdiv(dim_h, self.block_n))
+    def first_item(self, step: int, dim_h: int, dim_i: int, shared_dim: int) -> int:
+        """j of the first item of a step (``_item``'s order: SG steps of G·(NB_IS + NB_H) items, then steps of
+        G·(NB_I + NB_H))."""
+        blocks = lambda d: triton.cdiv(d, self.block_n)  # noqa: E731
+        shared_steps = min(step, self.shared_groups)
+        return self.group_tiles * (shared_steps * (blocks(shared_dim) + blocks(dim_h))
+                                   + (step - shared_steps) * (blocks(dim_i) + blocks(dim_h)))
+
+    @property
+    def arrivals_per_call(self) -> int:
+        """What a token's arrival counter grows by per call: its K expert rows, and its shared expert row."""
+        return self.top_k + (self.shared_groups > 0)
+
+
+def shared_groups(num_tokens: int, block_m: int, group_tiles: int) -> int:
+    """SG for a shared expert in the launch: its cdiv(T, M) tiles in groups of G."""
+    return triton.cdiv(triton.cdiv(num_tokens, block_m), group_tiles)
 
 
 def read_error(errors: torch.Tensor) -> str | None:
@@ -536,34 +625,65 @@ def read_error(errors: torch.Tensor) -> str | None:
     return f"mok megakernel: timed out: {what} (flag held {seen}, expected {expected})"
 
 
-def _megakernel_args(bufs, schedule, weights, shape: LaunchShape, epoch, stall_rank, timeout_us, tiles, items, limit):
+def _megakernel_args(bufs, schedule, weights, shared: SharedFFN | None, shape: LaunchShape, epoch, stall_rank,
+                     timeout_us, tiles, items, limit):
     group_end_VL, tile_end_VL, row_slot_VR = schedule
     w_gate_XIH, w_up_XIH, w_down_XHI = weights
     _, dim_i, dim_h = w_gate_XIH.shape
     t = bufs.tables
+    if shared is None:  # pointers the kernel does not read, and the routed I (no second specialization)
+        shared_ptrs, shared_dim, shared_limit = (bufs.h_VQMI,) * 2 + weights, dim_i, 0.0
+    else:
+        shared_ptrs = (bufs.shared_h_VRI, bufs.shared_out_VTH, shared.w_gate_IH, shared.w_up_IH, shared.w_down_HI)
+        shared_dim = shared.dim
+        shared_limit = float(shared.swiglu_limit) if shared.swiglu_limit is not None else 0.0
     return (bufs.ring_VQMH, bufs.h_VQMI, *bufs.flags, t["x_TH"], t["slots_NH"], t["arrivals_T"], t["x_ready"],
-            group_end_VL, tile_end_VL, row_slot_VR, w_gate_XIH, w_up_XIH, w_down_XHI, bufs.errors, shape.first_rank,
-            epoch, stall_rank, timeout_us, *tiles, *items, limit, shape.ep_degree, shape.num_local, shape.num_tokens,
-            shape.top_k, dim_h, dim_i, bufs.ring_tiles, shape.comm_programs, shape.compute_programs,
-            shape.group_tiles, shape.lag)
+            group_end_VL, tile_end_VL, row_slot_VR, w_gate_XIH, w_up_XIH, w_down_XHI, *shared_ptrs, bufs.errors,
+            shape.first_rank, epoch, stall_rank, timeout_us, *tiles, *items, limit, shared_limit, shape.ep_degree,
+            shape.num_local, shape.num_tokens, shape.top_k, dim_h, dim_i, shared_dim, bufs.ring_tiles,
+            shape.comm_programs, shape.compute_programs, shape.group_tiles, shape.lag, shape.shared_groups)
 
 
-def _constexprs(phase: int, has_limit: bool, num_local: int, block_m: int, block_n: int, dim_h: int,
-                num_warps: int, num_stages: int) -> dict:
-    return dict(PHASE=phase, HAS_LIMIT=has_limit, LOG_L=num_local.bit_length(), BLOCK_M=block_m, BLOCK_N=block_n,
-                BLOCK_K=BLOCK_K, BLOCK_H=min(256, triton.next_power_of_2(dim_h)), DOT_F32=_DOT_F32,
-                num_warps=num_warps, num_stages=num_stages)
+@dataclass(frozen=True)
+class KernelVariant:
+    """What one compiled megakernel is specialized on (besides the phase)."""
+
+    dim_h: int
+    dim_i: int
+    shared_dim: int
+    """I_S of the shared expert in the launch; 0: none."""
+    num_local: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    has_limit: bool
+    has_shared_limit: bool = False
+
+    def constexprs(self, phase: int) -> dict:
+        return dict(PHASE=phase, HAS_LIMIT=self.has_limit, SHARED=self.shared_dim > 0,
+                    HAS_SHARED_LIMIT=self.has_shared_limit, LOG_L=self.num_local.bit_length(), BLOCK_M=self.block_m,
+                    BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, BLOCK_H=min(256, triton.next_power_of_2(self.dim_h)),
+                    DOT_F32=_DOT_F32, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-def compile_megakernel(dim_h: int, dim_i: int, num_local: int, block_m: int, block_n: int, num_warps: int,
-                       num_stages: int, has_limit: bool):
-    """The concurrent launch's kernel compiled for these sizes (its other integers are not specialized), launching
+def _variant(bufs: MegakernelBuffers, weights, shared: SharedFFN | None, shape: LaunchShape,
+             swiglu_limit: float | None) -> KernelVariant:
+    dim_i, dim_h = weights[0].shape[1:]
+    return KernelVariant(dim_h, dim_i, 0 if shared is None else shared.dim, shape.num_local, bufs.block_m,
+                         shape.block_n, shape.num_warps, shape.num_stages, swiglu_limit is not None,
+                         shared is not None and shared.swiglu_limit is not None)
+
+
+def compile_megakernel(variant: KernelVariant):
+    """The concurrent launch's kernel compiled for a variant (its other integers are not specialized), launching
     nothing: the current driver's target (``benchmarks/tools/sass.py`` compiles it for sm_90 without a GPU)."""
     ptrs = [torch.bfloat16] * 2 + [torch.int64] * 3 + [torch.int32] * 4 + [torch.int64] * 4 + [torch.int32] * 3 + [
-        torch.bfloat16] * 3 + [torch.int64]  # pointer arguments as their dtypes (Triton's warmup takes those)
-    ints = [2] * 8 + [0.0] + [2] * 4 + [dim_h, dim_i] + [2] * 5  # first_rank ... item_hi, limit, P ... LAG
-    constexprs = _constexprs(PHASE_ALL, has_limit, num_local, block_m, block_n, dim_h, num_warps, num_stages)
-    return _megakernel.warmup(*ptrs, *ints, grid=(1,), **constexprs)
+        torch.bfloat16] * 8 + [torch.int64]  # pointer arguments as their dtypes (Triton's warmup takes those)
+    # first_rank ... item_hi, limit, shared_limit, P ... K, H, I, I_S, Q ... SG
+    ints = [2] * 8 + [0.0] * 2 + [2] * 4 + [variant.dim_h, variant.dim_i, variant.shared_dim or variant.dim_i] + [
+        2] * 6
+    return _megakernel.warmup(*ptrs, *ints, grid=(1,), **variant.constexprs(PHASE_ALL))
 
 
 def programs_per_sm(n_regs: int, shared_bytes: int, num_warps: int, props: dict) -> int:
@@ -577,11 +697,10 @@ def programs_per_sm(n_regs: int, shared_bytes: int, num_warps: int, props: dict)
 
 
 @functools.cache
-def co_resident_programs(device_index: int, dim_h: int, dim_i: int, num_local: int, block_m: int, block_n: int,
-                         num_warps: int, num_stages: int, has_limit: bool) -> int:
-    """How many programs of a concurrent launch the device runs at once: the kernel compiled for these sizes, its
+def co_resident_programs(device_index: int, variant: KernelVariant) -> int:
+    """How many programs of a concurrent launch the device runs at once: the variant's compiled kernel, its
     programs per SM times the SMs."""
-    compiled = compile_megakernel(dim_h, dim_i, num_local, block_m, block_n, num_warps, num_stages, has_limit)
+    compiled = compile_megakernel(variant)
     compiled._init_handles()
     props = triton.runtime.driver.active.utils.get_device_properties(device_index)
     per_sm = programs_per_sm(compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps, props)
@@ -589,38 +708,41 @@ def co_resident_programs(device_index: int, dim_h: int, dim_i: int, num_local: i
 
 
 def megakernel_phase(bufs: MegakernelBuffers, schedule, weights, shape: LaunchShape, phase: int, *, epoch: int,
-                     swiglu_limit: float | None, stall_rank: int | None = None, timeout_ms: float = 10_000.0,
-                     tiles: tuple[int, int] = (0, 2**31 - 1), items: tuple[int, int] = (0, 2**31 - 1)) -> None:
-    """One launch of the grid in ``phase`` (PHASE_*): its communication programs move the tiles in ``tiles`` (a
-    half-open range), its compute programs run the items in ``items`` whose tile is in ``tiles``. PHASE_ALL is the
-    concurrent launch: refused when the device cannot hold every program at once. ``megakernel_launch`` makes the
-    calls; tests call the serialized phases one by one."""
-    dim_i, dim_h = weights[0].shape[1:]
-    has_limit = swiglu_limit is not None
+                     swiglu_limit: float | None, shared: SharedFFN | None = None, stall_rank: int | None = None,
+                     timeout_ms: float = 10_000.0, tiles: tuple[int, int] = (0, 2**31 - 1),
+                     items: tuple[int, int] = (0, 2**31 - 1)) -> None:
+    """One launch of the grid in ``phase`` (PHASE_*): its communication programs pull the routed tiles, and its
+    compute programs run the items in ``items`` (a half-open range of j) of the phase's kind, whose tiles of the item
+    order (the shared expert's SG·G, then the routed) lie in ``tiles``. PHASE_ALL is the concurrent launch: refused
+    when the device cannot hold every program at once. ``megakernel_launch`` makes the calls; tests call the
+    serialized phases one by one."""
+    if (shared is not None) != (shape.shared_groups > 0):
+        raise ValueError(f"megakernel_phase: a launch shaped for {shape.shared_groups} groups of shared-expert tiles "
+                         f"{'needs' if shape.shared_groups else 'takes no'} shared expert weights")
+    variant = _variant(bufs, weights, shared, shape, swiglu_limit)
     if phase == PHASE_ALL:
-        max_programs = co_resident_programs(weights[0].device.index, dim_h, dim_i, shape.num_local, bufs.block_m,
-                                            shape.block_n, shape.num_warps, shape.num_stages, has_limit)
+        max_programs = co_resident_programs(weights[0].device.index, variant)
         if shape.programs > max_programs:
             raise RuntimeError(
                 f"mok megakernel: {shape.programs} programs ({shape.hosted_ranks} ranks x ({shape.comm_programs} "
                 f"communication + {shape.compute_programs} compute)) exceed the {max_programs} this device runs "
                 "at once, so its spin-waits could deadlock: use fewer programs per rank")
-    args = _megakernel_args(bufs, schedule, weights, shape, epoch, -1 if stall_rank is None else stall_rank,
-                            int(timeout_ms * 1000), tiles, items, float(swiglu_limit) if has_limit else 0.0)
-    constexprs = _constexprs(phase, has_limit, shape.num_local, bufs.block_m, shape.block_n, dim_h, shape.num_warps,
-                             shape.num_stages)
-    _megakernel[(shape.programs,)](*args, **constexprs)
+    args = _megakernel_args(bufs, schedule, weights, shared, shape, epoch, -1 if stall_rank is None else stall_rank,
+                            int(timeout_ms * 1000), tiles, items,
+                            float(swiglu_limit) if swiglu_limit is not None else 0.0)
+    _megakernel[(shape.programs,)](*args, **variant.constexprs(phase))
 
 
 def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchShape, *, epoch: int,
-                      swiglu_limit: float | None, serialized: bool, stall_rank: int | None = None,
-                      timeout_ms: float = 10_000.0) -> None:
+                      swiglu_limit: float | None, serialized: bool, shared: SharedFFN | None = None,
+                      stall_rank: int | None = None, timeout_ms: float = 10_000.0) -> None:
     """The forward's one launch (``serialized``: its phases one after another, see the module docstring).
 
     schedule: (group_end_VL, tile_end_VL, row_slot_VR) int32 of the hosted ranks; weights: (w_gate [V·L, I, H],
-    w_up [V·L, I, H], w_down [V·L, H, I]) bf16 contiguous. A concurrent launch with more programs than the device
-    runs at once raises instead of risking a deadlock. ``stall_rank``: a rank whose communication programs
-    publish nothing (tests of the bounded waits)."""
+    w_up [V·L, I, H], w_down [V·L, H, I]) bf16 contiguous; shared: the shared expert in the launch (exactly when
+    shape.shared_groups > 0). A concurrent launch with more programs than the device runs at once raises instead of
+    risking a deadlock. ``stall_rank``: a rank whose communication programs publish nothing (tests of the bounded
+    waits)."""
     if not 1 <= epoch <= MAX_EPOCH:
         raise ValueError(f"megakernel_launch: epoch = {epoch} must be in [1, {MAX_EPOCH}]")
     ring, group = bufs.ring_tiles, shape.group_tiles
@@ -628,34 +750,49 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
         raise ValueError(f"megakernel_launch: (lag + 1) x group_tiles = ({shape.lag} + 1) x {group} must be <= the "
                          f"{ring} ring tiles (module docstring: deadlock freedom)")
     run = functools.partial(megakernel_phase, bufs, schedule, weights, shape, epoch=epoch, swiglu_limit=swiglu_limit,
-                            stall_rank=stall_rank, timeout_ms=timeout_ms)
+                            shared=shared, stall_rank=stall_rank, timeout_ms=timeout_ms)
     if not serialized:
         run(PHASE_ALL)
         return
+    dims = (weights[0].shape[2], weights[0].shape[1], 0 if shared is None else shared.dim)
+
+    def compute(window):  # the window's A items, then its B items (each from the steps that hold them)
+        steps = (window[0] // group, triton.cdiv(window[1], group))
+        for phase, lag in ((PHASE_GATE_UP, 0), (PHASE_DOWN, shape.lag)):
+            run(phase, tiles=window, items=tuple(shape.first_item(s + lag, *dims) for s in steps))
+
     run(PHASE_PUBLISH)
-    # the host knows an upper bound of the tiles (no sync): every row in its own expert's tiles
+    first_routed = shape.shared_groups * group
+    if first_routed:  # the shared expert's tiles
+        compute((0, first_routed))
+    # the host knows an upper bound of the routed tiles (no sync): every row in its own expert's tiles
     max_tiles = triton.cdiv(shape.ep_degree * shape.num_tokens * shape.top_k, bufs.block_m) + shape.num_local
-    per_step = shape.items_per_step(weights[0].shape[2], weights[0].shape[1])
     for n in range(triton.cdiv(max_tiles, ring)):  # a round: the ring's tiles pulled, their A items, their B items
-        lo, hi = n * ring, (n + 1) * ring
-        steps = (lo // group, triton.cdiv(hi, group))  # the steps holding the window's A items
-        run(PHASE_COMM, tiles=(lo, hi))
-        run(PHASE_GATE_UP, tiles=(lo, hi), items=(steps[0] * per_step, steps[1] * per_step))
-        run(PHASE_DOWN, tiles=(lo, hi), items=((steps[0] + shape.lag) * per_step, (steps[1] + shape.lag) * per_step))
+        window = (first_routed + n * ring, first_routed + (n + 1) * ring)
+        run(PHASE_COMM, tiles=window)
+        compute(window)
 
 
 def megakernel_finish(bufs: MegakernelBuffers, weights_VTK: torch.Tensor, shared_VTH: torch.Tensor | None,
                       out_VTH: torch.Tensor, shape: LaunchShape, *, epoch: int, serialized: bool, trap: bool,
-                      timeout_ms: float = 10_000.0) -> None:
-    """out[v, t] = cast(Σ_j w[v,t,j]·slots_v[t,j] + shared[v,t]) in fp32, ascending j, once token t's K rows have
-    arrived (``trap``: a recorded error stops the device with an assertion naming the wait)."""
+                      shared_scale_VT: torch.Tensor | None = None, timeout_ms: float = 10_000.0) -> None:
+    """out[v, t] = cast(Σ_j w[v,t,j]·slots_v[t,j] + shared[v,t]) in fp32, ascending j, once token t's rows have
+    arrived (``trap``: a recorded error stops the device with an assertion naming the wait). shared: the launch's
+    shared expert output when it ran one (then shared_VTH must be None), else shared_VTH (None: no shared term);
+    shared_scale_VT (fp32): shared[v, t] times it first (one fp32 rounding)."""
+    if shape.shared_groups and shared_VTH is not None:
+        raise ValueError("megakernel_finish: the launch ran the shared expert; shared_VTH must be None")
+    shared = bufs.shared_out_VTH if shape.shared_groups else shared_VTH
+    if shared_scale_VT is not None and shared is None:
+        raise ValueError("megakernel_finish: shared_scale_VT scales a shared output, and there is none")
     num_tokens, dim_h = out_VTH.shape[1:]
     if num_tokens == 0:
         return
     block_h = 1024
     grid = (shape.hosted_ranks * num_tokens, triton.cdiv(dim_h, block_h))
     _finish_kernel[grid](bufs.tables["slots_NH"], bufs.tables["arrivals_T"], weights_VTK,
-                         shared_VTH if shared_VTH is not None else out_VTH, out_VTH, bufs.errors, shape.first_rank,
-                         epoch * shape.top_k, int(timeout_ms * 1000), num_tokens, dim_h, K=shape.top_k,
-                         HAS_SHARED=shared_VTH is not None, SERIAL=serialized, TRAP=trap, BLOCK_H=block_h,
-                         enable_fp_fusion=False)
+                         shared if shared is not None else out_VTH,
+                         shared_scale_VT if shared_scale_VT is not None else weights_VTK, out_VTH, bufs.errors,
+                         shape.first_rank, epoch * shape.arrivals_per_call, int(timeout_ms * 1000), num_tokens, dim_h,
+                         K=shape.top_k, HAS_SHARED=shared is not None, HAS_SCALE=shared_scale_VT is not None,
+                         SERIAL=serialized, TRAP=trap, BLOCK_H=block_h, enable_fp_fusion=False)

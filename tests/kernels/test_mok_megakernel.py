@@ -28,6 +28,7 @@ from titan_mok.kernels.mok_megakernel import (
     PHASE_DOWN,
     PHASE_GATE_UP,
     PHASE_PUBLISH,
+    SharedFFN,
     _item,
     megakernel_phase,
     programs_per_sm,
@@ -169,37 +170,43 @@ def test_item_orders_and_rings_give_the_same_bits(order, kind):
 
 
 @triton.jit
-def _item_order_kernel(out_ptr, items, G, LAG, NB_I, NB_H, BLOCK: tl.constexpr):
+def _item_order_kernel(out_ptr, items, G, LAG, NB_I, NB_H, NB_IS, SG, BLOCK: tl.constexpr):
     j = tl.arange(0, BLOCK)
-    is_a, tile, block = _item(j, G, LAG, NB_I, NB_H)
+    is_a, tile, block = _item(j, G, LAG, NB_I, NB_H, NB_IS, SG)
     ok = j < items
     tl.store(out_ptr + 3 * j, is_a.to(tl.int32), mask=ok)
     tl.store(out_ptr + 3 * j + 1, tile, mask=ok)
     tl.store(out_ptr + 3 * j + 2, block, mask=ok)
 
 
+@pytest.mark.parametrize("shared_groups", [0, 2])
 @pytest.mark.parametrize("group, lag, ring", [(1, 0, 1), (3, 1, 6), (3, 1, 7), (2, 4, 10), (3, 1, 5), (2, 1, 3)])
 @interpreted
-def test_item_order_puts_every_wait_on_earlier_work(group, lag, ring):
-    """The kernel's own item decoding (``_item``) for 7 tiles, 3 + 2 column blocks: every item once; A items column
-    block major within their group; every B item after its tile's A items; a group's first item after the B items
-    of the tiles whose ring slots its tiles take (the pulls' waits), which holds exactly when (lag + 1)·G <= Q."""
-    tiles, nb_i, nb_h = 7, 3, 2
-    items = (triton.cdiv(tiles, group) + lag) * group * (nb_i + nb_h)
+def test_item_order_puts_every_wait_on_earlier_work(group, lag, ring, shared_groups):
+    """The kernel's own item decoding (``_item``) for 7 routed tiles, 3 + 2 column blocks, after shared_groups
+    groups of shared-expert tiles (4 + 2 column blocks): every item once; A items column block major within their
+    group; every B item after its tile's A items; a group's first item after the B items of the tiles whose ring
+    slots its tiles take (the pulls' waits), which holds exactly when (lag + 1)·G <= Q."""
+    tiles, nb_i, nb_h, nb_is = 7, 3, 2, 4
+    first = shared_groups * group  # the routed tiles' first in the order
+    items = shared_groups * group * (nb_is + nb_h) + (triton.cdiv(tiles, group) + lag) * group * (nb_i + nb_h)
     out = torch.zeros(items, 3, dtype=torch.int32, device=DEVICE)
-    _item_order_kernel[(1,)](out, items, group, lag, nb_i, nb_h, BLOCK=triton.next_power_of_2(items))
+    _item_order_kernel[(1,)](out, items, group, lag, nb_i, nb_h, nb_is, shared_groups,
+                             BLOCK=triton.next_power_of_2(items))
     is_a, tile, block = out.cpu().unbind(1)
-    real = (tile >= 0) & (tile < tiles)
+    real = (tile >= 0) & (tile < first + tiles)
     done = sorted(zip(is_a[real].tolist(), tile[real].tolist(), block[real].tolist()))
-    assert done == sorted([(1, i, b) for i in range(tiles) for b in range(nb_i)] +
-                          [(0, i, c) for i in range(tiles) for c in range(nb_h)])
+    a_blocks = [nb_is] * first + [nb_i] * tiles
+    assert done == sorted([(1, u, b) for u in range(first + tiles) for b in range(a_blocks[u])] +
+                          [(0, u, c) for u in range(first + tiles) for c in range(nb_h)])
     where = {key: j for j, key in enumerate(zip(is_a.tolist(), tile.tolist(), block.tolist())) if real[j]}
-    for i in range(tiles):
-        assert max(where[1, i, b] for b in range(nb_i)) < min(where[0, i, c] for c in range(nb_h))
-        if i % group:  # column block major: block b of tile i right after block b of the tile before it
-            assert all(where[1, i, b] == where[1, i - 1, b] + 1 for b in range(nb_i))
+    for u in range(first + tiles):
+        assert max(where[1, u, b] for b in range(a_blocks[u])) < min(where[0, u, c] for c in range(nb_h))
+        if u % group:  # column block major: block b of tile u right after block b of the tile before it
+            assert all(where[1, u, b] == where[1, u - 1, b] + 1 for b in range(a_blocks[u]))
     pulls_wait_on_earlier_work = all(
-        max(where[0, i - ring, c] for c in range(nb_h)) < min(where[1, i // group * group, b] for b in range(nb_i))
+        max(where[0, first + i - ring, c] for c in range(nb_h))
+        < min(where[1, first + i // group * group, b] for b in range(nb_i))
         for i in range(ring, tiles))
     assert pulls_wait_on_earlier_work == ((lag + 1) * group <= ring or tiles <= ring)
 
@@ -216,16 +223,19 @@ def test_a_lag_the_ring_cannot_hold_is_refused():
 
 @interpreted
 def test_counters_rearm_and_flags_agree_after_a_call():
-    """After a call every per-slot item count and the item counter are back at 0, and every slot used holds this
-    call's stamps in ready, h_ready and consumed alike (its tile pulled, its gate/up done, its down done)."""
-    (x, weights, shared), expert_weights = layer_inputs(2, 64, seed=19)
-    ids = routing("skewed", 2, seed=20)
-    megakernel(2, x, weights, ids, shared, expert_weights)
-    ws = mk._WORKSPACES[(torch.device(DEVICE), 2, T, K, 64, I, E // 2, SMALL)]
-    bufs = ws.bufs
-    for count in (bufs.gate_up_done_VQ, bufs.down_done_VQ, bufs.next_item_V, bufs.programs_done_V):
+    """After a call every per-slot item count and the item counter are back at 0, and every ring slot used holds
+    this call's stamps in ready, h_ready and consumed alike (its tile pulled, its gate/up done, its down done); with
+    the shared expert in the launch (20 tokens: 2 tiles, a group of 2), its two flag slots hold stamp(e, 0)."""
+    (x, weights, _), expert_weights = layer_inputs(2, 64, seed=19, tokens=20)
+    ids = routing("skewed", 2, tokens=20, seed=20)
+    megakernel(2, x, weights, ids, None, expert_weights, shared_expert=SharedFFN(*shared_inputs(64, 32, seed=33)))
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 2, 20, K, 64, I, E // 2, SMALL, 32)]
+    bufs, ring = ws.bufs, SMALL.ring_tiles
+    for count in (bufs.gate_up_done_VF, bufs.down_done_VF, bufs.next_item_V, bufs.programs_done_V):
         assert not count.any(), count
-    assert torch.equal(bufs.ready_VQ, bufs.h_ready_VQ) and torch.equal(bufs.ready_VQ, bufs.consumed_VQ)
+    for flags in (bufs.h_ready_VF, bufs.consumed_VF):
+        assert torch.equal(flags[:, :ring], bufs.ready_VQ)
+        assert flags[:, ring:].tolist() == [[ws.epoch << 32] * 2] * 2
     assert (bufs.ready_VQ >> 32 == ws.epoch).any()
 
 
@@ -237,7 +247,7 @@ def test_a_tile_is_published_by_its_last_item_only():
     (x, weights, shared), expert_weights = layer_inputs(1, 64, seed=22)
     ids = routing("balanced", 1)  # 4 rows per expert: tile i is expert i's
     megakernel(1, x, weights, ids, shared, expert_weights)  # allocates the workspace
-    ws = mk._WORKSPACES[(torch.device(DEVICE), 1, T, K, 64, I, E, SMALL)]
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 1, T, K, 64, I, E, SMALL, 0)]
     bufs = ws.bufs
     schedule = mk.tile_schedules([ids.to(DEVICE)], E, E, SMALL.block_m)
     epoch = ws.next_epoch()
@@ -249,18 +259,18 @@ def test_a_tile_is_published_by_its_last_item_only():
     run(PHASE_PUBLISH)
     run(PHASE_COMM)
     run(PHASE_GATE_UP, items=(0, 1))
-    assert bufs.gate_up_done_VQ[0, :2].tolist() == [1, 0] and (bufs.h_ready_VQ[0, :2] != stamp).all()
+    assert bufs.gate_up_done_VF[0, :2].tolist() == [1, 0] and (bufs.h_ready_VF[0, :2] != stamp).all()
     run(PHASE_GATE_UP, items=(1, 3))
-    assert bufs.gate_up_done_VQ[0, :2].tolist() == [0, 1] and bufs.h_ready_VQ[0, :2].tolist()[0] == stamp
-    assert bufs.h_ready_VQ[0, 1] != stamp
+    assert bufs.gate_up_done_VF[0, :2].tolist() == [0, 1] and bufs.h_ready_VF[0, :2].tolist()[0] == stamp
+    assert bufs.h_ready_VF[0, 1] != stamp
     run(PHASE_GATE_UP, items=(3, 8))
-    assert bufs.h_ready_VQ[0, :2].tolist() == [stamp, stamp] and not bufs.gate_up_done_VQ.any()
+    assert bufs.h_ready_VF[0, :2].tolist() == [stamp, stamp] and not bufs.gate_up_done_VF.any()
     run(PHASE_DOWN, items=(12, 15))
-    assert bufs.down_done_VQ[0, :2].tolist() == [0, 1] and bufs.consumed_VQ[0, 0] == stamp
-    assert bufs.consumed_VQ[0, 1] != stamp and arrivals.sum().item() == arrived + 4  # tile 0: expert 0's 4 rows
+    assert bufs.down_done_VF[0, :2].tolist() == [0, 1] and bufs.consumed_VF[0, 0] == stamp
+    assert bufs.consumed_VF[0, 1] != stamp and arrivals.sum().item() == arrived + 4  # tile 0: expert 0's 4 rows
     run(PHASE_DOWN, items=(15, 16))
-    assert bufs.consumed_VQ[0, :2].tolist() == [stamp, stamp] and arrivals.sum().item() == arrived + 8
-    assert not bufs.down_done_VQ.any() and read_error(bufs.errors) is None
+    assert bufs.consumed_VF[0, :2].tolist() == [stamp, stamp] and arrivals.sum().item() == arrived + 8
+    assert not bufs.down_done_VF.any() and read_error(bufs.errors) is None
     ws.reset()  # the call was left unfinished (only the first window ran): its tokens' arrivals are short
 
 
@@ -275,7 +285,7 @@ def test_a_missing_phase_is_a_named_error_then_the_workspace_recovers(skipped, w
     ids = routing("balanced", 1)
     want = triton_path(x, weights, ids.to(DEVICE), shared, expert_weights)
     assert torch.equal(megakernel(1, x, weights, ids, shared, expert_weights), want)  # allocates the workspace
-    ws = mk._WORKSPACES[(torch.device(DEVICE), 1, T, K, 64, I, E, SMALL)]
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 1, T, K, 64, I, E, SMALL, 0)]
     schedule = mk.tile_schedules([ids.to(DEVICE)], E, E, SMALL.block_m)
     run = functools.partial(megakernel_phase, ws.bufs, schedule, expert_weights, ws.shape, epoch=ws.next_epoch(),
                             swiglu_limit=None)
@@ -311,7 +321,7 @@ def test_run_to_run_and_epochs_wrap_without_stale_flags():
     ids, other_ids = routing("skewed", 2, seed=12), routing("balanced", 2)
     first = megakernel(2, x, weights, ids, shared, expert_weights)
     assert torch.equal(megakernel(2, x, weights, ids, shared, expert_weights), first)
-    ws = mk._WORKSPACES[(torch.device(DEVICE), 2, T, K, 64, I, E // 2, SMALL)]
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 2, T, K, 64, I, E // 2, SMALL, 0)]
     assert ws.epoch >= 2
     ws.epoch = MAX_EPOCH  # the next call zeroes every flag and starts over at epoch 1
     assert torch.equal(megakernel(2, x, weights, ids, shared, expert_weights), first)
@@ -360,6 +370,103 @@ def test_bad_inputs_are_named():
             call(serialized=False)
 
 
+def shared_inputs(dim_h: int, dim_s: int, seed: int) -> SharedFFN:
+    g = torch.Generator().manual_seed(seed)
+    w_gate, w_up = ((torch.randn(dim_s, dim_h, generator=g) * 0.1).to(torch.bfloat16) for _ in range(2))
+    w_down = (torch.randn(dim_h, dim_s, generator=g) * 0.1).to(torch.bfloat16)
+    return tuple(w.to(DEVICE) for w in (w_gate, w_up, w_down))
+
+
+def shared_expert_rows(x, shared_weights, swiglu_limit=None) -> torch.Tensor:
+    """SharedExpert(use_triton=True)'s output (titan_mok/moe/experts.py; on the CPU its module takes another path):
+    the Triton grouped FFN with one expert holding every row."""
+    with torch.no_grad():
+        group_end = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        return grouped_swiglu_ffn(x, group_end, *(w[None] for w in shared_weights), swiglu_limit=swiglu_limit,
+                                  use_triton=True)
+
+
+# tokens per rank not a multiple of the 16-row tiles: the shared expert's last tile is partial
+SHARED_CASES = {
+    "groups of 2, lag 1": (dict(), 20, 80, None),
+    "groups of 3 (a padding tile), clamped": (dict(group_tiles=3, lag=0, ring_tiles=3), 20, 64, 0.4),
+    "groups of 1, lag 2: shared down items among routed gate/up": (dict(group_tiles=1, lag=2, ring_tiles=3), 40, 80,
+                                                                   None),
+}
+
+
+@pytest.mark.parametrize("case, ranks", [(case, ranks) for ranks, case in zip((1, 4, 2), SHARED_CASES)]
+                         + [(next(iter(SHARED_CASES)), 2)])
+@interpreted
+def test_shared_expert_in_the_launch_gives_the_triton_paths_bits(case, ranks):
+    """The shared expert as items of the launch (its I_S = 80 or 64 in 32-column items) equals SharedExpert's
+    Triton FFN added by the combine; twice on one workspace (its arrivals grow by K + 1 per call)."""
+    sizes, tokens, dim_s, shared_limit = SHARED_CASES[case]
+    (x, weights, _), expert_weights = layer_inputs(ranks, 64, seed=23, tokens=tokens)
+    ids = routing("skewed", ranks, tokens=tokens, seed=24)
+    shared_weights = shared_inputs(64, dim_s, seed=25)
+    config = MegakernelConfig(**{**SMALL.__dict__, **sizes})
+    want = triton_path(x, weights, ids.to(DEVICE), shared_expert_rows(x, shared_weights, shared_limit),
+                       expert_weights, swiglu_limit=0.5)
+    shared_expert = SharedFFN(*shared_weights, swiglu_limit=shared_limit)
+    for _ in range(2):
+        got = megakernel(ranks, x, weights, ids, None, expert_weights, config, swiglu_limit=0.5,
+                         shared_expert=shared_expert)
+        assert torch.equal(got, want), case
+
+
+@interpreted
+def test_shared_expert_scaled_per_token_like_the_output_gate():
+    """Qwen3.5's gated shared expert: SharedExpert returns y.float() · sigmoid(x · w), which the combine adds in fp32;
+    the launch's shared rows times the same fp32 scale, in the finish."""
+    (x, weights, _), expert_weights = layer_inputs(2, 64, seed=26)
+    ids = routing("skewed", 2, seed=27)
+    shared_weights = shared_inputs(64, 64, seed=28)
+    scale_T1 = torch.sigmoid(torch.randn(2 * T, 1, generator=torch.Generator().manual_seed(29))).to(DEVICE)
+    shared_TH = shared_expert_rows(x, shared_weights).float() * scale_T1
+    want = triton_path(x, weights, ids.to(DEVICE), shared_TH, expert_weights)
+    got = megakernel(2, x, weights, ids, None, expert_weights, shared_expert=SharedFFN(*shared_weights),
+                     shared_scale_T1=list(scale_T1.chunk(2)))
+    assert torch.equal(got, want)
+
+
+@interpreted
+def test_shared_expert_missing_gate_up_is_a_named_error():
+    """The serialized phases by hand: the shared expert's down items without its gate/up items."""
+    (x, weights, _), expert_weights = layer_inputs(1, 64, seed=30)
+    ids = routing("balanced", 1)
+    shared_expert = SharedFFN(*shared_inputs(64, 64, seed=31))
+    megakernel(1, x, weights, ids, None, expert_weights, shared_expert=shared_expert)  # allocates the workspace
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 1, T, K, 64, I, E, SMALL, 64)]
+    schedule = mk.tile_schedules([ids.to(DEVICE)], E, E, SMALL.block_m)
+    run = functools.partial(megakernel_phase, ws.bufs, schedule, expert_weights, ws.shape, epoch=ws.next_epoch(),
+                            swiglu_limit=None, shared=shared_expert)
+    run(PHASE_PUBLISH)
+    run(PHASE_DOWN, tiles=(0, SMALL.group_tiles))
+    wait = "shared h ready: rank 0's compute program waited for the shared expert's gate/up items of its token tile 0 "
+    with pytest.raises(RuntimeError, match=re.escape(f"mok megakernel: timed out: {wait}")):
+        raise_on_megakernel_error()
+
+
+@interpreted
+def test_bad_shared_expert_inputs_are_named():
+    (x, weights, shared), expert_weights = layer_inputs(2, 64)
+    ids = routing("balanced", 2).to(DEVICE)
+    w_gate, w_up, w_down = shared_inputs(64, 64, seed=32)
+    call = lambda **kw: megakernel_routed_experts(  # noqa: E731
+        **{**dict(x_TH=list(x.chunk(2)), weights_TK=list(weights.chunk(2)), topk_idx_TK=list(ids.chunk(2)),
+                  shared_TH=[None, None], expert_weights=expert_weights, num_experts=E, config=SMALL,
+                  shared_expert=SharedFFN(w_gate, w_up, w_down)), **kw})
+    with pytest.raises(ValueError, match="shared_TH and shared_expert both give"):
+        call(shared_TH=list(shared.chunk(2)))
+    with pytest.raises(ValueError, match=r"shared_expert.w_down_HI must be a contiguous bfloat16 \(64, 64\)"):
+        call(shared_expert=SharedFFN(w_gate, w_up, w_down.t()))
+    with pytest.raises(ValueError, match="shared_scale_T1 scales the in-launch shared expert's output"):
+        call(shared_expert=None, shared_scale_T1=[torch.ones(T, 1, device=DEVICE)] * 2)
+    with pytest.raises(ValueError, match=r"shared_scale_T1 of rank 1 must be \(16, 1\) of torch.float32"):
+        call(shared_scale_T1=[torch.ones(T, 1, device=DEVICE), torch.ones(T, device=DEVICE)])
+
+
 def test_programs_per_sm_counts_registers_shared_memory_and_threads():
     h100 = {"max_num_regs": 65536, "max_shared_mem": 232448}
     assert programs_per_sm(254, 122880, 8, h100) == 1  # 254 registers x 256 threads: one program
@@ -372,20 +479,24 @@ def test_programs_per_sm_counts_registers_shared_memory_and_threads():
                                                     "nvidia", "bin", "cuobjdump")),
                     reason="Triton's wheel has no ptxas/cuobjdump here")
 def test_compiles_for_sm90_with_wgmma_and_no_spills():
-    """The concurrent launch's kernel at Kimi K2.7's sizes and the default config, compiled for sm_90 on the CPU
-    (benchmarks/tools/sass.py's stand-in driver; the interpreter cannot compile, hence a subprocess): wgmmas, no
-    spill stack, one program per SM at least (the occupancy the launch checks)."""
+    """The concurrent launch's kernel at Kimi K2.7's sizes and the default config, without and with the shared
+    expert (I_S 2048) in the launch, compiled for sm_90 on the CPU (benchmarks/tools/sass.py's stand-in driver; the
+    interpreter cannot compile, hence a subprocess): wgmmas, no spill stack, one program per SM at least (the
+    occupancy the launch checks)."""
     script = (
         "import json; from benchmarks.tools import sass; from titan_mok.kernels import mok_megakernel as m\n"
         "from titan_mok.moe.megakernel import MegakernelConfig as C\n"
-        "with sass.compiling_for_sm90():\n"
-        "    k = m.compile_megakernel(7168, 2048, 48, C.block_m, C.block_n, C.num_warps, C.num_stages, False)\n"
-        "r = sass.kernel_report('_megakernel', k)\n"
-        "print(json.dumps(dict(hgmma=r['opcodes'].get('HGMMA', 0), stack=r['stack_bytes'],"
+        "for shared in (0, 2048):\n"
+        "    v = m.KernelVariant(7168, 2048, shared, 48, C.block_m, C.block_n, C.num_warps, C.num_stages, False)\n"
+        "    with sass.compiling_for_sm90():\n"
+        "        k = m.compile_megakernel(v)\n"
+        "    r = sass.kernel_report('_megakernel', k)\n"
+        "    print(json.dumps(dict(hgmma=r['opcodes'].get('HGMMA', 0), stack=r['stack_bytes'],"
         " per_sm=sass.programs_per_sm(r))))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
                          cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
-    report = __import__("json").loads(out.stdout.strip().splitlines()[-1])
-    assert report["hgmma"] > 0 and report["stack"] == 0 and report["per_sm"] >= 1, report
+    for line in out.stdout.strip().splitlines()[-2:]:  # without and with the shared expert in the launch
+        report = __import__("json").loads(line)
+        assert report["hgmma"] > 0 and report["stack"] == 0 and report["per_sm"] >= 1, report

@@ -4,7 +4,7 @@ each other's flags) at virtual EP 1, 2, 4, 8.
 Claims, compared bit for bit: the concurrent launch equals the serialized one (the interpreter's mode, here
 compiled) and today's triton path on the same tokens (reference dispatch, the Triton grouped FFN on the GPU,
 reference combine, at EP = 1), for every routing of the CPU tests, the smallest ring and the CPU tests' item
-orders; it repeats its bits;
+orders, and with the shared expert in the launch (against the SharedExpert module, gated too); it repeats its bits;
 a rank that never publishes ends in the bounded device error (recorded, or with ``trap`` an assertion naming
 the wait) within a few timeouts; a launch the device cannot hold at once is refused; no host sync.
 """
@@ -18,6 +18,9 @@ import pytest
 import torch
 
 from tests.kernels.test_mok_megakernel import ORDERS, E, layer_inputs, megakernel, routing, triton_path
+from titan_mok.kernels.mok_megakernel import SharedFFN
+from titan_mok.kernels.row_tiles import pointwise_padded, row_invariant_linear
+from titan_mok.moe.experts import SharedExpert
 from titan_mok.moe.megakernel import MegakernelConfig, megakernel_routed_experts, raise_on_megakernel_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -62,6 +65,28 @@ def test_item_orders_and_rings_concurrently(ranks, order):
     first = megakernel(ranks, x, weights, ids, shared, expert_weights, MegakernelConfig(**sizes))
     assert torch.equal(megakernel(ranks, x, weights, ids, shared, expert_weights, MegakernelConfig(**sizes)), first)
     assert torch.equal(first, want), f"{ranks} ranks, {order}: differs from the triton path"
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("ranks", [1, 2, 8])
+def test_shared_expert_in_the_launch_equals_the_shared_expert_module(ranks, gated):
+    """The shared expert as items of the launch equals ``SharedExpert(use_triton=True)`` (its Triton FFN on the GPU)
+    added by the combine; gated (Qwen3.5): its output gate as the finish's per-token scale. Concurrent, twice, and
+    serialized, alike."""
+    x, weights, ids, _, expert_weights = _inputs(ranks, "skewed", seed=7)
+    torch.manual_seed(7)
+    module = SharedExpert(H, 192, gated, None, use_triton=True).cuda()
+    with torch.no_grad():
+        want = triton_path(x, weights, ids, module(x), expert_weights)
+        shared_expert = SharedFFN(*(linear.weight.to(torch.bfloat16).contiguous()
+                                    for linear in (module.w_gate, module.w_up, module.w_down)))
+        scale_T1 = pointwise_padded(torch.sigmoid, row_invariant_linear(x.float(), module.output_gate.weight.float())
+                                    ) if gated else None
+    kw = dict(shared_expert=shared_expert, shared_scale_T1=list(scale_T1.chunk(ranks)) if gated else None)
+    first = megakernel(ranks, x, weights, ids, None, expert_weights, DEFAULT, **kw)
+    assert torch.equal(megakernel(ranks, x, weights, ids, None, expert_weights, DEFAULT, **kw), first), "run-to-run"
+    assert torch.equal(megakernel(ranks, x, weights, ids, None, expert_weights, DEFAULT, serialized=True, **kw), first)
+    assert torch.equal(first, want), f"{ranks} ranks: differs from SharedExpert + the triton path"
 
 
 def test_stalled_rank_ends_in_the_bounded_error_and_the_workspace_recovers():

@@ -6,19 +6,20 @@ I expert FFN size, E experts, L = E / P local experts per rank.
 
 Contract of ``fused_routed_experts`` (``titan_mok.moe.fused``), per rank: out[t] = cast(shared[t] +
 Σ_j w[t,j]·expert_{e[t,j]}(x[t])), the sum in fp32 in ascending slot order j, cast once to out_dtype;
-every expert row is the Triton grouped FFN's (bf16). Under virtual EP rank p holds experts
-p·L .. p·L + L - 1 and its tokens' rows travel through the other virtual ranks' buffers exactly as they
-would between GPUs, so a token's output is the same bits whatever P.
+every expert row is the Triton grouped FFN's (bf16). shared[t] is the caller's ``shared_TH``, or, with
+``shared_expert``, the shared expert computed inside the launch (``SharedExpert(use_triton=True)``'s bf16
+rows, times ``shared_scale_T1`` if given: Qwen3.5's output gate, computed by the caller). Under virtual EP
+rank p holds experts p·L .. p·L + L - 1 and its tokens' rows travel through the other virtual ranks'
+buffers exactly as they would between GPUs, so a token's output is the same bits whatever P.
 
 Per call, all on the current stream, no host sync: each rank's x rows into its x buffer; the schedule
-(``kernels/mok_schedule.py``, per rank); the megakernel (one launch: pull, FFN, push); the finish
-launch (per token, wait for its K rows, then the ordered fp32 reduction with the shared expert's output).
-The workspace of a (device, P, T, K, H, I, config) is allocated at its first call and reused; its flags
-are never reset between calls (per-call epochs).
+(``kernels/mok_schedule.py``, per rank); the megakernel (one launch: pull, FFN, push, and the shared
+expert's FFN if given); the finish launch (per token, wait for its rows, then the ordered fp32 reduction
+with the shared expert's output). The workspace of a (device, P, T, K, H, I, shared expert size, config)
+is allocated at its first call and reused; its flags are never reset between calls (per-call epochs).
 
 Not here: the backward (an input that requires grad raises NotImplementedError; ``[mok] kernels = "megakernel"``
-trains through ``titan_mok.moe.megakernel_autograd``, whose backward recomputes the FFN), MXFP8, the shared expert
-inside the launch (``shared_TH`` is an input, computed by the caller as in the fused path), and real
+trains through ``titan_mok.moe.megakernel_autograd``, whose backward recomputes the FFN), MXFP8, and real
 multi-GPU ranks (the same kernel with symmetric-memory peer tables: one hosted rank per launch).
 """
 
@@ -29,12 +30,15 @@ import torch
 from titan_mok.kernels.grouped_ffn import interpreting
 from titan_mok.kernels.mok_megakernel import (
     MAX_EPOCH,
+    KernelVariant,
     LaunchShape,
     MegakernelBuffers,
+    SharedFFN,
     co_resident_programs,
     megakernel_finish,
     megakernel_launch,
     read_error,
+    shared_groups,
 )
 from titan_mok.kernels.mok_schedule import mok_schedule
 
@@ -107,14 +111,16 @@ _WORKSPACES: dict[tuple, _Workspace] = {}
 
 
 def _resolve(config: MegakernelConfig, ranks: int, dim_h: int, dim_i: int, num_local: int, has_limit: bool,
-             device: torch.device, serialized: bool) -> MegakernelConfig:
+             shared: SharedFFN | None, device: torch.device, serialized: bool) -> MegakernelConfig:
     """Fill the config's None sizes (module docstring of MegakernelConfig); a concurrent launch the device cannot
     hold at once is refused here, before anything is allocated (the launcher checks it again)."""
     comm, compute = config.comm_programs, config.compute_programs
     total = None
     if not interpreting():
-        total = co_resident_programs(device.index, dim_h, dim_i, num_local, config.block_m, config.block_n,
-                                     config.num_warps, config.num_stages, has_limit)
+        variant = KernelVariant(dim_h, dim_i, 0 if shared is None else shared.dim, num_local, config.block_m,
+                                config.block_n, config.num_warps, config.num_stages, has_limit,
+                                shared is not None and shared.swiglu_limit is not None)
+        total = co_resident_programs(device.index, variant)
     if comm is None or compute is None:
         per_rank = (comm or 1) + (compute or 2) if total is None else total // ranks
         comm = comm if comm is not None else max(1, per_rank // 8)
@@ -142,7 +148,8 @@ def _resolve(config: MegakernelConfig, ranks: int, dim_h: int, dim_i: int, num_l
     return replace(config, comm_programs=comm, compute_programs=compute, ring_tiles=ring)
 
 
-def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, num_local, cfg: MegakernelConfig, device) -> _Workspace:
+def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg: MegakernelConfig,
+              device) -> _Workspace:
     slots = num_tokens * top_k
     bf16 = dict(dtype=torch.bfloat16, device=device)
     # Each virtual rank's symmetric buffers are allocations of their own, reached through address tables as
@@ -155,22 +162,26 @@ def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, num_local, cfg: Megakernel
               for name, per_rank in (("x_TH", x_PTH), ("slots_NH", slots_PNH), ("arrivals_T", arrivals_PT),
                                      ("x_ready", x_ready_P))}
     ring, compute, rows = cfg.ring_tiles, cfg.compute_programs, cfg.block_m
+    groups = shared_groups(num_tokens, rows, cfg.group_tiles) if shared_dim else 0
+    slots_f = ring + groups * cfg.group_tiles  # flag slots: the ring's, then the shared expert's tiles'
     flag = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
     bufs = MegakernelBuffers(
         ring_VQMH=torch.zeros(ranks, ring, rows, dim_h, **bf16),
         h_VQMI=torch.zeros(ranks, ring, rows, dim_i, **bf16),
         ready_VQ=flag(ranks, ring, dtype=torch.int64),
-        h_ready_VQ=flag(ranks, ring, dtype=torch.int64),
-        consumed_VQ=flag(ranks, ring, dtype=torch.int64),
-        gate_up_done_VQ=flag(ranks, ring, dtype=torch.int32),
-        down_done_VQ=flag(ranks, ring, dtype=torch.int32),
+        h_ready_VF=flag(ranks, slots_f, dtype=torch.int64),
+        consumed_VF=flag(ranks, slots_f, dtype=torch.int64),
+        gate_up_done_VF=flag(ranks, slots_f, dtype=torch.int32),
+        down_done_VF=flag(ranks, slots_f, dtype=torch.int32),
         next_item_V=flag(ranks, dtype=torch.int32),
         programs_done_V=flag(ranks, dtype=torch.int32),
         tables=tables,
         errors=torch.zeros(6, dtype=torch.int64, device=device),
+        shared_h_VRI=torch.zeros(ranks, groups * cfg.group_tiles * rows, shared_dim, **bf16) if groups else None,
+        shared_out_VTH=torch.zeros(ranks, num_tokens, dim_h, **bf16) if groups else None,
     )
     shape = LaunchShape(ranks, 0, ranks, num_tokens, top_k, num_local, cfg.comm_programs, compute, cfg.group_tiles,
-                        cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages)
+                        cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages, groups)
     symmetric = {"x_TH": x_PTH, "slots_NH": slots_PNH, "arrivals_T": arrivals_PT, "x_ready": x_ready_P}
     return _Workspace(shape, bufs, symmetric, [*bufs.flags, *arrivals_PT, *x_ready_P], cfg.timeout_ms)
 
@@ -242,6 +253,36 @@ def _check(xs, weights, ids, shared, expert_weights, num_experts):
     return ranks, num_tokens, top_k, dim_h, dim_i
 
 
+def _check_shared_expert(shared_expert, scales, shared, num_tokens, dim_h, device) -> int:
+    """The in-launch shared expert's size I_S (0: none), after checking it and its per-token scales."""
+    if shared_expert is None:
+        if any(s is not None for s in scales):
+            raise ValueError("megakernel_routed_experts: shared_scale_T1 scales the in-launch shared expert's output: "
+                             "it needs shared_expert")
+        return 0
+    if not isinstance(shared_expert, SharedFFN):
+        raise TypeError(f"megakernel_routed_experts: shared_expert must be a SharedFFN, got {type(shared_expert)}")
+    if any(s is not None for s in shared):
+        raise ValueError("megakernel_routed_experts: shared_TH and shared_expert both give the shared expert's output: "
+                         "pass one of them")
+    dim_s = shared_expert.dim
+    for name, w, shape in (("w_gate_IH", shared_expert.w_gate_IH, (dim_s, dim_h)),
+                           ("w_up_IH", shared_expert.w_up_IH, (dim_s, dim_h)),
+                           ("w_down_HI", shared_expert.w_down_HI, (dim_h, dim_s))):
+        if tuple(w.shape) != shape or w.dtype != torch.bfloat16 or not w.is_contiguous() or w.device != device:
+            raise ValueError(f"megakernel_routed_experts: shared_expert.{name} must be a contiguous bfloat16 {shape} "
+                             f"on {device}, got {w.dtype} {tuple(w.shape)} on {w.device} "
+                             f"(contiguous: {w.is_contiguous()})")
+    if len({s is None for s in scales}) != 1:
+        raise ValueError("megakernel_routed_experts: shared_scale_T1 must be given for every rank or for none")
+    for p, scale in enumerate(scales):
+        if scale is not None and (tuple(scale.shape) != (num_tokens, 1) or scale.dtype != torch.float32
+                                  or scale.device != device):
+            raise ValueError(f"megakernel_routed_experts: shared_scale_T1 of rank {p} must be ({num_tokens}, 1) of "
+                             f"torch.float32 on {device}, got {tuple(scale.shape)} {scale.dtype} on {scale.device}")
+    return dim_s
+
+
 def megakernel_routed_experts(
     x_TH,
     weights_TK,
@@ -256,6 +297,8 @@ def megakernel_routed_experts(
     serialized: bool | None = None,
     trap: bool = True,
     stall_rank: int | None = None,
+    shared_expert: SharedFFN | None = None,
+    shared_scale_T1=None,
 ):
     """Routed experts' forward: [T, H] → [T, H] in out_dtype (None: x's dtype), per rank (module docstring).
 
@@ -268,6 +311,10 @@ def megakernel_routed_experts(
         trap: a wait that ran out stops the device with an assertion naming it; False: the launch ends and
             ``raise_on_megakernel_error()`` names it.
         stall_rank: a rank that never publishes (tests the bounded waits).
+        shared_expert: the shared expert's weights (and SwiGLU clamp), to run inside the launch on each rank's own
+            tokens (then shared_TH is None); its rows are ``SharedExpert(use_triton=True)``'s bf16 output.
+        shared_scale_T1: fp32 [T, 1] per rank (a list under virtual EP) or None: the shared expert's output times
+            it, in fp32 (Qwen3.5's output gate, sigmoid(x · w_gate), computed by the caller).
 
     Returns:
         out_TH, or the list of P of them.
@@ -277,11 +324,19 @@ def megakernel_routed_experts(
     weights = _as_list("weights_TK", weights_TK, len(xs), virtual)
     ids = _as_list("topk_idx_TK", topk_idx_TK, len(xs), virtual)
     shared = _as_list("shared_TH", shared_TH, len(xs), virtual) if virtual else [shared_TH]
+    if not virtual:
+        scales = [shared_scale_T1]
+    else:  # None: no scale for any rank
+        scales = [None] * len(xs) if shared_scale_T1 is None else _as_list("shared_scale_T1", shared_scale_T1,
+                                                                             len(xs), virtual)
+    shared_weights = () if shared_expert is None else (shared_expert.w_gate_IH, shared_expert.w_up_IH,
+                                                        shared_expert.w_down_HI)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (*xs, *weights, *shared, *expert_weights)):
+                                       for t in (*xs, *weights, *shared, *scales, *expert_weights, *shared_weights)):
         raise NotImplementedError("megakernel_routed_experts is forward-only (its backward is not written yet): "
                                   "call it under torch.no_grad(), or use [mok] kernels = 'triton' for training")
     ranks, num_tokens, top_k, dim_h, dim_i = _check(xs, weights, ids, shared, expert_weights, num_experts)
+    shared_dim = _check_shared_expert(shared_expert, scales, shared, num_tokens, dim_h, xs[0].device)
     serialized = interpreting() if serialized is None else serialized
     if interpreting() and not serialized:
         raise ValueError("megakernel_routed_experts: Triton's interpreter runs programs one at a time, so the "
@@ -290,21 +345,22 @@ def megakernel_routed_experts(
         raise ValueError(f"megakernel_routed_experts: stall_rank = {stall_rank} is not a rank of {ranks}")
     device = xs[0].device
     num_local = num_experts // ranks
-    cfg = _resolve(config, ranks, dim_h, dim_i, num_local, swiglu_limit is not None, device, serialized)
-    key = (device, ranks, num_tokens, top_k, dim_h, dim_i, num_local, cfg)
+    cfg = _resolve(config, ranks, dim_h, dim_i, num_local, swiglu_limit is not None, shared_expert, device,
+                   serialized)
+    key = (device, ranks, num_tokens, top_k, dim_h, dim_i, num_local, cfg, shared_dim)
     if key not in _WORKSPACES:
-        _WORKSPACES[key] = _allocate(ranks, num_tokens, top_k, dim_h, dim_i, num_local, cfg, device)
+        _WORKSPACES[key] = _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg, device)
     ws = _WORKSPACES[key]
 
     for x_buf_TH, x in zip(ws.symmetric["x_TH"], xs):
         x_buf_TH.copy_(x)
     schedule = tile_schedules(ids, num_local, num_experts, cfg.block_m)
     epoch = ws.next_epoch()
-    megakernel_launch(ws.bufs, schedule, expert_weights, ws.shape, epoch=epoch,
-                      swiglu_limit=swiglu_limit, serialized=serialized, stall_rank=stall_rank,
-                      timeout_ms=cfg.timeout_ms)
+    megakernel_launch(ws.bufs, schedule, expert_weights, ws.shape, epoch=epoch, swiglu_limit=swiglu_limit,
+                      serialized=serialized, shared=shared_expert, stall_rank=stall_rank, timeout_ms=cfg.timeout_ms)
     out_PTH = torch.empty(ranks, num_tokens, dim_h, dtype=out_dtype or xs[0].dtype, device=device)
     shared_PTH = torch.stack(shared) if shared[0] is not None else None
+    scale_PT = torch.stack(scales).reshape(ranks, num_tokens) if scales[0] is not None else None
     megakernel_finish(ws.bufs, torch.stack(weights), shared_PTH, out_PTH, ws.shape, epoch=epoch,
-                      serialized=serialized, trap=trap, timeout_ms=cfg.timeout_ms)
+                      serialized=serialized, trap=trap, shared_scale_VT=scale_PT, timeout_ms=cfg.timeout_ms)
     return list(out_PTH.unbind(0)) if virtual else out_PTH[0]
