@@ -1,17 +1,18 @@
 """The MoK forward megakernel against today's triton path, routed experts' forward only, one GPU.
 
     python3 benchmarks/tools/megakernel_bench.py [--tokens 2048] [--ranks 1 2 4 8] [--experts 384] [--iters 30]
-        [--comm-programs C] [--group-tiles G] [--lag LAG] [--ring-tiles Q] [--num-stages S]
+        [--comm-programs C] [--group-tiles G] [--lag LAG] [--ring-tiles Q] [--num-stages S] [--shared-dim I_S]
 
 Legend: P virtual ranks, T tokens per rank, K top-k, H hidden, I expert FFN size, E experts (all on this GPU).
 
-Per P, on the same P·T tokens (random top-k routing, fp32 weights, no shared expert), ms by CUDA events, median
-of --iters after warm-up:
+Per P, on the same P·T tokens (random top-k routing, fp32 weights; a shared expert of I_S = --shared-dim, none
+by default), ms by CUDA events, median of --iters after warm-up:
 - triton: today's ``kernels = "triton"`` forward at EP = 1 (``fused_routed_experts``: schedule, pull, the Triton
-  grouped FFN, push, slot reduction; separate launches);
+  grouped FFN, push, slot reduction; separate launches; the shared expert as ``SharedExpert(use_triton=True)``
+  runs it, the Triton FFN on all rows as one expert, before);
 - mega P=1: the megakernel at EP = 1 on all P·T tokens;
 - mega P=P: the megakernel at virtual EP = P, T tokens per rank (the protocol's cost against P=1: flags,
-  per-rank rings and schedules, the programs split among ranks).
+  per-rank rings and schedules, the programs split among ranks); the shared expert inside the launch.
 Each megakernel output is checked bitwise against the triton path's first. Default shape: Kimi K2.7 Code's
 experts (H 7168, I 2048, E 384, K 8). The last columns: the P=P launch's programs per rank, its item order (tiles per
 group, lag in groups) and its ring per rank.
@@ -23,6 +24,7 @@ import statistics
 import torch
 
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
+from titan_mok.kernels.mok_megakernel import SharedFFN
 from titan_mok.moe.fused import fused_routed_experts
 from titan_mok.moe.megakernel import MegakernelConfig, _WORKSPACES, megakernel_routed_experts
 
@@ -56,6 +58,7 @@ def main() -> None:
     parser.add_argument("--group-tiles", type=int, default=MegakernelConfig.group_tiles, help="tiles per item step")
     parser.add_argument("--lag", type=int, default=MegakernelConfig.lag, help="groups A items run ahead of B items")
     parser.add_argument("--num-stages", type=int, default=MegakernelConfig.num_stages, help="GEMM pipeline depth")
+    parser.add_argument("--shared-dim", type=int, default=0, help="I_S of a shared expert (0: none)")
     opts = parser.parse_args()
     dim_h, dim_i, num_experts, top_k = opts.hidden, opts.expert_dim, opts.experts, opts.top_k
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -63,10 +66,14 @@ def main() -> None:
     expert_weights = tuple((torch.randn(*shape, generator=g, **bf16) * 0.02).contiguous()
                            for shape in ((num_experts, dim_i, dim_h), (num_experts, dim_i, dim_h),
                                          (num_experts, dim_h, dim_i)))
+    shared_weights = tuple((torch.randn(*shape, generator=g, **bf16) * 0.02).contiguous()
+                           for shape in ((opts.shared_dim, dim_h), (opts.shared_dim, dim_h), (dim_h, opts.shared_dim))
+                           ) if opts.shared_dim else None
+    shared_expert = SharedFFN(*shared_weights) if shared_weights else None
     config = MegakernelConfig(comm_programs=opts.comm_programs, ring_tiles=opts.ring_tiles,
                               group_tiles=opts.group_tiles, lag=opts.lag, num_stages=opts.num_stages)
     print(f"{torch.cuda.get_device_name()}, H {dim_h}, I {dim_i}, E {num_experts}, K {top_k}, T {opts.tokens} per "
-          f"rank; ms, median of {opts.iters}")
+          f"rank, shared expert I_S {opts.shared_dim or 'none'}; ms, median of {opts.iters}")
     print(f"{'P':>2} {'tokens':>7} {'triton':>8} {'mega P=1':>9} {'mega P=P':>9} {'P=P/triton':>10} "
           f"{'P=P/P=1':>8}  programs/rank (comm+compute), group x lag, ring/rank")
     for ranks in opts.ranks:
@@ -79,13 +86,17 @@ def main() -> None:
             return grouped_swiglu_ffn(x_RH, group_end_E, *expert_weights, use_triton=True)
 
         def triton_path():
-            return fused_routed_experts(x_TH, weights_TK, ids_TK, None, None, experts, num_experts=num_experts)
+            shared_TH = None
+            if shared_weights:  # SharedExpert(use_triton=True)'s forward: every row in one expert's group
+                group_end = torch.full((1,), tokens, dtype=torch.int32, device="cuda")
+                shared_TH = grouped_swiglu_ffn(x_TH, group_end, *(w[None] for w in shared_weights), use_triton=True)
+            return fused_routed_experts(x_TH, weights_TK, ids_TK, shared_TH, None, experts, num_experts=num_experts)
 
         def mega(parts):
             split = (lambda t: list(t.chunk(parts))) if parts > 1 else (lambda t: t)
             out = megakernel_routed_experts(split(x_TH), split(weights_TK), split(ids_TK),
                                             [None] * parts if parts > 1 else None, expert_weights,
-                                            num_experts=num_experts, config=config)
+                                            num_experts=num_experts, config=config, shared_expert=shared_expert)
             return torch.cat(out) if parts > 1 else out
 
         with torch.no_grad():
