@@ -59,10 +59,11 @@ def routing(kind: str, ranks: int, tokens: int = T, experts: int = E, seed: int 
         ids = torch.arange(K).repeat(rows, 1)
     elif kind == "empty_experts":  # only the even experts have rows
         ids = 2 * torch.rand(rows, experts // 2, generator=g).argsort(dim=1)[:, :K]
-    elif kind == "all_remote":  # rank p's tokens all go to rank p + 1's experts
+    elif kind == "all_remote":  # rank p's tokens all go to rank p + 1's experts (and p + 2's... when it has < K)
         local = experts // ranks
-        owner = ((torch.arange(rows) // tokens + 1) % ranks)[:, None]
-        ids = owner * local + torch.rand(rows, local, generator=g).argsort(dim=1)[:, :K]
+        span = local if local >= K else experts - local  # never rank p's own experts (P = 1: all are its own)
+        first = ((torch.arange(rows) // tokens + 1) % ranks)[:, None] * local
+        ids = (first + torch.rand(rows, span, generator=g).argsort(dim=1)[:, :K]) % experts
     else:
         raise ValueError(kind)
     return ids
