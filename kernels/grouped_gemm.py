@@ -459,12 +459,29 @@ def _set_triton_allocator():
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
+@triton.jit
+def _tile_ends_kernel(group_end_ptr, tile_end_ptr, num_groups, rows_per_tile, tiles_per_rows, BLOCK: tl.constexpr):
+    carry = tl.zeros((), dtype=tl.int32)
+    for start in range(0, num_groups, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < num_groups
+        end = tl.load(group_end_ptr + offs, mask=ok, other=0).to(tl.int32)
+        begin = tl.load(group_end_ptr + offs - 1, mask=ok & (offs > 0), other=0).to(tl.int32)
+        tiles = tl.where(ok, (end - begin + rows_per_tile - 1) // rows_per_tile * tiles_per_rows, 0)
+        tl.store(tile_end_ptr + offs, tl.cumsum(tiles, 0) + carry, mask=ok)
+        carry += tl.sum(tiles, 0)
+
+
 def _tile_ends(group_end_E: torch.Tensor, rows_per_tile: int, tiles_per_rows: int) -> torch.Tensor:
-    """Cumulative tile counts per expert (int32, on the device: no host sync)."""
-    counts_E = torch.diff(group_end_E, prepend=group_end_E.new_zeros(1))
-    return (torch.div(counts_E + rows_per_tile - 1, rows_per_tile, rounding_mode="floor") * tiles_per_rows).cumsum(0).to(
-        torch.int32
-    )
+    """Cumulative tile counts per expert (int32, on the device: no host sync), in one launch: the torch
+    expression ``(ceil(diff(group_end) / rows_per_tile) * tiles_per_rows).cumsum()`` is six, and every grouped
+    GEMM call needs one, on the layer's host path."""
+    tile_end_E = torch.empty(group_end_E.shape[0], dtype=torch.int32, device=group_end_E.device)
+    if group_end_E.shape[0]:
+        block = min(1024, triton.next_power_of_2(group_end_E.shape[0]))
+        _tile_ends_kernel[(1,)](group_end_E, tile_end_E, group_end_E.shape[0], rows_per_tile, tiles_per_rows,
+                                BLOCK=block)
+    return tile_end_E
 
 
 def _padded(items: list, count: int) -> list:
