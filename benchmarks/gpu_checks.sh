@@ -5,8 +5,8 @@
 #    shared expert on the Triton FFN, the four models' cached RL rollouts in bf16);
 # 2. the router's one-call vs 64-row-tile timing (bench.router);
 # 3. the weight gradient's output stores alone vs contiguous writes (bench.write_tiles);
-# 4. the MoE layer benchmark (bench.layer) at Kimi's full shape on one GPU, bf16: auto and the fused
-#    path (triton) vs TorchTitan's own MoE layer (titan);
+# 4. the MoE layer benchmark (bench.layer) at Kimi's full shape on one GPU, bf16: auto (the fused path on
+#    Hopper) and the megakernel vs TorchTitan's own MoE layer (titan);
 # 5. with two GPUs, the MoE layer at EP=2, bf16, balanced, the four shapes: the same plus mok_tt
 #    (titan-mok's router/shared/combine + TorchTitan's grouped experts).
 # Each stage runs even if an earlier one failed; the exit status is the first failure's.
@@ -33,7 +33,7 @@ run gpu_tests python3 -m pytest -q -m "gpu and not two_gpus" "${workers[@]}" --d
 run gpu_tests_two python3 -m pytest -q -m two_gpus tests
 run router python3 -m benchmarks.tools.router --iters 50
 run write_tiles python3 -m benchmarks.tools.write_tiles
-run layer_kimi python3 -m titan_mok.bench.layer --shape kimi_k2_7_code --impl titan,auto,triton --precision bf16 \
+run layer_kimi python3 -m titan_mok.bench.layer --shape kimi_k2_7_code --impl titan,auto,megakernel --precision bf16 \
     --json "$LOGS/layer_kimi.jsonl"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     run layer_ep2 torchrun --standalone --nproc_per_node 2 -m titan_mok.bench.layer --precision bf16 \
