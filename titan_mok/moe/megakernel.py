@@ -111,16 +111,18 @@ _WORKSPACES: dict[tuple, _Workspace] = {}
 
 
 def _resolve(config: MegakernelConfig, ranks: int, dim_h: int, dim_i: int, num_local: int, has_limit: bool,
-             shared: SharedFFN | None, device: torch.device, serialized: bool) -> MegakernelConfig:
+             shared: SharedFFN | None, device: torch.device, serialized: bool,
+             co_resident=co_resident_programs) -> MegakernelConfig:
     """Fill the config's None sizes (module docstring of MegakernelConfig); a concurrent launch the device cannot
-    hold at once is refused here, before anything is allocated (the launcher checks it again)."""
+    hold at once is refused here, before anything is allocated (the launcher checks it again). co_resident: the
+    launch's kernel's count of programs the device runs at once (the forward's, or the backward's)."""
     comm, compute = config.comm_programs, config.compute_programs
     total = None
     if not interpreting():
         variant = KernelVariant(dim_h, dim_i, 0 if shared is None else shared.dim, num_local, config.block_m,
                                 config.block_n, config.num_warps, config.num_stages, has_limit,
                                 shared is not None and shared.swiglu_limit is not None)
-        total = co_resident_programs(device.index, variant)
+        total = co_resident(device.index, variant)
     if comm is None or compute is None:
         per_rank = (comm or 1) + (compute or 2) if total is None else total // ranks
         comm = comm if comm is not None else max(1, per_rank // 8)

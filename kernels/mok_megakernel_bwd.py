@@ -1,0 +1,511 @@
+"""The MoK megakernel's input-gradient (dgrad) launch: the mirror of the forward launch
+(``kernels/mok_megakernel.py``, docs/design.md §5.9). Communication programs pull the rows w[t,j]·dY[t] of this
+rank's schedule from their owners into the fixed ring of row tiles; compute programs run the down projection's
+dgrad through the SwiGLU backward, then the gate/up dgrad, per (tile, column block), and push each input-gradient
+row to its source's (token, slot) slot; a finish launch sums a token's K slots.
+
+Legend: P ep degree, V ranks hosted by this launch, T tokens per rank, K top-k, N = T·K slots per rank,
+R = P·N grouped rows per rank (the most a rank's schedule can hold), H hidden, I expert FFN size, L local experts
+per rank, Q ring tiles per rank, M rows per tile (BLOCK_M), C compute programs per rank, G tiles per group,
+NB_I = cdiv(I, BLOCK_N) and NB_H = cdiv(H, BLOCK_N) column blocks.
+
+Everything but the work items is the forward's, reused from ``kernels/mok_megakernel.py``: programs per rank
+(COMM communication, then C compute), tiles (the schedule's rows cut into M-row tiles per local expert, tile i in
+ring slot i mod Q during round i div Q), the communication program (``_comm_program``: publish, acquire every
+source's ready flag, then per tile wait for its ring slot, pull, release ready[q]), the item order and its
+counter (``_item``: D1 items where the forward has A items, D2 where it has B), the stamps, bounded waits, error
+record and serialized phases. The pull reads a slot row, not a token row: the forward's pull with K = 1 reads row
+s mod N of the source's ``dy_NH`` (gathered slot s = p·N + t·K + j).
+
+Work items of tile i (slot q, round n; e its expert, rows its schedule rows, the real ones those before the
+expert's end):
+- D1(i, b), b < NB_I: acquire ready[q] = stamp(e, n); dh[:, cols b] = dy_tile @ w_down[e][:, cols b] over all
+  of H (fp32, BLOCK_K steps), then the SwiGLU backward with the rows' g, u (``gate_VRI``, ``up_VRI``: grouped
+  rows of this rank's schedule) → dgate, dup (bf16, ``grouped_tiles._epilogue``'s SwiGLU backward) stored into
+  the grouped rows ``dgate_VRI``, ``dup_VRI`` at the real rows; D1(i, 0) also copies the tile's real dy rows into
+  ``dy_VRH`` (the weight gradient of w_down reads them). Then old = d1_done[q]++ (acq_rel); the last arriver
+  rearms it and stores dgrad_ready[q] = stamp(e, n) (release).
+- D2(i, c), c < NB_H: acquire dgrad_ready[q] = stamp(e, n); dx[:, cols c] = dgate @ w_gate[e][:, cols c] +
+  dup @ w_up[e][:, cols c], one fp32 accumulator (all of dgate's K steps, then dup's: grouped_mm_sum's order),
+  rounded to bf16, each real row's stored into its source rank's ``dx_slots_NH`` at its slot. Then
+  old = d2_done[q]++ (acq_rel); the last arriver rearms it, stores consumed[q] = stamp(e, n) (release: the ring
+  tile's reads are done) and adds 1 to arrivals[token] on each real row's source rank (release).
+- finish (``megakernel_bwd_finish``): token t waits until arrivals[t] = e·K (acquire), then
+  dx[t] = cast(Σ_j dx_slots[t, j]) in fp32, ascending j (``mok_combine.slot_reduce``'s arithmetic, no FMA).
+Deadlock freedom, the epochs and the reset are the forward's argument word for word (D1 for A, D2 for B).
+Across calls: a rank rewrites dy_NH for call e + 1 only after its finish of call e saw every one of its slots'
+rows pushed (so pulled), and peers push into its dx slots only after acquiring its dy_ready = e + 1.
+
+Buffers. Symmetric (int64 [P] address tables): ``dy_NH`` (w·dY per (token, slot), written by the owner before the
+launch: ``mok_combine.slot_scale``), ``dx_slots_NH``, ``arrivals_T`` int32, ``dy_ready`` int64 [1]. Local to a
+rank: ``ring_VQMH``, int64 ``ready_VQ`` / ``dgrad_ready_VQ`` / ``consumed_VQ``, int32 ``d1_done_VQ`` /
+``d2_done_VQ`` / ``next_item_V`` / ``programs_done_V``, ``errors`` int64 [6]. Per call (the caller's, for the
+weight gradients): ``dy_VRH``, ``dgate_VRI``, ``dup_VRI``; rows past the rank's last expert's end are not written.
+
+Bits: dgate and dup are ``grouped_gemm.grouped_down_dgrad_swiglu``'s, the grouped rows' dx
+``grouped_gemm.grouped_mm_sum``'s (bf16: fp32 accumulation over K in BLOCK_K = 64 steps, one rounding), dX
+``slot_reduce``'s: each output element is computed by one item, so a token's gradient does not depend on the
+tile, the item order, the program, the ring, the batch or P.
+
+Not here: MXFP8, the weight gradients (``grouped_gemm.grouped_wgrads`` on the grouped rows this launch writes),
+the combine weights' gradient.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from titan_mok.kernels.grouped_gemm import _DOT_F32, SWIGLU_BWD, _dot
+from titan_mok.kernels.grouped_tiles import _bf16_rne, _epilogue
+from titan_mok.kernels.mok_combine import _round_to, _slot_term
+from titan_mok.kernels.mok_megakernel import (
+    BLOCK_K,
+    MAX_EPOCH,
+    PHASE_ALL,
+    PHASE_COMM,
+    PHASE_DOWN,
+    PHASE_GATE_UP,
+    PHASE_PUBLISH,
+    WAIT_ARRIVALS,
+    WAIT_H_READY,
+    WAIT_RING_READY,
+    KernelVariant,
+    LaunchShape,
+    _comm_program,
+    _item,
+    _stamp,
+    _tile_rows,
+    _wait,
+    programs_per_sm,
+)
+
+# Launch phases: the forward's (the kernels compare PHASE with literals: 0 all, 1 publish, 2 pull, 3 D1, 4 D2).
+PHASE_D1, PHASE_D2 = PHASE_GATE_UP, PHASE_DOWN
+_SWIGLU_BWD = tl.constexpr(SWIGLU_BWD)  # grouped_tiles._epilogue's SwiGLU backward
+
+WAIT_NAMES = {
+    1: "dy_ready: rank {rank}'s communication program waited for rank {index} to publish its w·dY rows",
+    2: "ring ready: rank {rank}'s compute program waited for ring tile {index} to be pulled",
+    3: "ring free: rank {rank}'s communication program waited for the ring slot of tile {index} to be consumed",
+    4: "arrivals: rank {rank} waited for all K input-gradient rows of its token {index}",
+    5: "dgrad ready: rank {rank}'s compute program waited for the D1 items of ring tile {index}",
+}
+"""The backward's meaning of each error code (the codes are the forward's: its communication program records them)."""
+
+
+@triton.jit
+def _down_dgrad_block(a_ptr, wd_ptr, g_ptr, u_ptr, dgate_ptr, dup_ptr, rows, real, n0, H, I, limit,
+                      HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      DOT_F32: tl.constexpr):
+    """dh[:, n0:n0 + BLOCK_N] = a @ w_down[:, n0:n0 + BLOCK_N] for one ring tile a [M, H] (w_down [H, I]), through
+    the SwiGLU backward with the rows' g, u: dgate, dup stored at the real rows of the grouped [R, I] buffers."""
+    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < H
+        # .cg: another SM wrote the tile; read it from L2, never from a line this SM cached in an earlier round
+        a = tl.load(a_ptr + offs_m[:, None] * H + offs_k[None, :], mask=k_ok[None, :], other=0.0,
+                    cache_modifier=".cg")
+        b = tl.load(wd_ptr + offs_k[:, None].to(tl.int64) * I + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :],
+                    other=0.0)
+        acc = _dot(a, b, acc, DOT_F32)
+    c_off = rows[:, None].to(tl.int64) * I + offs_n[None, :]
+    _epilogue(acc, acc, c_off, real[:, None] & n_ok[None, :], dgate_ptr, dup_ptr, dup_ptr, g_ptr, u_ptr, limit,
+              _SWIGLU_BWD, HAS_LIMIT)
+
+
+@triton.jit
+def _k_steps(acc, a_ptr, w_ptr, rows, real, offs_n, n_ok, H, I, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc += a[rows] @ w[:, cols] over all of I in ascending BLOCK_K steps (a: grouped rows [R, I], w [I, H])."""
+    a_rows = rows[:, None].to(tl.int64) * I
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < I
+        # .cg: other SMs wrote these rows in this launch
+        a = tl.load(a_ptr + a_rows + offs_k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0,
+                    cache_modifier=".cg")
+        b = tl.load(w_ptr + offs_k[:, None].to(tl.int64) * H + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :],
+                    other=0.0)
+        acc = _dot(a, b, acc, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _gate_up_dgrad_block(dgate_ptr, dup_ptr, wg_ptr, wu_ptr, dst_ptrs, rows, real, n0, H, I,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """dx[:, n0:n0 + BLOCK_N] = dgate @ w_gate[:, cols] + dup @ w_up[:, cols] in one fp32 accumulator (dgate's K
+    steps, then dup's), rounded to bf16; real row r's columns stored at dst_ptrs[r] (its (token, slot) row)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _k_steps(acc, dgate_ptr, wg_ptr, rows, real, offs_n, n_ok, H, I, BLOCK_K, DOT_F32)
+    acc = _k_steps(acc, dup_ptr, wu_ptr, rows, real, offs_n, n_ok, H, I, BLOCK_K, DOT_F32)
+    tl.store(dst_ptrs[:, None] + offs_n[None, :], _bf16_rne(acc), mask=real[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _copy_rows(tile_ptr, dst_ptr, rows, real, H, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """dst[rows[r]] = tile[r] for the real rows (tile [M, H], dst grouped rows [R, H])."""
+    src = tile_ptr + tl.arange(0, BLOCK_M).to(tl.int64) * H
+    dst = dst_ptr + rows.to(tl.int64) * H
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        ok = real[:, None] & (cols < H)[None, :]
+        tl.store(dst[:, None] + cols[None, :], tl.load(src[:, None] + cols[None, :], mask=ok, cache_modifier=".cg"),
+                 mask=ok)
+
+
+@triton.jit
+def _d1_item(i, b, rank, ring_ptr, ready_ptr, dgrad_ready_ptr, d1_done_ptr, group_end_ptr, tile_end_ptr, wd_ptr,
+             g_ptr, u_ptr, dy_rows_ptr, dgate_ptr, dup_ptr, err_ptr, epoch, timeout_us, limit, L, H, I, Q, NB_I,
+             SERIAL: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr):
+    """D1(i, b) (module docstring); False when its wait ran out."""
+    q = i % Q
+    n = i // Q
+    ok = _wait(ready_ptr + q, _stamp(epoch, n), err_ptr, WAIT_RING_READY, rank, i, timeout_us, SERIAL)
+    if ok:
+        e, rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
+        tile_ptr = ring_ptr + q.to(tl.int64) * BLOCK_M * H
+        _down_dgrad_block(tile_ptr, wd_ptr + e.to(tl.int64) * H * I, g_ptr, u_ptr, dgate_ptr, dup_ptr, rows, real,
+                          b * BLOCK_N, H, I, limit, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+        if b == 0:
+            _copy_rows(tile_ptr, dy_rows_ptr, rows, real, H, BLOCK_M, BLOCK_H)
+        tl.debug_barrier()  # every thread's stores, and its reads of the ring tile, done before the count
+        if tl.atomic_add(d1_done_ptr + q, 1, sem="acq_rel", scope="sys") == NB_I - 1:
+            # the tile's last D1 item: every other's dgate/dup rows are ordered before this (acq_rel)
+            tl.atomic_xchg(d1_done_ptr + q, 0, sem="relaxed", scope="sys")
+            tl.atomic_xchg(dgrad_ready_ptr + q, _stamp(epoch, n), sem="release", scope="sys")
+    return ok
+
+
+@triton.jit
+def _d2_item(i, c, rank, dgrad_ready_ptr, consumed_ptr, d2_done_ptr, slots_table, arrivals_table, group_end_ptr,
+             tile_end_ptr, row_slot_ptr, wg_ptr, wu_ptr, dgate_ptr, dup_ptr, err_ptr, epoch, timeout_us, L, N, K, H, I,
+             Q, NB_H, SERIAL: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """D2(i, c) (module docstring); False when its wait ran out."""
+    q = i % Q
+    n = i // Q
+    ok = _wait(dgrad_ready_ptr + q, _stamp(epoch, n), err_ptr, WAIT_H_READY, rank, i, timeout_us, SERIAL)
+    if ok:
+        e, rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
+        s = tl.load(row_slot_ptr + rows, mask=real, other=0)  # gathered slot p·N + t·K + j
+        src = s // N
+        slot_ptrs = tl.load(slots_table + src, mask=real, other=0).to(tl.pointer_type(tl.bfloat16))
+        w_off = e.to(tl.int64) * I * H
+        _gate_up_dgrad_block(dgate_ptr, dup_ptr, wg_ptr + w_off, wu_ptr + w_off, slot_ptrs + (s % N).to(tl.int64) * H,
+                             rows, real, c * BLOCK_N, H, I, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+        tl.debug_barrier()  # every thread's slot stores and row reads done before the count
+        if tl.atomic_add(d2_done_ptr + q, 1, sem="acq_rel", scope="sys") == NB_H - 1:
+            # the tile's last D2 item: every other's slot stores are ordered before this (acq_rel)
+            tl.atomic_xchg(d2_done_ptr + q, 0, sem="relaxed", scope="sys")
+            tl.atomic_xchg(consumed_ptr + q, _stamp(epoch, n), sem="release", scope="sys")
+            tl.debug_barrier()  # the count's acquire before every thread's arrival increments
+            arrivals = tl.load(arrivals_table + src, mask=real, other=0).to(tl.pointer_type(tl.int32))
+            tl.atomic_add(arrivals + (s % N) // K, 1, mask=real, sem="release", scope="sys")
+    return ok
+
+
+@triton.jit
+def _compute_program(rank, ring_ptr, ready_ptr, dgrad_ready_ptr, consumed_ptr, d1_done_ptr, d2_done_ptr,
+                     next_item_ptr, programs_done_ptr, slots_table, arrivals_table, group_end_ptr, tile_end_ptr,
+                     row_slot_ptr, wg_ptr, wu_ptr, wd_ptr, g_ptr, u_ptr, dy_rows_ptr, dgate_ptr, dup_ptr, err_ptr,
+                     epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, L, N, K, H, I, Q, COMPUTE, G, LAG,
+                     PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr):
+    SERIAL: tl.constexpr = PHASE != 0
+    NB_I = tl.cdiv(I, BLOCK_N)
+    NB_H = tl.cdiv(H, BLOCK_N)
+    tiles = tl.load(tile_end_ptr + L - 1)
+    end = tl.minimum((tl.cdiv(tiles, G) + LAG) * G * (NB_I + NB_H), item_hi)
+    tile_lo = tl.maximum(tile_lo, 0)
+    tile_hi = tl.minimum(tile_hi, tiles)
+    alive = tl.full((), 1, tl.int1)
+    j = item_lo + tl.atomic_add(next_item_ptr, 1, sem="relaxed", scope="gpu")
+    while alive & (j < end):
+        is_d1, i, block = _item(j, G, LAG, NB_I, NB_H, NB_I, 0)  # no shared-expert groups
+        mine = (i >= tile_lo) & (i < tile_hi)  # a tile of this launch's window (every tile but in serialized mode)
+        if PHASE != 4:
+            if is_d1 & mine:
+                alive = _d1_item(i, block, rank, ring_ptr, ready_ptr, dgrad_ready_ptr, d1_done_ptr, group_end_ptr,
+                                 tile_end_ptr, wd_ptr, g_ptr, u_ptr, dy_rows_ptr, dgate_ptr, dup_ptr, err_ptr, epoch,
+                                 timeout_us, limit, L, H, I, Q, NB_I, SERIAL, HAS_LIMIT, LOG_L, BLOCK_M, BLOCK_N,
+                                 BLOCK_K, BLOCK_H, DOT_F32)
+        if PHASE != 3:
+            if (is_d1 == 0) & mine:
+                alive = _d2_item(i, block, rank, dgrad_ready_ptr, consumed_ptr, d2_done_ptr, slots_table,
+                                 arrivals_table, group_end_ptr, tile_end_ptr, row_slot_ptr, wg_ptr, wu_ptr, dgate_ptr,
+                                 dup_ptr, err_ptr, epoch, timeout_us, L, N, K, H, I, Q, NB_H, SERIAL, LOG_L, BLOCK_M,
+                                 BLOCK_N, BLOCK_K, DOT_F32)
+        j = item_lo + tl.atomic_add(next_item_ptr, 1, sem="relaxed", scope="gpu")
+    # the last of the rank's programs to run out of items rearms the counter for the next launch (acq_rel: the
+    # others' claims are ordered before the reset)
+    if tl.atomic_add(programs_done_ptr, 1, sem="acq_rel", scope="gpu") == COMPUTE - 1:
+        tl.atomic_xchg(next_item_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(programs_done_ptr, 0, sem="relaxed", scope="gpu")
+
+
+# not specialized: the integers that vary per call or per configuration (one compiled kernel per H, I and tiles)
+@triton.jit(do_not_specialize=["first_rank", "epoch", "stall_rank", "timeout_us", "tile_lo", "tile_hi", "item_lo",
+                               "item_hi", "P", "L", "T", "K", "Q", "COMM", "COMPUTE", "G", "LAG"])
+def _megakernel_bwd(
+    # local to the hosted ranks: ring [V, Q, M, H] bf16
+    ring_ptr,
+    # ... int64 [V, Q]: ready, dgrad_ready, consumed; int32 [V, Q]: d1_done, d2_done; int32 [V]: next_item,
+    # programs_done
+    ready_ptr, dgrad_ready_ptr, consumed_ptr, d1_done_ptr, d2_done_ptr, next_item_ptr, programs_done_ptr,
+    # int64 [P] addresses of every rank's symmetric buffers
+    dy_table, slots_table, arrivals_table, dy_ready_table,
+    # the hosted ranks' schedules: group_end, tile_end int32 [V, L], row_slot int32 [V, R]
+    group_end_ptr, tile_end_ptr, row_slot_ptr,
+    # the hosted ranks' expert weights: w_gate, w_up [V·L, I, H], w_down [V·L, H, I] bf16
+    wg_ptr, wu_ptr, wd_ptr,
+    # grouped rows of the hosted ranks' schedules: g, u in; dgate, dup out [V, R, I]; dy out [V, R, H] (bf16)
+    g_ptr, u_ptr, dgate_ptr, dup_ptr, dy_rows_ptr,
+    err_ptr,
+    first_rank, epoch, stall_rank, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit,
+    P, L, T, K, H, I, Q, COMM, COMPUTE, G, LAG,
+    PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    local = pid // (COMM + COMPUTE)  # this program's rank, within the launch
+    role = pid % (COMM + COMPUTE)
+    rank = first_rank + local
+    N = T * K
+    local64 = local.to(tl.int64)
+    ring_ptr += local64 * Q * BLOCK_M * H
+    ready_ptr += local64 * Q
+    consumed_ptr += local64 * Q
+    group_end_ptr += local * L
+    tile_end_ptr += local * L
+    row_slot_ptr += local64 * P * N
+    if role < COMM:
+        if PHASE <= 2:
+            # the forward's communication program, K = 1: tile row j is slot row s mod N of rank s div N's dy_NH
+            _comm_program(role, rank, ring_ptr, ready_ptr, consumed_ptr, dy_table, dy_ready_table, group_end_ptr,
+                          tile_end_ptr, row_slot_ptr, err_ptr, epoch, stall_rank, timeout_us, tile_lo, tile_hi, P, L,
+                          N, 1, H, Q, COMM, PHASE, LOG_L, BLOCK_M, BLOCK_H)
+    else:
+        if PHASE == 0 or PHASE >= 3:
+            w_off = local64 * L * I * H  # the hosted rank's first expert
+            rows_i = local64 * P * N * I  # the hosted rank's grouped rows
+            _compute_program(rank, ring_ptr, ready_ptr, dgrad_ready_ptr + local64 * Q, consumed_ptr,
+                             d1_done_ptr + local64 * Q, d2_done_ptr + local64 * Q, next_item_ptr + local,
+                             programs_done_ptr + local, slots_table, arrivals_table, group_end_ptr, tile_end_ptr,
+                             row_slot_ptr, wg_ptr + w_off, wu_ptr + w_off, wd_ptr + w_off, g_ptr + rows_i,
+                             u_ptr + rows_i, dy_rows_ptr + local64 * P * N * H, dgate_ptr + rows_i, dup_ptr + rows_i,
+                             err_ptr, epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, L, N, K, H, I, Q,
+                             COMPUTE, G, LAG, PHASE, HAS_LIMIT, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H, DOT_F32)
+
+
+# debug: the device assertions below are compiled in
+@triton.jit(debug=True, do_not_specialize=["first_rank", "arrivals_expected", "timeout_us"])
+def _finish_bwd_kernel(slots_table, arrivals_table, out_ptr, err_ptr, first_rank, arrivals_expected, timeout_us, T,
+                       H, K: tl.constexpr, SERIAL: tl.constexpr, TRAP: tl.constexpr, BLOCK_H: tl.constexpr):
+    local = tl.program_id(0) // T
+    t = (tl.program_id(0) % T).to(tl.int64)
+    rank = first_rank + local
+    arrivals = tl.load(arrivals_table + rank).to(tl.pointer_type(tl.int32))
+    _wait(arrivals + t, arrivals_expected, err_ptr, WAIT_ARRIVALS, rank, t, timeout_us, SERIAL)
+    if TRAP:
+        code = tl.load(err_ptr, volatile=True)
+        tl.device_assert(code != 1, "mok megakernel backward: timed out waiting for a source rank's dy_ready")
+        tl.device_assert(code != 2, "mok megakernel backward: timed out waiting for a ring tile to be pulled")
+        tl.device_assert(code != 3, "mok megakernel backward: timed out waiting for a ring slot to be consumed")
+        tl.device_assert(code != 4, "mok megakernel backward: timed out waiting for a token's K rows to arrive")
+        tl.device_assert(code != 5, "mok megakernel backward: timed out waiting for a ring tile's D1 items")
+    slots_ptr = tl.load(slots_table + rank).to(tl.pointer_type(tl.bfloat16))
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    acc = _slot_term(slots_ptr, slots_ptr, slots_ptr, t, 0, cols, ok, H, K, False, False)
+    for j in tl.static_range(1, K):  # ascending slot order, fp32 adds (no FMA: enable_fp_fusion=False)
+        acc = acc + _slot_term(slots_ptr, slots_ptr, slots_ptr, t, j, cols, ok, H, K, False, False)
+    row = (local.to(tl.int64) * T + t) * H
+    tl.store(out_ptr + row + cols, _round_to(acc, out_ptr), mask=ok)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@dataclass
+class BackwardBuffers:
+    """What a launch reads and writes besides the schedule, the weights and the per-call grouped rows (module
+    docstring)."""
+
+    ring_VQMH: torch.Tensor
+    ready_VQ: torch.Tensor
+    dgrad_ready_VQ: torch.Tensor
+    consumed_VQ: torch.Tensor
+    d1_done_VQ: torch.Tensor
+    d2_done_VQ: torch.Tensor
+    next_item_V: torch.Tensor
+    programs_done_V: torch.Tensor
+    tables: dict[str, torch.Tensor]
+    """"dy_NH", "dx_slots_NH", "arrivals_T", "dy_ready": int64 [P] addresses of every rank's buffer."""
+    errors: torch.Tensor
+    """int64 [6]: code, waiting rank, index, seen, expected (0: no error)."""
+
+    @property
+    def ring_tiles(self) -> int:
+        return self.ring_VQMH.shape[1]
+
+    @property
+    def block_m(self) -> int:
+        return self.ring_VQMH.shape[2]
+
+    @property
+    def flags(self) -> list[torch.Tensor]:
+        """The launch's own flags and counters (the symmetric ones are the caller's)."""
+        return [self.ready_VQ, self.dgrad_ready_VQ, self.consumed_VQ, self.d1_done_VQ, self.d2_done_VQ,
+                self.next_item_V, self.programs_done_V]
+
+
+@dataclass(frozen=True)
+class GroupedRows:
+    """The grouped rows of the hosted ranks' schedules (row r of rank v: its schedule's row r), bf16."""
+
+    gate_VRI: torch.Tensor
+    """In: the forward's g rows (saved or recomputed)."""
+    up_VRI: torch.Tensor
+    """In: the forward's u rows."""
+    dgate_VRI: torch.Tensor
+    """Out: the SwiGLU backward's dgate rows."""
+    dup_VRI: torch.Tensor
+    """Out: its dup rows."""
+    dy_VRH: torch.Tensor
+    """Out: the pulled w·dY rows."""
+
+
+def read_error(errors: torch.Tensor) -> str | None:
+    """The recorded wait that ran out, in words (None: none). NOTE: host sync (reads the error buffer)."""
+    code, rank, index, seen, expected, _ = errors.tolist()
+    if code == 0:
+        return None
+    what = WAIT_NAMES.get(code, "unknown wait code {code}").format(rank=rank, index=index, code=code)
+    return f"mok megakernel backward: timed out: {what} (flag held {seen}, expected {expected})"
+
+
+def _args(bufs, schedule, weights, rows: GroupedRows, shape: LaunchShape, epoch, stall_rank, timeout_us, tiles,
+          items, limit):
+    group_end_VL, tile_end_VL, row_slot_VR = schedule
+    w_gate_XIH, w_up_XIH, w_down_XHI = weights
+    _, dim_i, dim_h = w_gate_XIH.shape
+    t = bufs.tables
+    return (bufs.ring_VQMH, *bufs.flags, t["dy_NH"], t["dx_slots_NH"], t["arrivals_T"], t["dy_ready"], group_end_VL,
+            tile_end_VL, row_slot_VR, w_gate_XIH, w_up_XIH, w_down_XHI, rows.gate_VRI, rows.up_VRI, rows.dgate_VRI,
+            rows.dup_VRI, rows.dy_VRH, bufs.errors, shape.first_rank, epoch, stall_rank, timeout_us, *tiles, *items,
+            limit, shape.ep_degree, shape.num_local, shape.num_tokens, shape.top_k, dim_h, dim_i, bufs.ring_tiles,
+            shape.comm_programs, shape.compute_programs, shape.group_tiles, shape.lag)
+
+
+def _constexprs(variant: KernelVariant, phase: int) -> dict:
+    return dict(PHASE=phase, HAS_LIMIT=variant.has_limit, LOG_L=variant.num_local.bit_length(),
+                BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BLOCK_K=BLOCK_K,
+                BLOCK_H=min(256, triton.next_power_of_2(variant.dim_h)), DOT_F32=_DOT_F32, num_warps=variant.num_warps,
+                num_stages=variant.num_stages)
+
+
+def _variant(bufs: BackwardBuffers, weights, shape: LaunchShape, swiglu_limit: float | None) -> KernelVariant:
+    dim_i, dim_h = weights[0].shape[1:]
+    return KernelVariant(dim_h, dim_i, 0, shape.num_local, bufs.block_m, shape.block_n, shape.num_warps,
+                         shape.num_stages, swiglu_limit is not None)
+
+
+def compile_megakernel_bwd(variant: KernelVariant):
+    """The concurrent launch's kernel compiled for a variant (its other integers are not specialized; no shared
+    expert: ``variant.shared_dim`` is 0), launching nothing: the current driver's target."""
+    if variant.shared_dim:
+        raise ValueError(f"compile_megakernel_bwd: the dgrad launch has no shared expert, got {variant}")
+    ptrs = [torch.bfloat16] + [torch.int64] * 3 + [torch.int32] * 4 + [torch.int64] * 4 + [torch.int32] * 3 + [
+        torch.bfloat16] * 8 + [torch.int64]  # pointer arguments as their dtypes (Triton's warmup takes those)
+    ints = [2] * 8 + [0.0] + [2] * 4 + [variant.dim_h, variant.dim_i] + [2] * 5  # first_rank ... LAG
+    return _megakernel_bwd.warmup(*ptrs, *ints, grid=(1,), **_constexprs(variant, PHASE_ALL))
+
+
+@functools.cache
+def co_resident_programs_bwd(device_index: int, variant: KernelVariant) -> int:
+    """How many programs of a concurrent dgrad launch the device runs at once: the variant's compiled kernel, its
+    programs per SM times the SMs."""
+    compiled = compile_megakernel_bwd(variant)
+    compiled._init_handles()
+    props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    per_sm = programs_per_sm(compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps, props)
+    return per_sm * props["multiprocessor_count"]
+
+
+def megakernel_bwd_phase(bufs: BackwardBuffers, schedule, weights, rows: GroupedRows, shape: LaunchShape,
+                         phase: int, *, epoch: int, swiglu_limit: float | None, stall_rank: int | None = None,
+                         timeout_ms: float = 10_000.0, tiles: tuple[int, int] = (0, 2**31 - 1),
+                         items: tuple[int, int] = (0, 2**31 - 1)) -> None:
+    """One launch of the grid in ``phase`` (PHASE_ALL, PHASE_PUBLISH, PHASE_COMM, PHASE_D1, PHASE_D2): as the
+    forward's ``megakernel_phase``. PHASE_ALL is refused when the device cannot hold every program at once."""
+    if shape.shared_groups:
+        raise ValueError(f"megakernel_bwd_phase: the dgrad launch has no shared expert, got a launch shaped for "
+                         f"{shape.shared_groups} groups of its tiles")
+    variant = _variant(bufs, weights, shape, swiglu_limit)
+    has_limit = swiglu_limit is not None
+    if phase == PHASE_ALL:
+        max_programs = co_resident_programs_bwd(weights[0].device.index, variant)
+        if shape.programs > max_programs:
+            raise RuntimeError(
+                f"mok megakernel backward: {shape.programs} programs ({shape.hosted_ranks} ranks x "
+                f"({shape.comm_programs} communication + {shape.compute_programs} compute)) exceed the {max_programs} "
+                "this device runs at once, so its spin-waits could deadlock: use fewer programs per rank")
+    args = _args(bufs, schedule, weights, rows, shape, epoch, -1 if stall_rank is None else stall_rank,
+                 int(timeout_ms * 1000), tiles, items, float(swiglu_limit) if has_limit else 0.0)
+    _megakernel_bwd[(shape.programs,)](*args, **_constexprs(variant, phase))
+
+
+def megakernel_bwd_launch(bufs: BackwardBuffers, schedule, weights, rows: GroupedRows, shape: LaunchShape, *,
+                          epoch: int, swiglu_limit: float | None, serialized: bool, stall_rank: int | None = None,
+                          timeout_ms: float = 10_000.0) -> None:
+    """The dgrad's one launch (``serialized``: its phases one after another, as the forward's).
+
+    schedule: (group_end_VL, tile_end_VL, row_slot_VR) int32 of the hosted ranks; weights: (w_gate [V·L, I, H],
+    w_up [V·L, I, H], w_down [V·L, H, I]) bf16 contiguous; rows: [V, R, ·] bf16 contiguous. ``stall_rank``: a rank
+    whose communication programs publish nothing (tests of the bounded waits)."""
+    if not 1 <= epoch <= MAX_EPOCH:
+        raise ValueError(f"megakernel_bwd_launch: epoch = {epoch} must be in [1, {MAX_EPOCH}]")
+    ring, group = bufs.ring_tiles, shape.group_tiles
+    if (shape.lag + 1) * group > ring:
+        raise ValueError(f"megakernel_bwd_launch: (lag + 1) x group_tiles = ({shape.lag} + 1) x {group} must be <= "
+                         f"the {ring} ring tiles (kernels/mok_megakernel.py: deadlock freedom)")
+    run = functools.partial(megakernel_bwd_phase, bufs, schedule, weights, rows, shape, epoch=epoch,
+                            swiglu_limit=swiglu_limit, stall_rank=stall_rank, timeout_ms=timeout_ms)
+    if not serialized:
+        run(PHASE_ALL)
+        return
+    run(PHASE_PUBLISH)
+    # the host knows an upper bound of the tiles (no sync): every row in its own expert's tiles
+    max_tiles = triton.cdiv(shape.ep_degree * shape.num_tokens * shape.top_k, bufs.block_m) + shape.num_local
+    first_item = functools.partial(shape.first_item, dim_h=weights[0].shape[2], dim_i=weights[0].shape[1],
+                                   shared_dim=0)
+    for n in range(triton.cdiv(max_tiles, ring)):  # a round: the ring's tiles pulled, their D1 items, their D2 items
+        lo, hi = n * ring, (n + 1) * ring
+        steps = (lo // group, triton.cdiv(hi, group))  # the steps holding the window's D1 items
+        run(PHASE_COMM, tiles=(lo, hi))
+        run(PHASE_D1, tiles=(lo, hi), items=(first_item(steps[0]), first_item(steps[1])))
+        run(PHASE_D2, tiles=(lo, hi), items=(first_item(steps[0] + shape.lag), first_item(steps[1] + shape.lag)))
+
+
+def megakernel_bwd_finish(bufs: BackwardBuffers, dx_VTH: torch.Tensor, shape: LaunchShape, *, epoch: int,
+                          serialized: bool, trap: bool, timeout_ms: float = 10_000.0) -> None:
+    """dx[v, t] = cast(Σ_j dx_slots_v[t, j]) in fp32, ascending j, once token t's K rows have arrived (``trap``: a
+    recorded error stops the device with an assertion naming the wait)."""
+    num_tokens, dim_h = dx_VTH.shape[1:]
+    if num_tokens == 0:
+        return
+    block_h = 1024
+    grid = (shape.hosted_ranks * num_tokens, triton.cdiv(dim_h, block_h))
+    _finish_bwd_kernel[grid](bufs.tables["dx_slots_NH"], bufs.tables["arrivals_T"], dx_VTH, bufs.errors,
+                             shape.first_rank, epoch * shape.top_k, int(timeout_ms * 1000), num_tokens, dim_h,
+                             K=shape.top_k, SERIAL=serialized, TRAP=trap, BLOCK_H=block_h, enable_fp_fusion=False)
+

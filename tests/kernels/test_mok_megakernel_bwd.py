@@ -1,0 +1,220 @@
+"""The MoK megakernel's dgrad launch (kernels/mok_megakernel_bwd.py via titan_mok.moe.megakernel_bwd) on CPU, in
+Triton's interpreter, serialized (publish, then per ring round: pull, D1 items, D2 items; waits are assertions), at
+virtual EP.
+
+The bits it must give: the "triton" path's dgrad kernels on the same rows, computed at EP = 1 on all P ranks'
+tokens at once: w·dY by ``slot_scale``, the grouped rows by the schedule, g and u by ``grouped_gate_up_swiglu``,
+dgate and dup by ``grouped_down_dgrad_swiglu``, the rows' dx by ``grouped_mm_sum``, a token's dx by
+``slot_reduce``. A grouped row of rank p's schedule is matched with the EP = 1 row of the same gathered slot
+(p'·N + t·K + j is the slot's index among all P·N). So each test also holds the gradients independent of P and of
+the batch. Compared with torch.equal. GPU (the concurrent launch): test_mok_megakernel_bwd_gpu.py.
+"""
+
+import functools
+import os
+import re
+
+import pytest
+import torch
+
+from tests.kernels.test_mok_megakernel import DEVICE, E, I, K, SMALL, T, routing
+from titan_mok.kernels.grouped_gemm import grouped_down_dgrad_swiglu, grouped_gate_up_swiglu, grouped_mm_sum
+from titan_mok.kernels.mok_combine import slot_reduce, slot_scale
+from titan_mok.kernels.mok_megakernel_bwd import (
+    PHASE_COMM,
+    PHASE_D1,
+    PHASE_D2,
+    PHASE_PUBLISH,
+    GroupedRows,
+    megakernel_bwd_phase,
+    read_error,
+)
+from titan_mok.kernels.mok_schedule import mok_schedule
+from titan_mok.moe import megakernel_bwd as mkb
+from titan_mok.moe.megakernel import MegakernelConfig, tile_schedules
+from titan_mok.moe.megakernel_bwd import megakernel_routed_dgrad, raise_on_megakernel_bwd_error
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the interpreter's serialized mode; on a GPU see test_mok_megakernel_bwd_gpu.py")
+
+
+def backward_inputs(ranks: int, dim_h: int, seed: int = 1, tokens: int = T, dim_i: int = I):
+    """x, dout bf16 [P·T, H], combine weights fp32 [P·T, K]; expert weights (w_gate, w_up, w_down) bf16."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ranks * tokens, dim_h, generator=g).to(torch.bfloat16)
+    dout = torch.randn(ranks * tokens, dim_h, generator=g).to(torch.bfloat16)
+    weights = torch.rand(ranks * tokens, K, generator=g)
+    w_gate = (torch.randn(E, dim_i, dim_h, generator=g) * 0.1).to(torch.bfloat16)
+    w_up = (torch.randn(E, dim_i, dim_h, generator=g) * 0.1).to(torch.bfloat16)
+    w_down = (torch.randn(E, dim_h, dim_i, generator=g) * 0.1).to(torch.bfloat16)
+    return [t.to(DEVICE) for t in (x, dout, weights)], tuple(w.contiguous().to(DEVICE) for w in (w_gate, w_up, w_down))
+
+
+def triton_dgrad(x, dout, weights, ids, expert_weights, swiglu_limit=None) -> dict:
+    """The "triton" path's dgrad at EP = 1 on all the tokens: its grouped rows (by the schedule) and dx."""
+    w_gate, w_up, w_down = expert_weights
+    num_tokens, dim_h = x.shape
+    group_end, row_slot = mok_schedule(ids.reshape(1, -1).to(torch.int32).contiguous(), 0, E, E)
+    gate, up, _ = grouped_gate_up_swiglu(x.index_select(0, row_slot // K), group_end, w_gate, w_up, swiglu_limit)
+    dy_TKH = torch.empty(num_tokens, K, dim_h, dtype=torch.bfloat16, device=x.device)
+    slot_scale(weights, dout, dy_TKH)
+    dy = dy_TKH.view(-1, dim_h).index_select(0, row_slot)
+    dgate, dup = grouped_down_dgrad_swiglu(dy, group_end, w_down.transpose(1, 2), gate, up, swiglu_limit)
+    dx_rows = grouped_mm_sum(dgate, dup, group_end, w_gate.transpose(1, 2), w_up.transpose(1, 2))
+    rows_of_slots = torch.empty_like(row_slot).scatter_(0, row_slot.long(), torch.arange(
+        row_slot.numel(), dtype=row_slot.dtype, device=row_slot.device))
+    dx = slot_reduce(dx_rows.index_select(0, rows_of_slots).view(num_tokens, K, dim_h), None, None, torch.bfloat16)
+    return dict(gate=gate, up=up, dy=dy, dgate=dgate, dup=dup, dx=dx, rows_of_slots=rows_of_slots)
+
+
+def rank_rows(want: dict, ranks: int, ids: torch.Tensor, block_m: int):
+    """Per rank: its schedule's real rows as EP = 1 rows (index [R_p]) and its g, u inputs [P·N, I] (zero past
+    R_p)."""
+    _, dim_i = want["gate"].shape
+    group_end_PL, _, row_slot_PR = tile_schedules(list(ids.to(DEVICE).chunk(ranks)), E // ranks, E, block_m)
+    index, gates, ups = [], [], []
+    for p in range(ranks):
+        real = int(group_end_PL[p, -1])
+        ep1 = want["rows_of_slots"].index_select(0, row_slot_PR[p, :real])
+        index.append(ep1)
+        for out, name in ((gates, "gate"), (ups, "up")):
+            rows = torch.zeros(row_slot_PR.shape[1], dim_i, dtype=torch.bfloat16, device=DEVICE)
+            rows[:real] = want[name].index_select(0, ep1)
+            out.append(rows)
+    return index, gates, ups
+
+
+def megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config=SMALL, swiglu_limit=None, **kw):
+    """(want, got): the triton path's and the megakernel's at virtual EP = ranks (rank p: the p-th T tokens)."""
+    want = triton_dgrad(x, dout, weights, ids.to(DEVICE), expert_weights, swiglu_limit)
+    index, gates, ups = rank_rows(want, ranks, ids, config.block_m)
+    got = megakernel_routed_dgrad(list(dout.chunk(ranks)), list(weights.chunk(ranks)),
+                                  list(ids.to(DEVICE).chunk(ranks)), gates, ups, expert_weights, num_experts=E,
+                                  config=config, trap=False, swiglu_limit=swiglu_limit, **kw)
+    raise_on_megakernel_bwd_error()
+    return want, got, index
+
+
+def assert_bitwise(want, got, index):
+    assert torch.equal(torch.cat([g.dx_TH for g in got]), want["dx"])
+    for p, (g, rows) in enumerate(zip(got, index)):
+        real = rows.numel()
+        assert int(g.group_end_L[-1]) == real
+        for name, mine in (("dy", g.dy_RH), ("dgate", g.dgate_RI), ("dup", g.dup_RI)):
+            assert torch.equal(mine[:real], want[name].index_select(0, rows)), (p, name)
+
+
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "one_expert", "empty_experts", "all_remote"])
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@interpreted
+def test_dgrad_equals_triton_path_bitwise(kind, ranks):
+    (x, dout, weights), expert_weights = backward_inputs(ranks, 64)
+    ids = routing(kind, ranks, seed=ranks)
+    assert_bitwise(*megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights))
+
+
+@interpreted
+def test_dgrad_eight_ranks_one_expert_each():
+    (x, dout, weights), expert_weights = backward_inputs(8, 64, tokens=8)
+    ids = routing("skewed", 8, tokens=8, seed=8)
+    assert_bitwise(*megakernel_dgrad(8, x, dout, weights, ids, expert_weights))
+
+
+@interpreted
+def test_partial_blocks_clamp_and_smallest_ring():
+    """H = 96 and I = 80 in 64-column items (each GEMM's last column block and K step partial), the SwiGLU clamp
+    (gradients only where it did not clip), one ring tile per rank with every row to two experts of rank 0."""
+    (x, dout, weights), expert_weights = backward_inputs(2, 96, seed=15, dim_i=80)
+    config = MegakernelConfig(comm_programs=2, compute_programs=2, group_tiles=1, lag=0, ring_tiles=1, block_m=16,
+                              block_n=64)
+    for kind in ("skewed", "one_expert"):
+        ids = routing(kind, 2, seed=16)
+        assert_bitwise(*megakernel_dgrad(2, x, dout, weights, ids, expert_weights, config, swiglu_limit=0.5))
+
+
+@interpreted
+def test_run_to_run_and_ep_degree_invariance():
+    """The same call twice on one workspace (a later epoch: flags never reset) gives the same bits, and the one-rank
+    form (tensors, not lists) on all tokens gives the dx of virtual EP = 4."""
+    (x, dout, weights), expert_weights = backward_inputs(4, 64, seed=9)
+    ids = routing("skewed", 4, seed=10)
+    want, first, index = megakernel_dgrad(4, x, dout, weights, ids, expert_weights)
+    _, again, _ = megakernel_dgrad(4, x, dout, weights, ids, expert_weights)
+    for a, b in zip(first, again):
+        real = int(a.group_end_L[-1])
+        assert torch.equal(a.dx_TH, b.dx_TH) and torch.equal(a.dgate_RI[:real], b.dgate_RI[:real])
+    _, gates, ups = rank_rows(want, 1, ids, SMALL.block_m)
+    single = megakernel_routed_dgrad(dout, weights, ids.to(DEVICE), gates[0], ups[0], expert_weights, num_experts=E,
+                                     config=SMALL, trap=False)
+    raise_on_megakernel_bwd_error()
+    assert torch.equal(single.dx_TH, torch.cat([a.dx_TH for a in first]))
+
+
+@interpreted
+def test_stalled_rank_is_a_named_error_then_the_workspace_recovers():
+    (x, dout, weights), expert_weights = backward_inputs(2, 64, seed=13)
+    ids = routing("balanced", 2)
+    with pytest.raises(RuntimeError, match="dy_ready: rank 0's communication program waited for rank 1 "):
+        megakernel_dgrad(2, x, dout, weights, ids, expert_weights, stall_rank=1)
+    assert_bitwise(*megakernel_dgrad(2, x, dout, weights, ids, expert_weights))
+
+
+@pytest.mark.parametrize("skipped, wait", [
+    ("communication", "ring ready: rank 0's compute program waited for ring tile 0 to be pulled"),
+    ("D1", "dgrad ready: rank 0's compute program waited for the D1 items of ring tile 0"),
+])
+@interpreted
+def test_a_missing_phase_is_a_named_error(skipped, wait):
+    """The serialized phases run by hand, one left out: the wait that needed it ends in the named error; a tile's
+    dgrad_ready only once every D1 item of it ran."""
+    (x, dout, weights), expert_weights = backward_inputs(1, 64, seed=21)
+    ids = routing("balanced", 1)
+    want, got, index = megakernel_dgrad(1, x, dout, weights, ids, expert_weights)  # allocates the workspace
+    assert_bitwise(want, got, index)
+    ws = next(w for key, w in mkb._WORKSPACES.items() if key[1:3] == (1, T) and key[-1] == SMALL)
+    schedule = tile_schedules([ids.to(DEVICE)], E, E, SMALL.block_m)
+    _, gates, ups = rank_rows(want, 1, ids, SMALL.block_m)
+    rows = GroupedRows(torch.stack(gates), torch.stack(ups), torch.empty_like(torch.stack(gates)),
+                       torch.empty_like(torch.stack(gates)), torch.empty(1, T * K, 64, dtype=torch.bfloat16))
+    epoch = ws.next_epoch()
+    run = functools.partial(megakernel_bwd_phase, ws.bufs, schedule, expert_weights, rows, ws.shape, epoch=epoch,
+                            swiglu_limit=None, tiles=(0, SMALL.ring_tiles))
+    run(PHASE_PUBLISH)
+    if skipped == "communication":
+        run(PHASE_D1)
+    else:
+        run(PHASE_COMM)
+        run(PHASE_D1, items=(0, 1))  # SMALL: D1(0, 0), the first of tile 0's 2 column blocks
+        assert ws.bufs.d1_done_VQ[0, 0] == 1 and ws.bufs.dgrad_ready_VQ[0, 0] != epoch << 32
+        if skipped != "D1":
+            run(PHASE_D1, items=(1, 2**31 - 1))
+            assert ws.bufs.dgrad_ready_VQ[0, 0] == epoch << 32 and not ws.bufs.d1_done_VQ.any()
+        assert read_error(ws.bufs.errors) is None
+    run(PHASE_D2)
+    with pytest.raises(RuntimeError, match=re.escape(f"mok megakernel backward: timed out: {wait} ")):
+        raise_on_megakernel_bwd_error()
+    assert_bitwise(*megakernel_dgrad(1, x, dout, weights, ids, expert_weights))
+
+
+@interpreted
+def test_bad_inputs_are_named():
+    (x, dout, weights), expert_weights = backward_inputs(2, 64)
+    ids = routing("balanced", 2).to(DEVICE)
+    gate = torch.zeros(2 * T * K, I, dtype=torch.bfloat16, device=DEVICE)
+    call = lambda **kw: megakernel_routed_dgrad(  # noqa: E731
+        **{**dict(dout_TH=list(dout.chunk(2)), weights_TK=list(weights.chunk(2)), topk_idx_TK=list(ids.chunk(2)),
+                  gate_RI=[gate, gate], up_RI=[gate, gate], expert_weights=expert_weights, num_experts=E,
+                  config=SMALL), **kw})
+    with pytest.raises(ValueError, match=r"gate_RI of rank 1 must be \(64, 64\) of torch.bfloat16"):
+        call(gate_RI=[gate, gate[:T]])
+    with pytest.raises(ValueError, match="num_experts = 6 must be a multiple"):
+        call(num_experts=6)
+    with pytest.raises(TypeError, match="up_RI must be a list"):
+        call(up_RI=gate)
+    with pytest.raises(ValueError, match="w_down_EHI must be a contiguous bfloat16"):
+        call(expert_weights=(*expert_weights[:2], expert_weights[2].float()))
+    with pytest.raises(ValueError, match="stall_rank = 2"):
+        call(stall_rank=2)
+    with pytest.raises(ValueError, match="spin forever"):
+        call(serialized=False)

@@ -1,0 +1,213 @@
+"""The routed experts' input gradient (dgrad) through the MoK megakernel's backward launch
+(``kernels/mok_megakernel_bwd.py``), for one rank or for P virtual ranks on one device (virtual EP).
+
+Legend: P ep degree (virtual ranks on this device), T tokens per rank, K top-k, N = T·K, R = P·N grouped rows
+per rank (the most its schedule holds), H hidden, I expert FFN size, E experts, L = E / P local experts per rank.
+
+Contract of ``megakernel_routed_dgrad``, per rank, given the layer's output gradient dout and the forward's g, u
+rows in the order of the rank's schedule (``kernels/mok_schedule.py``, the forward megakernel's: per local expert,
+(source rank, token, slot) order): dy[t, j] = cast(w[t,j]·dout[t]) (``mok_combine.slot_scale``), then per grouped
+row the down projection's dgrad through the SwiGLU backward (dgate, dup) and the gate/up dgrad (dx row), and
+dx[t] = cast(Σ_j dx_row(t, j)) in fp32, ascending j: bitwise the ``"triton"`` path's
+(``grouped_down_dgrad_swiglu``, ``grouped_mm_sum``, ``slot_reduce``) whatever P. Under virtual EP rank p holds
+experts p·L .. p·L + L - 1 and the rows travel through the other virtual ranks' buffers as between GPUs.
+
+Per call, all on the current stream, no host sync: each rank's w·dY slots into its dy buffer (``slot_scale``); the
+schedule; the backward launch (pull, D1, D2, push); the finish (per token, wait for its K rows, then the ordered
+fp32 sum). The workspace of a (device, P, T, K, H, I, config) is allocated at its first call and reused (per-call
+epochs, as the forward's). The grouped rows dy, dgate, dup come back for the weight gradients
+(``grouped_gemm.grouped_wgrads``); rows past a rank's last expert's end are not written.
+
+Not here: MXFP8, the weight gradients, the combine weights' gradient, real multi-GPU ranks.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from titan_mok.kernels.grouped_ffn import interpreting
+from titan_mok.kernels.mok_combine import slot_scale
+from titan_mok.kernels.mok_megakernel import LaunchShape
+from titan_mok.kernels.mok_megakernel_bwd import (
+    BackwardBuffers,
+    GroupedRows,
+    co_resident_programs_bwd,
+    megakernel_bwd_finish,
+    megakernel_bwd_launch,
+    read_error,
+)
+from titan_mok.moe.megakernel import MegakernelConfig, _resolve, _Workspace, tile_schedules
+
+
+@dataclass(frozen=True)
+class RoutedDgrad:
+    """One rank's input gradient and the grouped rows its weight gradients read (row r: its schedule's row r)."""
+
+    dx_TH: torch.Tensor
+    """bf16 [T, H]: the gradient of the rank's token rows through the routed experts."""
+    dy_RH: torch.Tensor
+    """bf16 [R, H]: w·dY of each grouped row (w_down's weight gradient: dy.T @ h)."""
+    dgate_RI: torch.Tensor
+    """bf16 [R, I] (w_gate's: dgate.T @ x)."""
+    dup_RI: torch.Tensor
+    """bf16 [R, I] (w_up's: dup.T @ x)."""
+    group_end_L: torch.Tensor
+    """int32 [L]: the rank's schedule's cumulative rows per local expert."""
+
+
+_WORKSPACES: dict[tuple, _Workspace] = {}
+
+
+def _allocate(ranks, num_tokens, top_k, dim_h, num_local, cfg: MegakernelConfig, device) -> _Workspace:
+    slots = num_tokens * top_k
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    # Each virtual rank's symmetric buffers are allocations of their own, reached through address tables as
+    # peers' symmetric memory is.
+    dy_PNH = [torch.zeros(slots, dim_h, **bf16) for _ in range(ranks)]
+    dx_slots_PNH = [torch.zeros(slots, dim_h, **bf16) for _ in range(ranks)]
+    arrivals_PT = [torch.zeros(num_tokens, dtype=torch.int32, device=device) for _ in range(ranks)]
+    dy_ready_P = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ranks)]
+    symmetric = {"dy_NH": dy_PNH, "dx_slots_NH": dx_slots_PNH, "arrivals_T": arrivals_PT, "dy_ready": dy_ready_P}
+    tables = {name: torch.tensor([b.data_ptr() for b in per_rank], dtype=torch.int64, device=device)
+              for name, per_rank in symmetric.items()}
+    ring = cfg.ring_tiles
+    flag = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+    bufs = BackwardBuffers(
+        ring_VQMH=torch.zeros(ranks, ring, cfg.block_m, dim_h, **bf16),
+        ready_VQ=flag(ranks, ring, dtype=torch.int64),
+        dgrad_ready_VQ=flag(ranks, ring, dtype=torch.int64),
+        consumed_VQ=flag(ranks, ring, dtype=torch.int64),
+        d1_done_VQ=flag(ranks, ring, dtype=torch.int32),
+        d2_done_VQ=flag(ranks, ring, dtype=torch.int32),
+        next_item_V=flag(ranks, dtype=torch.int32),
+        programs_done_V=flag(ranks, dtype=torch.int32),
+        tables=tables,
+        errors=torch.zeros(6, dtype=torch.int64, device=device),
+    )
+    shape = LaunchShape(ranks, 0, ranks, num_tokens, top_k, num_local, cfg.comm_programs, cfg.compute_programs,
+                        cfg.group_tiles, cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    return _Workspace(shape, bufs, symmetric, [*bufs.flags, *arrivals_PT, *dy_ready_P], cfg.timeout_ms)
+
+
+def raise_on_megakernel_bwd_error() -> None:
+    """Raise RuntimeError naming the wait that ran out in any backward workspace of this process (then reset it so
+    that it can run again). For calls made with ``trap=False``. NOTE: host sync (reads the error records)."""
+    for ws in _WORKSPACES.values():
+        message = read_error(ws.bufs.errors)
+        if message is not None:
+            ws.reset()
+            raise RuntimeError(message)
+
+
+def _listed(name: str, t, ranks: int | None, virtual: bool) -> list:
+    if virtual != isinstance(t, (list, tuple)):
+        raise TypeError(f"megakernel_routed_dgrad: {name} must be a list (one per virtual rank) exactly when "
+                        "dout_TH is")
+    items = list(t) if virtual else [t]
+    if ranks is not None and len(items) != ranks:
+        raise ValueError(f"megakernel_routed_dgrad: {name} has {len(items)} entries, dout_TH {ranks}")
+    return items
+
+
+def _check(douts, weights, ids, gates, ups, expert_weights, num_experts):
+    ranks = len(douts)
+    num_tokens, dim_h = douts[0].shape
+    top_k = ids[0].shape[1] if ids[0].dim() == 2 else -1
+    device = douts[0].device
+    if not 1 <= top_k <= 64:
+        raise ValueError(f"megakernel_routed_dgrad: top_k = {top_k} must be in [1, 64] (arrival counts in int32)")
+    w_gate_EIH, w_up_EIH, w_down_EHI = expert_weights
+    if num_experts % ranks or w_gate_EIH.dim() != 3 or w_gate_EIH.shape[0] != num_experts:
+        raise ValueError(f"megakernel_routed_dgrad: num_experts = {num_experts} must be a multiple of the {ranks} "
+                         f"virtual ranks and the weights' first dim (w_gate_EIH {tuple(w_gate_EIH.shape)})")
+    dim_i = w_gate_EIH.shape[1]
+    for name, w, shape in (("w_gate_EIH", w_gate_EIH, (num_experts, dim_i, dim_h)),
+                           ("w_up_EIH", w_up_EIH, (num_experts, dim_i, dim_h)),
+                           ("w_down_EHI", w_down_EHI, (num_experts, dim_h, dim_i))):
+        if tuple(w.shape) != shape or w.dtype != torch.bfloat16 or not w.is_contiguous() or w.device != device:
+            raise ValueError(f"megakernel_routed_dgrad: {name} must be a contiguous bfloat16 {shape} on {device}, "
+                             f"got {w.dtype} {tuple(w.shape)} on {w.device} (contiguous: {w.is_contiguous()})")
+    rows = ranks * num_tokens * top_k
+    for p in range(ranks):
+        for name, t, shape, dtypes in (("dout_TH", douts[p], (num_tokens, dim_h), (torch.bfloat16,)),
+                                       ("weights_TK", weights[p], (num_tokens, top_k), (torch.float32,)),
+                                       ("topk_idx_TK", ids[p], (num_tokens, top_k), (torch.int32, torch.int64)),
+                                       ("gate_RI", gates[p], (rows, dim_i), (torch.bfloat16,)),
+                                       ("up_RI", ups[p], (rows, dim_i), (torch.bfloat16,))):
+            if tuple(t.shape) != shape or t.dtype not in dtypes or t.device != device:
+                raise ValueError(f"megakernel_routed_dgrad: {name} of rank {p} must be {shape} of "
+                                 f"{' or '.join(map(str, dtypes))} on {device}, got {tuple(t.shape)} {t.dtype} on "
+                                 f"{t.device}")
+    if device.type != "cuda" and not interpreting():
+        raise ValueError("megakernel_routed_dgrad needs CUDA tensors (or TRITON_INTERPRET=1)")
+    return ranks, num_tokens, top_k, dim_h, dim_i
+
+
+def megakernel_routed_dgrad(
+    dout_TH,
+    weights_TK,
+    topk_idx_TK,
+    gate_RI,
+    up_RI,
+    expert_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    num_experts: int,
+    swiglu_limit: float | None = None,
+    config: MegakernelConfig = MegakernelConfig(),
+    serialized: bool | None = None,
+    trap: bool = True,
+    stall_rank: int | None = None,
+):
+    """Routed experts' input gradient, per rank (module docstring). Not differentiable (a backward's piece).
+
+    Args:
+        dout_TH, weights_TK, topk_idx_TK, gate_RI, up_RI: one rank's tensors, or lists of P (virtual EP: entry p is
+            rank p's): dout bf16 [T, H], combine weights fp32 [T, K], ids int [T, K] in [0, E), the forward's g and
+            u rows bf16 [R, I] in the rank's schedule's row order (rows past its end: any values).
+        expert_weights: (w_gate [E, I, H], w_up [E, I, H], w_down [E, H, I]) bf16 contiguous, all E experts.
+        serialized: the interpreter's phase-by-phase launches (None: under TRITON_INTERPRET=1 only).
+        trap: a wait that ran out stops the device with an assertion naming it; False: the launch ends and
+            ``raise_on_megakernel_bwd_error()`` names it.
+        stall_rank: a rank that never publishes (tests the bounded waits).
+
+    Returns:
+        RoutedDgrad, or the list of P of them.
+    """
+    virtual = isinstance(dout_TH, (list, tuple))
+    douts = _listed("dout_TH", dout_TH, None, virtual)
+    weights = _listed("weights_TK", weights_TK, len(douts), virtual)
+    ids = _listed("topk_idx_TK", topk_idx_TK, len(douts), virtual)
+    gates = _listed("gate_RI", gate_RI, len(douts), virtual)
+    ups = _listed("up_RI", up_RI, len(douts), virtual)
+    ranks, num_tokens, top_k, dim_h, dim_i = _check(douts, weights, ids, gates, ups, expert_weights, num_experts)
+    serialized = interpreting() if serialized is None else serialized
+    if interpreting() and not serialized:
+        raise ValueError("megakernel_routed_dgrad: Triton's interpreter runs programs one at a time, so the "
+                         "concurrent launch would spin forever; use serialized=True (or None)")
+    if stall_rank is not None and not 0 <= stall_rank < ranks:
+        raise ValueError(f"megakernel_routed_dgrad: stall_rank = {stall_rank} is not a rank of {ranks}")
+    device = douts[0].device
+    num_local = num_experts // ranks
+    cfg = _resolve(config, ranks, dim_h, dim_i, num_local, swiglu_limit is not None, None, device, serialized,
+                   co_resident=co_resident_programs_bwd)
+    key = (device, ranks, num_tokens, top_k, dim_h, dim_i, num_local, cfg)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = _allocate(ranks, num_tokens, top_k, dim_h, num_local, cfg, device)
+    ws = _WORKSPACES[key]
+
+    for dy_NH, w_TK, dout in zip(ws.symmetric["dy_NH"], weights, douts):
+        slot_scale(w_TK.contiguous(), dout.contiguous(), dy_NH.view(num_tokens, top_k, dim_h))
+    schedule = tile_schedules(ids, num_local, num_experts, cfg.block_m)
+    rows_per_rank = ranks * num_tokens * top_k
+    grouped = lambda n: torch.empty(ranks, rows_per_rank, n, dtype=torch.bfloat16, device=device)  # noqa: E731
+    rows = GroupedRows(torch.stack(gates).contiguous(), torch.stack(ups).contiguous(), grouped(dim_i),
+                       grouped(dim_i), grouped(dim_h))
+    epoch = ws.next_epoch()
+    megakernel_bwd_launch(ws.bufs, schedule, expert_weights, rows, ws.shape, epoch=epoch, swiglu_limit=swiglu_limit,
+                          serialized=serialized, stall_rank=stall_rank, timeout_ms=cfg.timeout_ms)
+    dx_PTH = torch.empty(ranks, num_tokens, dim_h, dtype=torch.bfloat16, device=device)
+    megakernel_bwd_finish(ws.bufs, dx_PTH, ws.shape, epoch=epoch, serialized=serialized, trap=trap,
+                          timeout_ms=cfg.timeout_ms)
+    out = [RoutedDgrad(dx_PTH[p], rows.dy_VRH[p], rows.dgate_VRI[p], rows.dup_VRI[p], schedule[0][p])
+           for p in range(ranks)]
+    return out if virtual else out[0]
