@@ -115,37 +115,36 @@ def _down_dgrad_block(a_ptr, wd_ptr, g_ptr, u_ptr, dgate_ptr, dup_ptr, rows, rea
         b = tl.load(wd_ptr + offs_k[:, None].to(tl.int64) * I + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0)
         acc = _dot(a, b, acc, DOT_F32)
-    c_off = rows[:, None].to(tl.int64) * I + offs_n[None, :]
-    _epilogue(acc, acc, c_off, real[:, None] & n_ok[None, :], dgate_ptr, dup_ptr, dup_ptr, g_ptr, u_ptr, limit,
-              _SWIGLU_BWD, HAS_LIMIT)
-
-
-@triton.jit
-def _k_steps(acc, a_ptr, w_ptr, rows, real, offs_n, n_ok, H, I, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc += a[rows] @ w[:, cols] over all of I in ascending BLOCK_K steps (a: grouped rows [R, I], w [I, H])."""
-    a_rows = rows[:, None].to(tl.int64) * I
-    for k0 in range(0, I, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < I
-        # .cg: other SMs wrote these rows in this launch
-        a = tl.load(a_ptr + a_rows + offs_k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0,
-                    cache_modifier=".cg")
-        b = tl.load(w_ptr + offs_k[:, None].to(tl.int64) * H + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :],
-                    other=0.0)
-        acc = _dot(a, b, acc, DOT_F32)
-    return acc
+    # the tile's rows are consecutive: int32 offsets from its first row (int64 ones spill registers on sm_90)
+    first = tl.min(rows, axis=0).to(tl.int64) * I
+    c_off = offs_m[:, None].to(tl.int32) * I + offs_n[None, :]
+    _epilogue(acc, acc, c_off, real[:, None] & n_ok[None, :], dgate_ptr + first, dup_ptr + first, dup_ptr + first,
+              g_ptr + first, u_ptr + first, limit, _SWIGLU_BWD, HAS_LIMIT)
 
 
 @triton.jit
 def _gate_up_dgrad_block(dgate_ptr, dup_ptr, wg_ptr, wu_ptr, dst_ptrs, rows, real, n0, H, I,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     """dx[:, n0:n0 + BLOCK_N] = dgate @ w_gate[:, cols] + dup @ w_up[:, cols] in one fp32 accumulator (dgate's K
-    steps, then dup's), rounded to bf16; real row r's columns stored at dst_ptrs[r] (its (token, slot) row)."""
+    steps over I, then dup's, each ascending), rounded to bf16; real row r's columns stored at dst_ptrs[r] (its
+    (token, slot) row). dgate, dup: grouped rows [R, I]; w_gate, w_up [I, H]."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
+    a_rows = rows[:, None].to(tl.int64) * I
+    steps = tl.cdiv(I, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _k_steps(acc, dgate_ptr, wg_ptr, rows, real, offs_n, n_ok, H, I, BLOCK_K, DOT_F32)
-    acc = _k_steps(acc, dup_ptr, wu_ptr, rows, real, offs_n, n_ok, H, I, BLOCK_K, DOT_F32)
+    # one loop over both products, the same steps in the same order (two loops, each software-pipelined, spill
+    # 400+ bytes of registers on sm_90)
+    for step in range(0, 2 * steps):
+        up = step >= steps
+        offs_k = (step - tl.where(up, steps, 0)) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < I
+        # .cg: other SMs wrote these rows in this launch
+        a = tl.load(tl.where(up, dup_ptr, dgate_ptr) + a_rows + offs_k[None, :], mask=real[:, None] & k_ok[None, :],
+                    other=0.0, cache_modifier=".cg")
+        b = tl.load(tl.where(up, wu_ptr, wg_ptr) + offs_k[:, None].to(tl.int64) * H + offs_n[None, :],
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = _dot(a, b, acc, DOT_F32)
     tl.store(dst_ptrs[:, None] + offs_n[None, :], _bf16_rne(acc), mask=real[:, None] & n_ok[None, :])
 
 

@@ -11,12 +11,16 @@ the batch. Compared with torch.equal. GPU (the concurrent launch): test_mok_mega
 """
 
 import functools
+import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from tests.torchrun import REPO
 from tests.kernels.test_mok_megakernel import DEVICE, E, I, K, SMALL, T, routing
 from titan_mok.kernels.grouped_gemm import grouped_down_dgrad_swiglu, grouped_gate_up_swiglu, grouped_mm_sum
 from titan_mok.kernels.mok_combine import slot_reduce, slot_scale
@@ -218,3 +222,29 @@ def test_bad_inputs_are_named():
         call(stall_rank=2)
     with pytest.raises(ValueError, match="spin forever"):
         call(serialized=False)
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(__import__("triton").__file__), "backends",
+                                                    "nvidia", "bin", "cuobjdump")),
+                    reason="Triton's wheel has no ptxas/cuobjdump here")
+def test_compiles_for_sm90_with_wgmma_and_no_spills():
+    """The concurrent launch's kernel at Kimi K2.7's sizes and the default config, compiled for sm_90 on the CPU
+    (benchmarks/tools/sass.py's stand-in driver; the interpreter cannot compile, hence a subprocess): wgmmas, one
+    program per SM at least (the occupancy the launch checks), and at most the 8 bytes of spill stack ptxas gives
+    it today at 255 registers (two loops for D2, or int64 offsets in D1's epilogue, gave 400+)."""
+    script = (
+        "import json; from benchmarks.tools import sass; from titan_mok.kernels import mok_megakernel_bwd as m\n"
+        "from titan_mok.kernels.mok_megakernel import KernelVariant\n"
+        "from titan_mok.moe.megakernel import MegakernelConfig as C\n"
+        "with sass.compiling_for_sm90():\n"
+        "    k = m.compile_megakernel_bwd(KernelVariant(7168, 2048, 0, 48, C.block_m, C.block_n, C.num_warps,"
+        " C.num_stages, False))\n"
+        "r = sass.kernel_report('_megakernel_bwd', k)\n"
+        "print(json.dumps(dict(hgmma=r['opcodes'].get('HGMMA', 0), stack=r['stack_bytes'],"
+        " per_sm=sass.programs_per_sm(r))))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["hgmma"] > 0 and report["stack"] <= 8 and report["per_sm"] >= 1, report

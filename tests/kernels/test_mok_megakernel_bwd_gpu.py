@@ -1,0 +1,105 @@
+"""The MoK megakernel's dgrad launch on one GPU: the concurrent launch (communication and compute programs spinning
+on each other's flags) at virtual EP 1, 2, 4, 8.
+
+Claims, compared bit for bit: the concurrent launch equals the serialized one (the interpreter's mode, here
+compiled) and the "triton" path's dgrad kernels on the same tokens at EP = 1 (dx, and the grouped dy, dgate, dup
+rows), for every routing of the CPU tests and the smallest ring; it repeats its bits; a rank that never publishes
+ends in the bounded device error (recorded, or with ``trap`` an assertion naming the wait); a launch the device
+cannot hold at once is refused; no host sync.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.kernels.test_mok_megakernel import E, routing
+from tests.kernels.test_mok_megakernel_bwd import assert_bitwise, backward_inputs, megakernel_dgrad, rank_rows
+from titan_mok.moe.megakernel import MegakernelConfig
+from titan_mok.moe.megakernel_bwd import megakernel_routed_dgrad, raise_on_megakernel_bwd_error
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+H, TOKENS = 256, 64
+DEFAULT = MegakernelConfig()  # the device's co-resident programs, split among the ranks
+
+
+def _inputs(ranks: int, kind: str, seed: int = 0):
+    (x, dout, weights), expert_weights = backward_inputs(ranks, H, seed=seed, tokens=TOKENS)
+    return x, dout, weights, routing(kind, ranks, tokens=TOKENS, seed=seed), expert_weights
+
+
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "one_expert", "empty_experts", "all_remote"])
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+def test_concurrent_equals_serialized_and_triton_path(ranks, kind):
+    x, dout, weights, ids, expert_weights = _inputs(ranks, kind, seed=ranks)
+    want, first, index = megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, DEFAULT)
+    _, again, _ = megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, DEFAULT)
+    _, serial, _ = megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, DEFAULT, serialized=True)
+    for a, b, c in zip(first, again, serial):
+        assert torch.equal(a.dx_TH, b.dx_TH) and torch.equal(a.dx_TH, c.dx_TH)
+    assert_bitwise(want, first, index)
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+def test_smallest_ring_under_the_most_skewed_routing(ranks):
+    x, dout, weights, ids, expert_weights = _inputs(ranks, "one_expert", seed=3)
+    config = MegakernelConfig(comm_programs=2, compute_programs=2, group_tiles=1, lag=0, ring_tiles=1)
+    assert_bitwise(*megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config, swiglu_limit=0.5))
+
+
+def test_stalled_rank_ends_in_the_bounded_error_and_the_workspace_recovers():
+    x, dout, weights, ids, expert_weights = _inputs(2, "balanced", seed=4)
+    config = MegakernelConfig(timeout_ms=500.0)
+    megakernel_dgrad(2, x, dout, weights, ids, expert_weights, config)  # compiled and allocated
+    with pytest.raises(RuntimeError, match="dy_ready: rank 0's communication program waited for rank 1 |ring ready: "
+                                           "rank 1's compute program"):
+        megakernel_dgrad(2, x, dout, weights, ids, expert_weights, config, stall_rank=1)
+    assert_bitwise(*megakernel_dgrad(2, x, dout, weights, ids, expert_weights, config))
+
+
+def test_stalled_rank_with_trap_stops_the_device_naming_the_wait():
+    """trap=True (the default): the finish launch's device assertion names the wait; the CUDA context dies, so
+    in a process of its own."""
+    script = (
+        "import torch\n"
+        "from tests.kernels.test_mok_megakernel import E, routing\n"
+        "from tests.kernels.test_mok_megakernel_bwd import backward_inputs, rank_rows, triton_dgrad\n"
+        "from titan_mok.moe.megakernel import MegakernelConfig\n"
+        "from titan_mok.moe.megakernel_bwd import megakernel_routed_dgrad\n"
+        f"(x, d, w), ew = backward_inputs(2, {H}, tokens={TOKENS})\n"
+        f"ids = routing('balanced', 2, tokens={TOKENS})\n"
+        "cfg = MegakernelConfig(timeout_ms=100.0)\n"
+        "_, g, u = rank_rows(triton_dgrad(x, d, w, ids.cuda(), ew), 2, ids, cfg.block_m)\n"
+        "sp = lambda t: list(t.cuda().chunk(2))\n"
+        "megakernel_routed_dgrad(sp(d), sp(w), sp(ids), g, u, ew, num_experts=E, config=cfg, stall_rank=1)\n"
+        "torch.cuda.synchronize()\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-2000:]
+    assert "mok megakernel backward: timed out waiting for" in text, text[-2000:]
+
+
+def test_too_many_programs_are_refused():
+    x, dout, weights, ids, expert_weights = _inputs(2, "balanced")
+    with pytest.raises(RuntimeError, match="exceed the .* this device runs at once"):
+        megakernel_dgrad(2, x, dout, weights, ids, expert_weights,
+                         MegakernelConfig(comm_programs=1, compute_programs=10_000))
+
+
+def test_no_host_sync():
+    x, dout, weights, ids, expert_weights = _inputs(4, "skewed", seed=5)
+    want, _, _ = megakernel_dgrad(4, x, dout, weights, ids, expert_weights, DEFAULT)  # compiled and allocated
+    _, gates, ups = rank_rows(want, 4, ids, DEFAULT.block_m)
+    split = lambda t: list(t.cuda().chunk(4))  # noqa: E731
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        megakernel_routed_dgrad(split(dout), split(weights), split(ids), gates, ups, expert_weights, num_experts=E,
+                                config=DEFAULT)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
