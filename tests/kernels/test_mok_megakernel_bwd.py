@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.torchrun import REPO
-from tests.kernels.test_mok_megakernel import DEVICE, E, I, K, SMALL, T, routing
+from tests.kernels.test_mok_megakernel import DEVICE, E, I, K, ORDERS, SMALL, T, routing
 from titan_mok.kernels.grouped_gemm import grouped_down_dgrad_swiglu, grouped_gate_up_swiglu, grouped_mm_sum
 from titan_mok.kernels.mok_combine import slot_reduce, slot_scale
 from titan_mok.kernels.mok_megakernel_bwd import (
@@ -135,6 +135,17 @@ def test_partial_blocks_clamp_and_smallest_ring():
     for kind in ("skewed", "one_expert"):
         ids = routing(kind, 2, seed=16)
         assert_bitwise(*megakernel_dgrad(2, x, dout, weights, ids, expert_weights, config, swiglu_limit=0.5))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@interpreted
+def test_item_orders_and_rings_give_the_same_bits(order):
+    """The forward tests' item orders and rings (groups across ring windows, the largest lag a ring allows, a lag
+    past the last tile, a ring of one tile) under skewed routing."""
+    (x, dout, weights), expert_weights = backward_inputs(2, 64, seed=17)
+    ids = routing("skewed", 2, seed=18)
+    config = MegakernelConfig(**{**dict(comm_programs=1, compute_programs=2, block_m=16, block_n=32), **ORDERS[order]})
+    assert_bitwise(*megakernel_dgrad(2, x, dout, weights, ids, expert_weights, config))
 
 
 @interpreted
