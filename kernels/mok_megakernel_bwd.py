@@ -17,19 +17,19 @@ counter (``_item``: D1 items where the forward has A items, D2 where it has B), 
 record and serialized phases. The pull reads a slot row, not a token row: the forward's pull with K = 1 reads row
 s mod N of the source's ``dy_NH`` (gathered slot s = p·N + t·K + j).
 
-Work items of tile i (slot q, round n; e its expert, rows its schedule rows, the real ones those before the
+Work items of tile i (slot q, round n of call e; its rows: its schedule rows, the real ones those before its
 expert's end):
-- D1(i, b), b < NB_I: acquire ready[q] = stamp(e, n); dh[:, cols b] = dy_tile @ w_down[e][:, cols b] over all
-  of H (fp32, BLOCK_K steps), then the SwiGLU backward with the rows' g, u (``gate_VRI``, ``up_VRI``: grouped
-  rows of this rank's schedule) → dgate, dup (bf16, ``grouped_tiles._epilogue``'s SwiGLU backward) stored into
-  the grouped rows ``dgate_VRI``, ``dup_VRI`` at the real rows; D1(i, 0) also copies the tile's real dy rows into
-  ``dy_VRH`` (the weight gradient of w_down reads them). Then old = d1_done[q]++ (acq_rel); the last arriver
-  rearms it and stores dgrad_ready[q] = stamp(e, n) (release).
-- D2(i, c), c < NB_H: acquire dgrad_ready[q] = stamp(e, n); dx[:, cols c] = dgate @ w_gate[e][:, cols c] +
-  dup @ w_up[e][:, cols c], one fp32 accumulator (all of dgate's K steps, then dup's: grouped_mm_sum's order),
-  rounded to bf16, each real row's stored into its source rank's ``dx_slots_NH`` at its slot. Then
-  old = d2_done[q]++ (acq_rel); the last arriver rearms it, stores consumed[q] = stamp(e, n) (release: the ring
-  tile's reads are done) and adds 1 to arrivals[token] on each real row's source rank (release).
+- D1(i, b), b < NB_I: acquire ready[q] = stamp(e, n); dh[:, cols b] = dy_tile @ w_down[:, cols b] (its
+  expert's) over all of H (fp32, BLOCK_K steps), then the SwiGLU backward with the rows' g, u (``gate_VRI``,
+  ``up_VRI``: grouped rows of this rank's schedule) → dgate, dup (bf16, ``grouped_tiles._epilogue``'s SwiGLU
+  backward) stored into the grouped rows ``dgate_VRI``, ``dup_VRI`` at the real rows; D1(i, 0) also copies the
+  tile's real dy rows into ``dy_VRH`` (the weight gradient of w_down reads them). Then old = d1_done[q]++
+  (acq_rel); the last arriver rearms it and stores dgrad_ready[q] = stamp(e, n) (release).
+- D2(i, c), c < NB_H: acquire dgrad_ready[q] = stamp(e, n); dx[:, cols c] = dgate @ w_gate[:, cols c] +
+  dup @ w_up[:, cols c] (its expert's), one fp32 accumulator (all of dgate's K steps, then dup's:
+  grouped_mm_sum's order), rounded to bf16, each real row's stored into its source rank's ``dx_slots_NH`` at its
+  slot. Then old = d2_done[q]++ (acq_rel); the last arriver rearms it, stores consumed[q] = stamp(e, n) (release:
+  the ring tile's reads are done) and adds 1 to arrivals[token] on each real row's source rank (release).
 - finish (``megakernel_bwd_finish``): token t waits until arrivals[t] = e·K (acquire), then
   dx[t] = cast(Σ_j dx_slots[t, j]) in fp32, ascending j (``mok_combine.slot_reduce``'s arithmetic, no FMA).
 Deadlock freedom, the epochs and the reset are the forward's argument word for word (D1 for A, D2 for B).
@@ -41,6 +41,9 @@ launch: ``mok_combine.slot_scale``), ``dx_slots_NH``, ``arrivals_T`` int32, ``dy
 rank: ``ring_VQMH``, int64 ``ready_VQ`` / ``dgrad_ready_VQ`` / ``consumed_VQ``, int32 ``d1_done_VQ`` /
 ``d2_done_VQ`` / ``next_item_V`` / ``programs_done_V``, ``errors`` int64 [6]. Per call (the caller's, for the
 weight gradients): ``dy_VRH``, ``dgate_VRI``, ``dup_VRI``; rows past the rank's last expert's end are not written.
+Memory: the ring Q·M·H·2 bytes per rank (Kimi K2.7, H 7168, the default Q = 32, M = 64: 29 MB); the grouped rows
+V·R·(H + 2·I)·2 bytes per call, with the g, u inputs V·R·2·I·2 more (one rank: R = N; under virtual EP every
+rank's rows are sized for all P·N, P times the tokens' slots).
 
 Bits: dgate and dup are ``grouped_gemm.grouped_down_dgrad_swiglu``'s, the grouped rows' dx
 ``grouped_gemm.grouped_mm_sum``'s (bf16: fp32 accumulation over K in BLOCK_K = 64 steps, one rounding), dX
