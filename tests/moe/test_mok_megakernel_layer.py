@@ -17,7 +17,6 @@ from torch.utils.checkpoint import checkpoint
 
 from titan_mok.moe import MoE, MoEArgs
 from titan_mok.moe import megakernel as mk
-from titan_mok.moe import megakernel_bwd as mkb
 from titan_mok.moe import moe as moe_module
 from titan_mok.moe.moe import routed_schedule
 
@@ -136,25 +135,18 @@ def test_activation_checkpointing_and_layers_sharing_the_workspace():
 @interpreted
 def test_backward_reads_nothing_from_the_workspace():
     """The workspace is every same-shaped layer's: overwritten with NaN between the forward and the backward, the
-    gradients are still the triton path's. The backward's dgrad launch (a workspace of its own, allocated by a first
-    backward) reads nothing a previous call left in its buffers either, and runs (its epoch advances)."""
+    gradients are still the triton path's."""
     x, dy = _inputs(seed=5)
     want = _run([_layer("triton")], x, dy)
     layer = _layer("megakernel")
-    _run([layer], x, dy)  # allocates the dgrad launch's workspace
     xs = x.clone().requires_grad_()
     y = layer(xs)
-    assert mk._WORKSPACES and mkb._WORKSPACES
-    epochs = sum(ws.epoch for ws in mkb._WORKSPACES.values())
+    assert mk._WORKSPACES
     with torch.no_grad():
         for ws in mk._WORKSPACES.values():
             for buf in (ws.bufs.ring_VQMH, ws.bufs.h_VQMI, *ws.symmetric["x_TH"], *ws.symmetric["slots_NH"]):
                 buf.fill_(float("nan"))
-        for ws in mkb._WORKSPACES.values():
-            for buf in (ws.bufs.ring_VQMH, *ws.symmetric["dy_NH"], *ws.symmetric["dx_slots_NH"]):
-                buf.fill_(float("nan"))
     y.backward(dy)
-    assert sum(ws.epoch for ws in mkb._WORKSPACES.values()) == epochs + 1
     grads = {(0, n): p.grad for n, p in layer.named_parameters() if p.grad is not None}
     _assert_bitwise((y.detach(), xs.grad, grads), want)
 

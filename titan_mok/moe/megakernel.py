@@ -19,9 +19,8 @@ with the shared expert's output). The workspace of a (device, P, T, K, H, I, sha
 is allocated at its first call and reused; its flags are never reset between calls (per-call epochs).
 
 Not here: the backward (an input that requires grad raises NotImplementedError; ``[mok] kernels = "megakernel"``
-trains through ``titan_mok.moe.megakernel_autograd``, whose backward runs the dgrad launch of
-``titan_mok.moe.megakernel_bwd``), MXFP8, and real multi-GPU ranks (the same kernel with symmetric-memory peer
-tables: one hosted rank per launch).
+trains through ``titan_mok.moe.megakernel_autograd``, whose backward recomputes the FFN), MXFP8, and real
+multi-GPU ranks (the same kernel with symmetric-memory peer tables: one hosted rank per launch).
 """
 
 from dataclasses import dataclass, replace
@@ -336,9 +335,8 @@ def megakernel_routed_experts(
                                                         shared_expert.w_down_HI)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (*xs, *weights, *shared, *scales, *expert_weights, *shared_weights)):
-        raise NotImplementedError("megakernel_routed_experts is forward-only (no autograd of its own): call it "
-                                  "under torch.no_grad(), or train through [mok] kernels = 'megakernel' "
-                                  "(titan_mok.moe.megakernel_autograd)")
+        raise NotImplementedError("megakernel_routed_experts is forward-only (its backward is not written yet): "
+                                  "call it under torch.no_grad(), or use [mok] kernels = 'triton' for training")
     ranks, num_tokens, top_k, dim_h, dim_i = _check(xs, weights, ids, shared, expert_weights, num_experts)
     shared_dim = _check_shared_expert(shared_expert, scales, shared, num_tokens, dim_h, xs[0].device)
     serialized = interpreting() if serialized is None else serialized

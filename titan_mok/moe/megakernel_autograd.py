@@ -11,31 +11,27 @@ schedule (``kernels/mok_schedule.py``, the same the megakernel builds inside: ro
 
 Backward: the megakernel keeps nothing of its forward: its gate/up/SwiGLU values live in a workspace that
 every layer of the same shape reuses, and it writes no per-row output (rows go straight into the combine
-slots). So the backward recomputes the FFN forward's g, u and h on the grouped rows rebuilt from the saved input
-and schedule (``grouped_gate_up_swiglu``, the Triton grouped FFN's first launch, ``kernels/grouped_gemm.py``),
-then runs the input gradient as the megakernel's dgrad launch (``titan_mok.moe.megakernel_bwd``: w·dY by
-``slot_scale``, pulled into the ring; down dgrad through the SwiGLU backward; gate/up dgrad pushed to (token,
-slot); the ordered fp32 sum per token), and the weight gradients with ``grouped_wgrads`` on the grouped dy, dgate
-and dup rows that launch wrote. The combine weights' gradient is ``combine_weight_grads`` on the recomputed
-output rows (``grouped_mm``, only when it is needed); the shared output's gradient is dY in its dtype. Every
-gradient is bitwise the ``"triton"`` path's. The recomputation costs the gate/up GEMMs per backward (and the
-down GEMM when the combine weights need a gradient) and saves the g, u, h and row activations the ``"triton"``
-path keeps from forward to backward.
+slots). So the backward recomputes the FFN forward on the grouped rows rebuilt from the saved input and
+schedule (the Triton grouped FFN, ``kernels/grouped_ffn.py``: its output rows are the megakernel's bits),
+then runs that FFN's backward and the fused path's reductions in the fused path's order:
+``combine_weight_grads`` for the combine weights, ``slot_scale`` for w·dY, ``slot_reduce`` (ascending
+slot, fp32) for dx; the shared output's gradient is dY in its dtype. Every gradient is bitwise the
+``"triton"`` path's. The recomputation costs one FFN forward per backward and saves the g, u, h and
+row activations the ``"triton"`` path keeps from forward to backward.
 
-Nothing the backward reads comes from the forward megakernel's workspace: it saves x, the combine weights, the
-top-k ids, the bf16 expert weights it was given and the schedule. The dgrad launch has a workspace of its own.
+Nothing the backward reads comes from the megakernel's workspace: it saves x, the combine weights, the
+bf16 expert weights it was given and the schedule.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from titan_mok.kernels.grouped_ffn import wgrad_operands
-from titan_mok.kernels.grouped_gemm import grouped_gate_up_swiglu, grouped_mm, grouped_wgrads
+from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
+from titan_mok.kernels.mok_combine import slot_reduce, slot_scale
 from titan_mok.kernels.mok_schedule import mok_schedule
 from titan_mok.moe.dispatch import combine_weight_grads
 from titan_mok.moe.megakernel import MegakernelConfig, megakernel_routed_experts
-from titan_mok.moe.megakernel_bwd import megakernel_routed_dgrad
 
 
 @dataclass(frozen=True)
@@ -61,44 +57,47 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
             x_TH, weights_TK, topk_idx_TK, shared_TH, (w_gate_EIH, w_up_EIH, w_down_EHI),
             num_experts=w_gate_EIH.shape[0], swiglu_limit=swiglu_limit, out_dtype=out_dtype, config=config,
         )
-        ctx.save_for_backward(x_TH, weights_TK, topk_idx_TK, w_gate_EIH, w_up_EIH, w_down_EHI, group_end_E,
-                              row_slot_N)
+        ctx.save_for_backward(x_TH, weights_TK, w_gate_EIH, w_up_EIH, w_down_EHI, group_end_E, row_slot_N)
         ctx.swiglu_limit = swiglu_limit
-        ctx.config = config
         ctx.shared_dtype = None if shared_TH is None else shared_TH.dtype
         return out_TH
 
     @staticmethod
     def backward(ctx, dout_TH):
-        x_TH, weights_TK, topk_idx_TK, w_gate_EIH, w_up_EIH, w_down_EHI, group_end_E, row_slot_N = ctx.saved_tensors
-        needs_dx, needs_dweights, _, *needs_dw = ctx.needs_input_grad[:6]  # needs_dw: w_gate, w_up, w_down
+        x_TH, weights_TK, w_gate_EIH, w_up_EIH, w_down_EHI, group_end_E, row_slot_N = ctx.saved_tensors
+        needs_dx, needs_dweights, _, *needs_dw = ctx.needs_input_grad[:6]
+        ffn_needs = [needs_dx, *needs_dw]  # through the FFN: its rows, w_gate, w_up, w_down
         num_tokens, top_k = weights_TK.shape
         dout_TH = dout_TH.contiguous()
         dshared_TH = None if ctx.shared_dtype is None else dout_TH.to(ctx.shared_dtype)
         unused = (None,) * 6  # topk_idx, group_end, row_slot, swiglu_limit, out_dtype, config
-        if not (needs_dx or needs_dweights or any(needs_dw)):
+        if not (needs_dweights or any(ffn_needs)):
             return None, None, dshared_TH, None, None, None, *unused
-        expert_weights = (w_gate_EIH, w_up_EIH, w_down_EHI)
-        # the forward's rows, recomputed: grouped row i is token row_slot[i] // K (the fused path's pull)
-        x_RH = x_TH.index_select(0, row_slot_N // top_k)
-        gate_RI, up_RI, h_RI = grouped_gate_up_swiglu(x_RH, group_end_E, w_gate_EIH, w_up_EIH, ctx.swiglu_limit)
-        dweights_TK = None
-        if needs_dweights:  # <dY[t], row[t, j]> in fp32, as the fused combine's backward
-            y_RH = grouped_mm(h_RI, group_end_E, w_down_EHI)
-            rows_of_slots_N = _inverse_permutation(row_slot_N)
-            dweights_TK = combine_weight_grads(dout_TH.float(),
-                                               y_RH.index_select(0, rows_of_slots_N).view(num_tokens, top_k, -1))
-            del y_RH
-        dx_TH, dw = None, [None] * 3
-        if needs_dx or any(needs_dw):
-            dgrad = megakernel_routed_dgrad(dout_TH, weights_TK.contiguous(), topk_idx_TK, gate_RI, up_RI,
-                                            expert_weights, num_experts=w_gate_EIH.shape[0],
-                                            swiglu_limit=ctx.swiglu_limit, config=ctx.config)
-            del gate_RI, up_RI
-            dx_TH = dgrad.dx_TH if needs_dx else None
-            pairs = wgrad_operands(x_RH, h_RI, dgrad.dy_RH, dgrad.dgate_RI, dgrad.dup_RI).values()
-            computed = grouped_wgrads([pair for pair, need in zip(pairs, needs_dw) if need], group_end_E, "bf16")
-            dw = [next(computed) if need else None for need in needs_dw]
+        rows_of_slots_N = _inverse_permutation(row_slot_N)
+
+        def to_slots(rows_NH):  # grouped rows → [T, K, H] by (token, slot): the fused path's push
+            return rows_NH.index_select(0, rows_of_slots_N).view(num_tokens, top_k, -1)
+
+        with torch.enable_grad():
+            # grouped row i is token row_slot[i] // K (the fused path's pull)
+            x_RH = x_TH.detach().index_select(0, row_slot_N // top_k).requires_grad_(needs_dx)
+            weights = [w.detach().requires_grad_(need) for w, need in zip((w_gate_EIH, w_up_EIH, w_down_EHI),
+                                                                            needs_dw)]
+            y_RH = grouped_swiglu_ffn(x_RH, group_end_E, *weights, swiglu_limit=ctx.swiglu_limit, use_triton=True)
+        # <dY[t], row[t, j]> in fp32, as the fused combine's backward
+        dweights_TK = combine_weight_grads(dout_TH.float(), to_slots(y_RH.detach())) if needs_dweights else None
+        grads = [None] * 4
+        if any(ffn_needs):
+            dy_TKH = dout_TH.new_empty(num_tokens, top_k, dout_TH.shape[1], dtype=x_TH.dtype)
+            slot_scale(weights_TK.contiguous(), dout_TH, dy_TKH)  # w·dY per (token, slot)
+            dy_RH = dy_TKH.view(num_tokens * top_k, -1).index_select(0, row_slot_N)
+            del dy_TKH
+            inputs = [t for t, need in zip((x_RH, *weights), ffn_needs) if need]
+            computed = iter(torch.autograd.grad(y_RH, inputs, dy_RH))
+            grads = [next(computed) if need else None for need in ffn_needs]
+        dx_RH, *dw = grads
+        # each row's gradient to its (token, slot), then the sum over slots in ascending order, in fp32
+        dx_TH = slot_reduce(to_slots(dx_RH), None, None, x_TH.dtype) if needs_dx else None
         return dx_TH, dweights_TK, dshared_TH, *dw, *unused
 
 

@@ -129,7 +129,7 @@ def _check(douts, weights, ids, gates, ups, expert_weights, num_experts):
                              f"got {w.dtype} {tuple(w.shape)} on {w.device} (contiguous: {w.is_contiguous()})")
     rows = ranks * num_tokens * top_k
     for p in range(ranks):
-        for name, t, shape, dtypes in (("dout_TH", douts[p], (num_tokens, dim_h), (torch.bfloat16, torch.float32)),
+        for name, t, shape, dtypes in (("dout_TH", douts[p], (num_tokens, dim_h), (torch.bfloat16,)),
                                        ("weights_TK", weights[p], (num_tokens, top_k), (torch.float32,)),
                                        ("topk_idx_TK", ids[p], (num_tokens, top_k), (torch.int32, torch.int64)),
                                        ("gate_RI", gates[p], (rows, dim_i), (torch.bfloat16,)),
@@ -162,8 +162,8 @@ def megakernel_routed_dgrad(
 
     Args:
         dout_TH, weights_TK, topk_idx_TK, gate_RI, up_RI: one rank's tensors, or lists of P (virtual EP: entry p is
-            rank p's): dout bf16 or fp32 [T, H], combine weights fp32 [T, K], ids int [T, K] in [0, E), the
-            forward's g and u rows bf16 [R, I] in the rank's schedule's row order (rows past its end: any values).
+            rank p's): dout bf16 [T, H], combine weights fp32 [T, K], ids int [T, K] in [0, E), the forward's g and
+            u rows bf16 [R, I] in the rank's schedule's row order (rows past its end: any values).
         expert_weights: (w_gate [E, I, H], w_up [E, I, H], w_down [E, H, I]) bf16 contiguous, all E experts.
         serialized: the interpreter's phase-by-phase launches (None: under TRITON_INTERPRET=1 only).
         trap: a wait that ran out stops the device with an assertion naming it; False: the launch ends and
