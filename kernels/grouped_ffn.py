@@ -22,6 +22,10 @@ Two paths compute the same function:
   rounding of results to bf16): tests/kernels/test_grouped_ffn.py states the tolerances. Given a
   ``weights_owner`` and the ``weight_sources`` the weights were cast from, each MXFP8 weight layout
   is quantized once per version of its source (``weight_cache``: once per optimizer step).
+
+Weights may also arrive already quantized (``MXFP8GatheredWeight``, ``kernels/mxfp8_gathered.py``: FSDP's
+MXFP8 all-gather): both paths then read their MXFP8 operands as they are (the reference dequantizes them,
+the values its quantize → dequantize would make).
 """
 
 import os
@@ -39,6 +43,8 @@ from titan_mok.kernels.grouped_gemm import (
     ref_grouped_mm,
     ref_grouped_wgrad,
 )
+from titan_mok.kernels.mxfp8 import to_mxfp8
+from titan_mok.kernels.mxfp8_gathered import MXFP8GatheredWeight
 from titan_mok.kernels.mxfp8_quant import mxfp8_quantize, mxfp8_quantize_transposed
 from titan_mok.kernels.row_tiles import map_row_tiles
 from titan_mok.kernels.tile_configs import PRECISIONS
@@ -78,24 +84,32 @@ def ref_swiglu_backward(dh32_RI, gate_RI, up_RI, limit: float | None):
     return map_row_tiles(lambda d, g, u: _swiglu_backward_rows(d, g, u, limit), dh32_RI, gate_RI, up_RI)
 
 
+def _ref_weight(w_EXY, along: int, name: str):
+    """The reference GEMMs' B [E, N, K] with K = ``along`` of the stored weight: a gathered weight's MXFP8
+    operand, else the weight (along 2) or its transposed view (along 1), quantized inside the GEMM."""
+    if isinstance(w_EXY, MXFP8GatheredWeight):
+        return w_EXY.operand(along, name)
+    return w_EXY if along == 2 else w_EXY.transpose(1, 2)
+
+
 class _ReferenceOps:
     """The definition: explicit fp32 GEMMs on (fake-)quantized operands, a loop over experts."""
 
     @staticmethod
     def forward(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit):
-        gate_RI = ref_grouped_mm(x_RH, group_end_E, w_gate_EIH, precision).to(x_RH.dtype)
-        up_RI = ref_grouped_mm(x_RH, group_end_E, w_up_EIH, precision).to(x_RH.dtype)
+        gate_RI = ref_grouped_mm(x_RH, group_end_E, _ref_weight(w_gate_EIH, 2, "w_gate_EIH"), precision).to(x_RH.dtype)
+        up_RI = ref_grouped_mm(x_RH, group_end_E, _ref_weight(w_up_EIH, 2, "w_up_EIH"), precision).to(x_RH.dtype)
         h_RI = ref_swiglu(gate_RI, up_RI, limit)
-        y_RH = ref_grouped_mm(h_RI, group_end_E, w_down_EHI, precision).to(x_RH.dtype)
+        y_RH = ref_grouped_mm(h_RI, group_end_E, _ref_weight(w_down_EHI, 2, "w_down_EHI"), precision).to(x_RH.dtype)
         return y_RH, gate_RI, up_RI, h_RI
 
     @staticmethod
     def backward(dy_RH, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, gate_RI, up_RI, h_RI, precision, limit):
-        dh32_RI = ref_grouped_mm(dy_RH, group_end_E, w_down_EHI.transpose(1, 2), precision)
+        dh32_RI = ref_grouped_mm(dy_RH, group_end_E, _ref_weight(w_down_EHI, 1, "w_down_EHI"), precision)
         dgate_RI, dup_RI = ref_swiglu_backward(dh32_RI, gate_RI, up_RI, limit)
         dx_RH = (
-            ref_grouped_mm(dgate_RI, group_end_E, w_gate_EIH.transpose(1, 2), precision)
-            + ref_grouped_mm(dup_RI, group_end_E, w_up_EIH.transpose(1, 2), precision)
+            ref_grouped_mm(dgate_RI, group_end_E, _ref_weight(w_gate_EIH, 1, "w_gate_EIH"), precision)
+            + ref_grouped_mm(dup_RI, group_end_E, _ref_weight(w_up_EIH, 1, "w_up_EIH"), precision)
         ).to(x_RH.dtype)
         dw_gate_EIH = ref_grouped_wgrad(dgate_RI, x_RH, group_end_E, precision).to(w_gate_EIH.dtype)
         dw_up_EIH = ref_grouped_wgrad(dup_RI, x_RH, group_end_E, precision).to(w_up_EIH.dtype)
@@ -103,12 +117,15 @@ class _ReferenceOps:
         return dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI
 
 
-def weight_operand(w_EXY: torch.Tensor, precision: str, along: int, name: str):
+def weight_operand(w_EXY: torch.Tensor, precision: str, along: int, name: str, reference: bool = False):
     """B operand [E, N, K] for grouped_mm: K = ``along`` (1 or 2) of the stored weight, MXFP8 blocked there,
     its elements in MMA order (MXTensor.mma_order: the warp-specialized kernel's shared-memory loads take a
-    thread's bytes of a block at once)."""
+    thread's bytes of a block at once). ``reference``: quantized by ``to_mxfp8`` instead of the Triton
+    quantizers (the same bits, without Triton)."""
     if precision == "mxfp8":
         # along X (dim 1): the GEMM reads [E, Y, X], written contiguous so its tiles stream as the forward's
+        if reference:
+            return to_mxfp8(w_EXY.transpose(1, 2) if along == 1 else w_EXY, 2, name, mma_order=True)
         if along == 1:
             return mxfp8_quantize_transposed(w_EXY, name, mma_order=True)
         return mxfp8_quantize(w_EXY, along, name, mma_order=True)
@@ -124,6 +141,8 @@ class _TritonOps:
         self.weights_owner, self.stamps = weights_owner, stamps
 
     def _operand(self, w_EXY, precision, along, name):
+        if isinstance(w_EXY, MXFP8GatheredWeight):
+            return w_EXY.operand(along, name)
         owner = self.weights_owner if precision == "mxfp8" else None
         return weight_cache.operand(owner, name, along, self.stamps.get(name),
                                     lambda: weight_operand(w_EXY, precision, along, name))
@@ -257,7 +276,8 @@ def grouped_swiglu_ffn(
         x_RH: [R, H] rows grouped by expert; rows at or past ``group_end_E[-1]`` are padding
             (output and gradient zero).
         group_end_E: [E] int32/int64 cumulative row counts, on x's device.
-        w_gate_EIH, w_up_EIH: [E, I, H]; w_down_EHI: [E, H, I]; same dtype as x_RH.
+        w_gate_EIH, w_up_EIH: [E, I, H]; w_down_EHI: [E, H, I]; same dtype as x_RH. Under mxfp8 all three
+            may be ``MXFP8GatheredWeight`` (read as gathered; no owner needed).
         precision: "bf16" or "mxfp8" (all six GEMMs of forward and backward in MXFP8).
         swiglu_limit: DeepSeek-V4's clamp (gate <= L, |up| <= L), None for none.
         use_triton: Triton kernels (CUDA, bf16) instead of the PyTorch reference.
@@ -272,12 +292,23 @@ def grouped_swiglu_ffn(
         y_RH [R, H] in x's dtype.
     """
     _check_inputs(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, use_triton)
-    keeps = use_triton and precision == "mxfp8"  # the reference quantizes inside its GEMMs; bf16: views
+    gathered = _gathered_as_mxfp8((w_gate_EIH, w_up_EIH, w_down_EHI), precision)
+    # the reference quantizes inside its GEMMs; bf16: views; gathered MXFP8 weights: nothing to quantize
+    keeps = use_triton and precision == "mxfp8" and not gathered
     stamps = _source_stamps(weights_owner, weight_sources, (w_gate_EIH, w_up_EIH, w_down_EHI)) if keeps else {}
     return _GroupedSwiGLUFFN.apply(
         x_RH.contiguous(), group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, swiglu_limit, use_triton,
         weights_owner if keeps else None, stamps,
     )
+
+
+def _gathered_as_mxfp8(weights, precision: str) -> bool:
+    """Whether the weights arrive as their MXFP8 operands (all three, under precision mxfp8) or as values."""
+    gathered = [isinstance(w, MXFP8GatheredWeight) for w in weights]
+    if any(gathered) and not (all(gathered) and precision == "mxfp8"):
+        raise TypeError(f"grouped_swiglu_ffn: MXFP8-gathered weights (w_gate, w_up, w_down: {gathered}) need all "
+                        f"three gathered and precision = 'mxfp8', got precision = {precision!r}")
+    return all(gathered)
 
 
 def _source_stamps(owner, sources, weights) -> dict:

@@ -102,10 +102,21 @@ def _operand_fp32(t: torch.Tensor, precision: str, dim: int, name: str) -> torch
     return fake_quantize_mxfp8(t, dim, name) if precision == "mxfp8" else t.float()
 
 
-def ref_grouped_mm(a_RK: torch.Tensor, group_end_E: torch.Tensor, b_ENK: torch.Tensor, precision: str) -> torch.Tensor:
-    """fp32 c_RN[r] = a_RK[r] @ b_ENK[e(r)].T on the exact operand values (MXFP8 along K)."""
+def _weight_fp32(b_ENK, precision: str) -> torch.Tensor:
+    """B's values: ``_operand_fp32``'s, or an MXTensor (MXFP8 blocked along K, as given) dequantized."""
+    if not isinstance(b_ENK, MXTensor):
+        return _operand_fp32(b_ENK, precision, -1, "b_ENK")
+    if precision != "mxfp8" or b_ENK.dim != 2:
+        raise ValueError(f"b_ENK: an MXTensor B needs precision 'mxfp8' and blocks along K (dim 2), got "
+                         f"precision {precision!r}, dim {b_ENK.dim}")
+    return b_ENK.dequantize(torch.float32)
+
+
+def ref_grouped_mm(a_RK: torch.Tensor, group_end_E: torch.Tensor, b_ENK, precision: str) -> torch.Tensor:
+    """fp32 c_RN[r] = a_RK[r] @ b_ENK[e(r)].T on the exact operand values (MXFP8 along K; b_ENK may be
+    given as an MXTensor, already quantized)."""
     a_RK = _operand_fp32(a_RK, precision, -1, "a_RK")
-    b_ENK = _operand_fp32(b_ENK, precision, -1, "b_ENK")
+    b_ENK = _weight_fp32(b_ENK, precision)
     c_RN = a_RK.new_zeros(a_RK.shape[0], b_ENK.shape[1])
     for e, (start, end) in enumerate(_group_bounds_sync(group_end_E, a_RK.shape[0])):
         if end > start:

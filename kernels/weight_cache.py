@@ -13,14 +13,17 @@ after a load or resume the first use quantizes again, same bits.
 
 Memory: an MXFP8 copy of the local expert weights per layout kept, 1 byte per element plus one E8M0
 scale per 32 (~1.03 bytes per element, 0.52x the bf16 weights per layout), held from the first use
-on. Under FSDP the weights an expert forward reads are gathered again every forward into a tensor
-whose ``_version`` stays 0 and whose address can repeat across steps, so it identifies nothing: the
-caller passes no owner and each pass quantizes.
+on. Under FSDP (and so under EP) the same holds for each rank's shard instead: each rank keeps the
+MXFP8 layouts of its own shard, made from the shard cast to FSDP's ``param_dtype``, and FSDP
+all-gathers those (``titan_mok/moe/mxfp8_fsdp.py``), so the FFN, reference and Triton kernels alike,
+receives MXFP8 operands and quantizes nothing (~1.03 bytes per shard element per layout kept; the
+gathered operands live only while FSDP holds the layer unsharded). The gathered tensors themselves
+identify nothing (their ``_version`` stays 0, their address repeats), so nothing is kept for them.
 """
 
 import weakref
 
-# owner -> {(name, along): (stamp, operand)}; weak, so a dropped model frees its operands
+# owner -> {(name, layout): (stamp, operand)}; weak, so a dropped model frees its operands
 _kept: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _writes = 0  # optimizer steps and checkpoint loads so far
 
@@ -38,14 +41,15 @@ def stamp(source) -> tuple:
     return (_writes, source._version, source.data_ptr(), source.dtype, tuple(source.shape))
 
 
-def operand(owner, name: str, along: int, source_stamp: tuple, make):
-    """``make()``'s operand for (owner, name, along), made again only when ``source_stamp`` differs
-    from the one it was made at. ``owner`` None: ``make()`` every time (nothing kept)."""
+def operand(owner, name: str, layout, source_stamp: tuple, make):
+    """``make()``'s operand for (owner, name, layout), made again only when ``source_stamp`` differs
+    from the one it was made at. ``layout``: which quantization of the weight (e.g. the ``along`` of
+    ``grouped_ffn.weight_operand``). ``owner`` None: ``make()`` every time (nothing kept)."""
     if owner is None:
         return make()
     kept = _kept.setdefault(owner, {})
-    entry = kept.get((name, along))
+    entry = kept.get((name, layout))
     if entry is None or entry[0] != source_stamp:
-        kept[(name, along)] = entry = (source_stamp, make())
+        kept[(name, layout)] = entry = (source_stamp, make())
     return entry[1]
 

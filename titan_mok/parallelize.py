@@ -19,6 +19,7 @@ from torchtitan.models.llama4.infra.parallelize import apply_fsdp
 from titan_mok import cpu_compat
 from titan_mok.moe.expert_parallel import MokExpertParallel
 from titan_mok.moe.experts import RoutedExperts
+from titan_mok.moe.mxfp8_fsdp import gather_as_mxfp8, gather_layouts
 
 # Ops whose outputs selective AC keeps (op mode): matmuls and the collectives.
 _OP_SAC_SAVE_LIST = {
@@ -60,6 +61,31 @@ def apply_compile(model: torch.nn.Module, compile_config) -> None:
                 setattr(inner, name, compiled)
 
 
+def gather_mxfp8_experts(model: torch.nn.Module, parallel_dims, job_config) -> None:
+    """Before FSDP: the mxfp8 routed experts' weights are all-gathered as MXFP8 (titan_mok.moe.mxfp8_fsdp),
+    each gather carrying the layouts its pass reads. A block's experts: FSDP reshards the block after
+    forward unless ``fsdp_reshard_after_forward = "never"`` (no pipeline parallelism here), a checkpointed
+    block recomputes its forward in the backward, and they are sharded over the expert-FSDP ranks (EP) or
+    the FSDP ranks. Experts outside the blocks (an MTP module's): in FSDP's root group, which FSDP never
+    reshards after forward, not expert-parallel, sharded over the FSDP ranks."""
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts) and m.precision == "mxfp8"]
+    if not experts:
+        return
+    if job_config.training.enable_cpu_offload:
+        raise ValueError("[training] enable_cpu_offload = true with [mok] precision = 'mxfp8': FSDP's offload "
+                         "copies would drop the MXFP8 all-gather of the expert weights; turn one of them off")
+    blocks = {id(block.moe.experts): block for block in model.layers.values() if block.moe_enabled}
+    reshards = job_config.parallelism.fsdp_reshard_after_forward != "never"
+    for module in experts:
+        block = blocks.get(id(module))
+        if block is None:
+            layouts, mesh = gather_layouts(False, False), parallel_dims.get_mesh("fsdp")
+        else:
+            layouts = gather_layouts(reshards, recomputes_forward=isinstance(block, CheckpointWrapper))
+            mesh = parallel_dims.get_mesh("efsdp" if parallel_dims.ep_enabled else "fsdp")
+        gather_as_mxfp8(module, mesh.size(), layouts)
+
+
 def parallelize_moe_model(model: torch.nn.Module, parallel_dims, job_config) -> torch.nn.Module:
     # (tensor/context/pipeline parallel degrees > 1 are rejected by titan_mok.config_check)
     if parallel_dims.ep_enabled:
@@ -74,6 +100,7 @@ def parallelize_moe_model(model: torch.nn.Module, parallel_dims, job_config) -> 
 
     if parallel_dims.fsdp_enabled or parallel_dims.ep_enabled:
         replicate = ["dp_replicate"] if parallel_dims.dp_replicate_enabled else []
+        gather_mxfp8_experts(model, parallel_dims, job_config)
         apply_fsdp(
             model,
             parallel_dims.get_mesh(replicate + ["fsdp"]),
@@ -90,5 +117,5 @@ def parallelize_moe_model(model: torch.nn.Module, parallel_dims, job_config) -> 
             cpu_compat.use_sum_reductions(model)
         for module in model.modules():
             if isinstance(module, RoutedExperts):
-                module.weights_gathered = True  # FSDP gathers them before every forward
+                module.weights_gathered = True  # FSDP gathers them before every forward (mxfp8: as MXFP8)
     return model

@@ -85,13 +85,22 @@ def test_an_owner_needs_the_weight_sources():
                                        weights_owner=object())
 
 
-def _experts(gathered: bool) -> RoutedExperts:
+class _QuantizedEachPass(RoutedExperts):
+    """The experts with nothing kept: every forward quantizes its weights (what the kept operands must equal)."""
+
+    def forward(self, x_RH, group_end_L):
+        weights = (w.to(x_RH.dtype) for w in self.local_weights())
+        return grouped_ffn.grouped_swiglu_ffn(x_RH, group_end_L, *weights, precision=self.precision,
+                                              swiglu_limit=self.swiglu_limit, use_triton=True)
+
+
+def _experts(kept: bool) -> RoutedExperts:
     torch.manual_seed(0)
     args = MoEArgs(num_experts=3, expert_dim=96, precision="mxfp8", kernels="triton")
-    experts = RoutedExperts(64, args, use_triton=True)  # fp32 parameters, cast to bf16 each forward
+    # fp32 parameters, cast to bf16 each forward
+    experts = (RoutedExperts if kept else _QuantizedEachPass)(64, args, use_triton=True)
     with torch.no_grad():
         experts.init_weights(0.02)
-    experts.weights_gathered = gathered
     return experts
 
 
@@ -119,20 +128,20 @@ def _train(experts, steps: int, microbatches: int, state=None, first_step: int =
 
 def test_training_quantizes_once_per_step_and_resumes_bitwise(monkeypatch):
     """RoutedExperts with gradient accumulation: each layout quantized once per optimizer step (against
-    once per microbatch when quantized every pass, as under FSDP), every microbatch's output bitwise
+    once per microbatch when quantized every pass), every microbatch's output bitwise
     the same; a load into a fresh module (a resume) makes its operands again from the loaded weights
     and continues with the uninterrupted run's bits."""
     calls = _counted_weight_operand(monkeypatch)
-    each_pass, _ = _train(_experts(gathered=True), steps=3, microbatches=2)
+    each_pass, _ = _train(_experts(kept=False), steps=3, microbatches=2)
     assert len(calls) == 3 * 2 * 6
     calls.clear()
-    kept, _ = _train(_experts(gathered=False), steps=3, microbatches=2)
+    kept, _ = _train(_experts(kept=True), steps=3, microbatches=2)
     assert len(calls) == 3 * 6 and sorted(calls[:6]) == LAYOUTS
     _assert_same_bits(each_pass, kept)
 
     calls.clear()
-    first, state = _train(_experts(gathered=False), steps=2, microbatches=2)
-    resumed_module = _experts(gathered=False)
+    first, state = _train(_experts(kept=True), steps=2, microbatches=2)
+    resumed_module = _experts(kept=True)
     resumed, _ = _train(resumed_module, steps=1, microbatches=2, state=state, first_step=2)
     assert len(calls) == 3 * 6  # 2 steps, then 1 after the load: quantized from the loaded weights
     _assert_same_bits(kept, first + resumed)
@@ -141,6 +150,6 @@ def test_training_quantizes_once_per_step_and_resumes_bitwise(monkeypatch):
 def test_without_the_optimizer_hook_a_fused_update_would_be_missed():
     """Why the trainers register ``weights_written``: the fused AdamW update writes the parameters without
     bumping ``_version``, so without the hook the second step reads the first step's operands."""
-    each_pass, _ = _train(_experts(gathered=True), steps=2, microbatches=1)
-    unhooked, _ = _train(_experts(gathered=False), steps=2, microbatches=1, hook=False)
+    each_pass, _ = _train(_experts(kept=False), steps=2, microbatches=1)
+    unhooked, _ = _train(_experts(kept=True), steps=2, microbatches=1, hook=False)
     assert torch.equal(each_pass[0], unhooked[0]) and not torch.equal(each_pass[1], unhooked[1])

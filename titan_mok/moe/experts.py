@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.utils import trunc_normal_
 
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, ref_swiglu
+from titan_mok.kernels.mxfp8_gathered import MXFP8GatheredWeight
 from titan_mok.kernels.row_tiles import pointwise_padded, row_invariant_linear
 from titan_mok.moe.args import MoEArgs
 from titan_mok.moe.megakernel import MegakernelConfig
@@ -52,9 +53,9 @@ class RoutedExperts(nn.Module):
         self.use_triton = use_triton
         self.kernels = args.kernels
         self.ep_mesh = None
-        # Set by parallelize when FSDP (and so EP) gathers these weights before every forward: then
-        # each pass quantizes them (a gathered tensor's version does not identify its values;
-        # kernels/weight_cache.py)
+        # Set by parallelize when FSDP (and so EP) gathers these weights before every forward; under
+        # mxfp8 they must then arrive as MXFP8 (titan_mok/moe/mxfp8_fsdp.py), never as values to keep
+        # quantized copies of (a gathered tensor's version does not identify its values)
         self.weights_gathered = False
         # The megakernel's launch sizes (kernels = "megakernel"); None fields: sized for the device
         self.megakernel_config = MegakernelConfig()
@@ -79,13 +80,15 @@ class RoutedExperts(nn.Module):
         with torch.no_grad():
             self.rows_computed.add_(group_end_L[-1])  # rows past group_end_L[-1] are padding
         sources = self.local_weights()
+        if self.weights_gathered and self.precision == "mxfp8" and not isinstance(sources[0], MXFP8GatheredWeight):
+            raise RuntimeError("RoutedExperts: FSDP gathered these mxfp8 experts' weights as values, not as MXFP8: "
+                               "their parameters lost the MXFP8 all-gather (titan_mok.moe.mxfp8_fsdp.gather_as_mxfp8)")
         w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_RH.dtype) for w in sources)
         # "auto" runs the Triton FFN on CUDA tensors only: a CPU copy of the layer runs the reference
         use_triton = self.use_triton and (x_RH.is_cuda or self.kernels == "triton")
-        owner = None if self.weights_gathered else self
         return grouped_swiglu_ffn(
             x_RH, group_end_L, w_gate_LIH, w_up_LIH, w_down_LHI,
-            precision=self.precision, swiglu_limit=self.swiglu_limit, use_triton=use_triton, weights_owner=owner,
+            precision=self.precision, swiglu_limit=self.swiglu_limit, use_triton=use_triton, weights_owner=self,
             weight_sources=sources,
         )
 

@@ -12,6 +12,8 @@ from contextlib import contextmanager
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from titan_mok.kernels import weight_cache
+
 
 def _reshard(model: torch.nn.Module) -> None:
     """Free every FSDP-gathered parameter copy: the next forward gathers the shards afresh."""
@@ -35,15 +37,18 @@ class ReferencePolicy:
     def swapped_in(self, model: torch.nn.Module):
         """The model computes with the reference state for the duration, then gets its own back
         (state_dict tensors alias the parameters and buffers, FSDP2 shards included; gathered
-        copies are dropped on both sides of the swap, so no forward reads stale weights)."""
+        copies and kept MXFP8 copies are dropped on both sides of the swap, so no forward reads
+        stale weights)."""
         _reshard(model)
         live = model.state_dict()
         saved = {k: v.clone() for k, v in live.items()}
         for k, v in live.items():
             v.copy_(self.state[k])
+        weight_cache.weights_written()
         try:
             yield
         finally:
             _reshard(model)
             for k, v in live.items():
                 v.copy_(saved[k])
+            weight_cache.weights_written()
