@@ -150,19 +150,24 @@ def _resolve(config: MegakernelConfig, ranks: int, dim_h: int, dim_i: int, num_l
     return replace(config, comm_programs=comm, compute_programs=compute, ring_tiles=ring)
 
 
+def virtual_symmetric(ranks: int, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device):
+    """Each virtual rank's symmetric buffers, zeroed, by name ({name: (shape, dtype)}), and their int64 [P] address
+    tables: every rank's buffer is an allocation of its own, reached through the tables as peers' symmetric
+    memory is. (symmetric {name: [P tensors]}, tables {name: int64 [P]})."""
+    symmetric = {name: [torch.zeros(shape, dtype=dtype, device=device) for _ in range(ranks)]
+                 for name, (shape, dtype) in specs.items()}
+    tables = {name: torch.tensor([b.data_ptr() for b in per_rank], dtype=torch.int64, device=device)
+              for name, per_rank in symmetric.items()}
+    return symmetric, tables
+
+
 def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg: MegakernelConfig,
               device) -> _Workspace:
     slots = num_tokens * top_k
     bf16 = dict(dtype=torch.bfloat16, device=device)
-    # Each virtual rank's symmetric buffers are allocations of their own, reached through address tables as
-    # peers' symmetric memory is.
-    x_PTH = [torch.zeros(num_tokens, dim_h, **bf16) for _ in range(ranks)]
-    slots_PNH = [torch.zeros(slots, dim_h, **bf16) for _ in range(ranks)]
-    arrivals_PT = [torch.zeros(num_tokens, dtype=torch.int32, device=device) for _ in range(ranks)]
-    x_ready_P = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ranks)]
-    tables = {name: torch.tensor([b.data_ptr() for b in per_rank], dtype=torch.int64, device=device)
-              for name, per_rank in (("x_TH", x_PTH), ("slots_NH", slots_PNH), ("arrivals_T", arrivals_PT),
-                                     ("x_ready", x_ready_P))}
+    symmetric, tables = virtual_symmetric(ranks, {
+        "x_TH": ((num_tokens, dim_h), torch.bfloat16), "slots_NH": ((slots, dim_h), torch.bfloat16),
+        "arrivals_T": ((num_tokens,), torch.int32), "x_ready": ((1,), torch.int64)}, device)
     ring, compute, rows = cfg.ring_tiles, cfg.compute_programs, cfg.block_m
     groups = shared_groups(num_tokens, rows, cfg.group_tiles) if shared_dim else 0
     slots_f = ring + groups * cfg.group_tiles  # flag slots: the ring's, then the shared expert's tiles'
@@ -184,8 +189,8 @@ def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg
     )
     shape = LaunchShape(ranks, 0, ranks, num_tokens, top_k, num_local, cfg.comm_programs, compute, cfg.group_tiles,
                         cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages, groups)
-    symmetric = {"x_TH": x_PTH, "slots_NH": slots_PNH, "arrivals_T": arrivals_PT, "x_ready": x_ready_P}
-    return _Workspace(shape, bufs, symmetric, [*bufs.flags, *arrivals_PT, *x_ready_P], cfg.timeout_ms)
+    return _Workspace(shape, bufs, symmetric, [*bufs.flags, *symmetric["arrivals_T"], *symmetric["x_ready"]],
+                      cfg.timeout_ms)
 
 
 def raise_on_megakernel_error() -> None:

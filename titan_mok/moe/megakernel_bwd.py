@@ -36,7 +36,7 @@ from titan_mok.kernels.mok_megakernel_bwd import (
     megakernel_bwd_launch,
     read_error,
 )
-from titan_mok.moe.megakernel import MegakernelConfig, _resolve, _Workspace, tile_schedules
+from titan_mok.moe.megakernel import MegakernelConfig, _resolve, _Workspace, tile_schedules, virtual_symmetric
 
 
 @dataclass(frozen=True)
@@ -61,15 +61,9 @@ _WORKSPACES: dict[tuple, _Workspace] = {}
 def _allocate(ranks, num_tokens, top_k, dim_h, num_local, cfg: MegakernelConfig, device) -> _Workspace:
     slots = num_tokens * top_k
     bf16 = dict(dtype=torch.bfloat16, device=device)
-    # Each virtual rank's symmetric buffers are allocations of their own, reached through address tables as
-    # peers' symmetric memory is.
-    dy_PNH = [torch.zeros(slots, dim_h, **bf16) for _ in range(ranks)]
-    dx_slots_PNH = [torch.zeros(slots, dim_h, **bf16) for _ in range(ranks)]
-    arrivals_PT = [torch.zeros(num_tokens, dtype=torch.int32, device=device) for _ in range(ranks)]
-    dy_ready_P = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ranks)]
-    symmetric = {"dy_NH": dy_PNH, "dx_slots_NH": dx_slots_PNH, "arrivals_T": arrivals_PT, "dy_ready": dy_ready_P}
-    tables = {name: torch.tensor([b.data_ptr() for b in per_rank], dtype=torch.int64, device=device)
-              for name, per_rank in symmetric.items()}
+    symmetric, tables = virtual_symmetric(ranks, {
+        "dy_NH": ((slots, dim_h), torch.bfloat16), "dx_slots_NH": ((slots, dim_h), torch.bfloat16),
+        "arrivals_T": ((num_tokens,), torch.int32), "dy_ready": ((1,), torch.int64)}, device)
     ring = cfg.ring_tiles
     flag = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
     bufs = BackwardBuffers(
@@ -86,7 +80,8 @@ def _allocate(ranks, num_tokens, top_k, dim_h, num_local, cfg: MegakernelConfig,
     )
     shape = LaunchShape(ranks, 0, ranks, num_tokens, top_k, num_local, cfg.comm_programs, cfg.compute_programs,
                         cfg.group_tiles, cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages)
-    return _Workspace(shape, bufs, symmetric, [*bufs.flags, *arrivals_PT, *dy_ready_P], cfg.timeout_ms)
+    return _Workspace(shape, bufs, symmetric, [*bufs.flags, *symmetric["arrivals_T"], *symmetric["dy_ready"]],
+                      cfg.timeout_ms)
 
 
 def raise_on_megakernel_bwd_error() -> None:
