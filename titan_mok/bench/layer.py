@@ -464,6 +464,7 @@ def main(argv=None) -> int:
               f"(C = {ceilings[0]:.1f} TFLOP/s, B = {ceilings[1]:.0f} GB/s); load = busiest expert's picks / mean\n")
         print(table(rows), flush=True)
     if dist.is_initialized():
+        dist.barrier()  # every rank done with the group (rank 0 prints meanwhile) before any tears it down
         dist.destroy_process_group()
     if failed:
         print(f"{failed} configuration(s) failed or ran out of memory", file=sys.stderr, flush=True)
