@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from tests.cuda_sync import run_without_host_sync
 from tests.kernels.test_mok_megakernel import E, routing
 from tests.kernels.test_mok_megakernel_bwd import assert_bitwise, backward_inputs, megakernel_dgrad, rank_rows
 from titan_mok.moe.megakernel import MegakernelConfig
@@ -95,11 +96,5 @@ def test_no_host_sync():
     want, _, _ = megakernel_dgrad(4, x, dout, weights, ids, expert_weights, DEFAULT)  # compiled and allocated
     _, gates, ups = rank_rows(want, 4, ids, DEFAULT.block_m)
     split = lambda t: list(t.cuda().chunk(4))  # noqa: E731
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        megakernel_routed_dgrad(split(dout), split(weights), split(ids), gates, ups, expert_weights, num_experts=E,
-                                config=DEFAULT)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    run_without_host_sync(lambda: megakernel_routed_dgrad(split(dout), split(weights), split(ids), gates, ups,
+                                                          expert_weights, num_experts=E, config=DEFAULT))

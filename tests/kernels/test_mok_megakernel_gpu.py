@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from tests.cuda_sync import run_without_host_sync
 from tests.kernels.test_mok_megakernel import ORDERS, E, layer_inputs, megakernel, routing, triton_path
 from titan_mok.kernels.mok_megakernel import SharedFFN
 from titan_mok.kernels.row_tiles import pointwise_padded, row_invariant_linear
@@ -149,10 +150,4 @@ def test_no_host_sync():
                                              num_experts=E, config=DEFAULT)
 
     call()  # compile the kernels and allocate the workspace
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        call()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    run_without_host_sync(call)

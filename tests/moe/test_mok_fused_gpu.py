@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.cuda_sync import run_without_host_sync
 from titan_mok.moe import MoE, MoEArgs
 from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch
 from titan_mok.moe.fused import build_fused_handle, fused_combine, fused_dispatch, fused_routed_experts
@@ -88,13 +89,7 @@ def test_fused_routed_path_has_no_host_sync():
         y.backward(dy[0])
 
     step()  # compile the kernels and allocate the workspace
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    run_without_host_sync(step)
 
 
 # ---------------------------------------------------------------- two processes, NCCL

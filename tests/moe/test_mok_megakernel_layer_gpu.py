@@ -18,6 +18,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tests import torchrun
+from tests.cuda_sync import run_without_host_sync
 from titan_mok.moe import MoE, MoEArgs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -106,13 +107,7 @@ def test_routed_path_has_no_host_sync():
         moe.routed(x_TH, weights_TK, topk_idx_TK, shared_TH, None, torch.bfloat16).backward(dy[0])
 
     step()  # compile the kernels and allocate the workspace
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    run_without_host_sync(step)
 
 
 def _train(folder, kernels: str, nproc: int) -> list[dict]:
