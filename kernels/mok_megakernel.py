@@ -534,8 +534,22 @@ class SharedFFN:
         return self.w_gate_IH.shape[0]
 
 
+class RingBuffers:
+    """The sizes every launch's buffers derive from their ring ``ring_VQMH`` [V, Q, M, H] (forward and dgrad)."""
+
+    ring_VQMH: torch.Tensor
+
+    @property
+    def ring_tiles(self) -> int:
+        return self.ring_VQMH.shape[1]
+
+    @property
+    def block_m(self) -> int:
+        return self.ring_VQMH.shape[2]
+
+
 @dataclass
-class MegakernelBuffers:
+class MegakernelBuffers(RingBuffers):
     """What a launch reads and writes besides the schedule and the weights (module docstring; F = Q + SG·G flag
     slots: the ring's, then the shared expert's tiles')."""
 
@@ -557,14 +571,6 @@ class MegakernelBuffers:
     expert in the launch."""
     shared_out_VTH: torch.Tensor | None = None
     """The shared expert's output rows [V, T, H] bf16 (the finish adds them)."""
-
-    @property
-    def ring_tiles(self) -> int:
-        return self.ring_VQMH.shape[1]
-
-    @property
-    def block_m(self) -> int:
-        return self.ring_VQMH.shape[2]
 
     @property
     def flags(self) -> list[torch.Tensor]:

@@ -77,6 +77,7 @@ from titan_mok.kernels.mok_megakernel import (
     WAIT_RING_READY,
     KernelVariant,
     LaunchShape,
+    RingBuffers,
     _comm_program,
     _item,
     _stamp,
@@ -338,7 +339,7 @@ def _finish_bwd_kernel(slots_table, arrivals_table, out_ptr, err_ptr, first_rank
 
 
 @dataclass
-class BackwardBuffers:
+class BackwardBuffers(RingBuffers):
     """What a launch reads and writes besides the schedule, the weights and the per-call grouped rows (module
     docstring)."""
 
@@ -354,14 +355,6 @@ class BackwardBuffers:
     """"dy_NH", "dx_slots_NH", "arrivals_T", "dy_ready": int64 [P] addresses of every rank's buffer."""
     errors: torch.Tensor
     """int64 [6]: code, waiting rank, index, seen, expected (0: no error)."""
-
-    @property
-    def ring_tiles(self) -> int:
-        return self.ring_VQMH.shape[1]
-
-    @property
-    def block_m(self) -> int:
-        return self.ring_VQMH.shape[2]
 
     @property
     def flags(self) -> list[torch.Tensor]:
