@@ -59,10 +59,11 @@ def _inputs(case: str = "bf16", seed: int = 1, tokens: int = T):
     return (torch.randn(1, tokens, H, generator=g).to(dtype), torch.randn(1, tokens, H, generator=g).to(dtype))
 
 
-def _run(layers, x, dy, case: str = "bf16", checkpointed: bool = False):
-    """Output, input gradient and every parameter's gradient (by layer index and name) of the layers in sequence."""
+def run_layers(layers, x, dy, amp: bool = False, checkpointed: bool = False):
+    """Output, input gradient and every parameter's gradient (by layer index and name) of the layers in sequence
+    (amp: under autocast to bf16 on x's device)."""
     xs = x.clone().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=CASES[case]["amp"]):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
         y = xs
         for layer in layers:
             y = checkpoint(layer, y, use_reentrant=False) if checkpointed else layer(y)
@@ -89,14 +90,14 @@ def _assert_bitwise(got, want):
 def test_forward_and_every_gradient_equal_the_triton_path(case):
     x, dy = _inputs(case)
     triton_layer, mega_layer = _layer("triton", case), _layer("megakernel", case)
-    want = _run([triton_layer], x, dy, case)
-    got = _run([mega_layer], x, dy, case)
+    want = run_layers([triton_layer], x, dy, CASES[case]["amp"])
+    got = run_layers([mega_layer], x, dy, CASES[case]["amp"])
     _assert_bitwise(got, want)
     assert got[0].dtype == CASES[case]["dtype"]
     # the metrics' dropless check: the experts computed every routed slot (T·K rows), as on the fused path
     assert mega_layer.experts.rows_computed.item() == triton_layer.experts.rows_computed.item() == T * K
     assert torch.equal(mega_layer.tokens_per_expert, triton_layer.tokens_per_expert)
-    _assert_bitwise(_run([mega_layer], x, dy, case), got)  # run to run
+    _assert_bitwise(run_layers([mega_layer], x, dy, CASES[case]["amp"]), got)  # run to run
 
 
 @pytest.mark.parametrize("frozen", ["input", "experts", "experts_and_input"])
@@ -126,10 +127,10 @@ def test_activation_checkpointing_and_layers_sharing_the_workspace():
     """Two layers of one shape (one megakernel workspace), each recomputed in the backward (non-reentrant
     checkpointing, as TorchTitan's apply_ac): the gradients of both equal the triton path's without checkpointing."""
     x, dy = _inputs(seed=2)
-    want = _run([_layer("triton", seed=3), _layer("triton", seed=4)], x, dy)
+    want = run_layers([_layer("triton", seed=3), _layer("triton", seed=4)], x, dy)
     mega = [_layer("megakernel", seed=3), _layer("megakernel", seed=4)]
-    _assert_bitwise(_run(mega, x, dy, checkpointed=True), want)
-    _assert_bitwise(_run(mega, x, dy), want)
+    _assert_bitwise(run_layers(mega, x, dy, checkpointed=True), want)
+    _assert_bitwise(run_layers(mega, x, dy), want)
 
 
 @interpreted
@@ -137,7 +138,7 @@ def test_backward_reads_nothing_from_the_workspace():
     """The workspace is every same-shaped layer's: overwritten with NaN between the forward and the backward, the
     gradients are still the triton path's."""
     x, dy = _inputs(seed=5)
-    want = _run([_layer("triton")], x, dy)
+    want = run_layers([_layer("triton")], x, dy)
     layer = _layer("megakernel")
     xs = x.clone().requires_grad_()
     y = layer(xs)

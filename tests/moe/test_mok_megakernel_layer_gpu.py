@@ -15,10 +15,10 @@ import json
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from tests import torchrun
 from tests.cuda_sync import run_without_host_sync
+from tests.moe.test_mok_megakernel_layer import run_layers
 from titan_mok.moe import MoE, MoEArgs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -50,20 +50,6 @@ def _inputs(case: str = "bf16", seed: int = 7):
     return tuple(torch.randn(1, T, H, generator=g).to(dtype).cuda() for _ in range(2))
 
 
-def _run(layers, x, dy, case: str = "bf16", checkpointed: bool = False):
-    xs = x.clone().requires_grad_()
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=CASES[case]["amp"]):
-        y = xs
-        for layer in layers:
-            y = checkpoint(layer, y, use_reentrant=False) if checkpointed else layer(y)
-    y.backward(dy)
-    grads = {(i, n): p.grad.clone() for i, layer in enumerate(layers) for n, p in layer.named_parameters()
-             if p.grad is not None}
-    for layer in layers:
-        layer.zero_grad(set_to_none=True)
-    return y.detach(), xs.grad, grads
-
-
 def _assert_bitwise(got, want, what: str):
     (y, dx, grads), (y_want, dx_want, grads_want) = got, want
     assert torch.equal(y, y_want), f"{what}: output"
@@ -76,23 +62,23 @@ def _assert_bitwise(got, want, what: str):
 @pytest.mark.parametrize("case", list(CASES))
 def test_layer_equals_the_triton_path_and_auto_is_the_triton_path(case):
     x, dy = _inputs(case)
-    want = _run([_layer("triton", case)], x, dy, case)
+    want = run_layers([_layer("triton", case)], x, dy, CASES[case]["amp"])
     mega = _layer("megakernel", case)
-    got = _run([mega], x, dy, case)
+    got = run_layers([mega], x, dy, CASES[case]["amp"])
     _assert_bitwise(got, want, "megakernel")
-    _assert_bitwise(_run([mega], x, dy, case), got, "megakernel run to run")
+    _assert_bitwise(run_layers([mega], x, dy, CASES[case]["amp"]), got, "megakernel run to run")
     assert mega.experts.rows_computed.item() == 2 * T * K  # two forwards, every slot computed
     auto = _layer("auto", case)
     assert auto._schedule(x[0]) == "fused"
-    _assert_bitwise(_run([auto], x, dy, case), want, "auto")
+    _assert_bitwise(run_layers([auto], x, dy, CASES[case]["amp"]), want, "auto")
 
 
 def test_activation_checkpointing_and_layers_sharing_the_workspace():
     x, dy = _inputs(seed=8)
-    want = _run([_layer("triton", seed=1), _layer("triton", seed=2)], x, dy)
+    want = run_layers([_layer("triton", seed=1), _layer("triton", seed=2)], x, dy)
     mega = [_layer("megakernel", seed=1), _layer("megakernel", seed=2)]
-    _assert_bitwise(_run(mega, x, dy, checkpointed=True), want, "checkpointed")
-    _assert_bitwise(_run(mega, x, dy), want, "two layers")
+    _assert_bitwise(run_layers(mega, x, dy, checkpointed=True), want, "checkpointed")
+    _assert_bitwise(run_layers(mega, x, dy), want, "two layers")
 
 
 def test_routed_path_has_no_host_sync():
