@@ -13,7 +13,8 @@ after a load or resume the first use quantizes again, same bits.
 
 Memory: an MXFP8 copy of the local expert weights per layout kept, 1 byte per element plus one E8M0
 scale per 32 (~1.03 bytes per element, 0.52x the bf16 weights per layout), held from the first use
-on. Under FSDP (and so under EP) the same holds for each rank's shard instead: each rank keeps the
+on; a training forward makes the dgrad layout with the forward's (one read of the weight for both), so
+both are held from the first forward of a step on, and a forward without a backward makes the forward's only. Under FSDP (and so under EP) the same holds for each rank's shard instead: each rank keeps the
 MXFP8 layouts of its own shard, made from the shard cast to FSDP's ``param_dtype``, and FSDP
 all-gathers those (``titan_mok/moe/mxfp8_fsdp.py``), so the FFN, reference and Triton kernels alike,
 receives MXFP8 operands and quantizes nothing (~1.03 bytes per shard element per layout kept; the
@@ -41,15 +42,21 @@ def stamp(source) -> tuple:
     return (_writes, source._version, source.data_ptr(), source.dtype, tuple(source.shape))
 
 
-def operand(owner, name: str, layout, source_stamp: tuple, make):
+def operand(owner, name: str, layout, source_stamp: tuple, make, make_with_others=None):
     """``make()``'s operand for (owner, name, layout), made again only when ``source_stamp`` differs
     from the one it was made at. ``layout``: which quantization of the weight (e.g. the ``along`` of
-    ``grouped_ffn.weight_operand``). ``owner`` None: ``make()`` every time (nothing kept)."""
+    ``grouped_ffn.weight_operand``). ``owner`` None: ``make()`` every time (nothing kept).
+    ``make_with_others``: None, or what makes this layout together with others of the same weight in one
+    pass, as {layout: operand}; when given, it makes this layout (with an owner) and every layout it returns
+    is kept at ``source_stamp``."""
     if owner is None:
         return make()
     kept = _kept.setdefault(owner, {})
     entry = kept.get((name, layout))
     if entry is None or entry[0] != source_stamp:
-        kept[(name, layout)] = entry = (source_stamp, make())
+        made = {layout: make()} if make_with_others is None else make_with_others()
+        for made_layout, made_operand in made.items():
+            kept[(name, made_layout)] = (source_stamp, made_operand)
+        entry = kept[(name, layout)]
     return entry[1]
 
