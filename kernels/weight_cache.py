@@ -14,7 +14,8 @@ after a load or resume the first use quantizes again, same bits.
 Memory: an MXFP8 copy of the local expert weights per layout kept, 1 byte per element plus one E8M0
 scale per 32 (~1.03 bytes per element, 0.52x the bf16 weights per layout), held from the first use
 on; a training forward makes the dgrad layout with the forward's (one read of the weight for both), so
-both are held from the first forward of a step on, and a forward without a backward makes the forward's only. Under FSDP (and so under EP) the same holds for each rank's shard instead: each rank keeps the
+both are held from the first forward of a step on, and a forward without a backward makes the forward's only.
+Under FSDP (and so under EP) the same holds for each rank's shard instead: each rank keeps the
 MXFP8 layouts of its own shard, made from the shard cast to FSDP's ``param_dtype``, and FSDP
 all-gathers those (``titan_mok/moe/mxfp8_fsdp.py``), so the FFN, reference and Triton kernels alike,
 receives MXFP8 operands and quantizes nothing (~1.03 bytes per shard element per layout kept; the
