@@ -19,7 +19,8 @@ import torch
 from titan_mok.kernels.mxfp8 import BLOCK, SCALE_DTYPE, MXTensor, _check_blockable, to_mxfp8
 from titan_mok.kernels.mxfp8_quant import mx_quantize_block, mx_store_bits, mx_to_mma_order
 
-# (BX, BY, warps): chosen for an H100/H200 by benchmarks/tools/quantize_weights.py (it times others too)
+# (BX, BY, warps) of a program: a guess not yet timed on a GPU; benchmarks/tools/quantize_weights.py times it
+# against other tiles
 DEFAULT_TILE = (64, 128, 4)
 
 
