@@ -3,7 +3,6 @@ and the floors' bookkeeping."""
 
 import pytest
 import torch
-
 from triton.runtime.errors import OutOfResources
 
 from benchmarks.tools import quantize_weights
