@@ -1,4 +1,4 @@
-"""benchmarks.tools.quantize_weights on CPU (Triton's interpreter, tiny weights, the timer stubbed): the bits check
+"""benchmarks.tools.quantize_weights at tiny sizes, the timer stubbed (CPU: Triton's interpreter): the bits check
 and the floors' bookkeeping."""
 
 import pytest
@@ -6,12 +6,13 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from benchmarks.tools import quantize_weights
+from tests.kernels.test_mxfp8_quant import DEVICE
 
 
 def _weights():
     g = torch.Generator().manual_seed(0)
     dims = {"w_gate": (96, 64), "w_up": (96, 64), "w_down": (64, 96)}
-    return {n: torch.randn(1, *d, generator=g).to(torch.bfloat16) for n, d in dims.items()}
+    return {n: torch.randn(1, *d, generator=g).to(torch.bfloat16).to(DEVICE) for n, d in dims.items()}
 
 
 def test_run_checks_bits_times_each_method_and_reports_floor_fractions():
