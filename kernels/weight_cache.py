@@ -55,6 +55,9 @@ def operand(owner, name: str, layout, source_stamp: tuple, make, make_with_other
     kept = _kept.setdefault(owner, {})
     entry = kept.get((name, layout))
     if entry is None or entry[0] != source_stamp:
+        if make_with_others is not None:  # free the stale layouts it replaces before it allocates the new ones
+            for key in [k for k, (s, _) in kept.items() if k[0] == name and s != source_stamp]:
+                del kept[key]
         made = {layout: make()} if make_with_others is None else make_with_others()
         for made_layout, made_operand in made.items():
             kept[(name, made_layout)] = (source_stamp, made_operand)
