@@ -44,7 +44,8 @@ int64 (per slot: tile pulled); per flag slot f (the ring's Q slots, then the sha
 (A / B items of its tile done); int32 ``next_item_V`` / ``programs_done_V`` (the item counter); ``errors``
 int64 [6]; with the shared expert ``shared_h_VRI`` (R = SG·G·M rows of I_S) and ``shared_out_VTH``. Ring
 memory per rank: Q·M·(H + I)·2 bytes (Kimi K2.7, H 7168, I 2048, the default Q = 32, M = 64: 37.7 MB;
-302 MB for 8 virtual ranks); the shared expert adds SG·G·M·I_S·2 + T·H·2 bytes (37.7 MB at T = 2048).
+302 MB for 8 virtual ranks; M = 128: 75.5 MB, 604 MB); the shared expert adds SG·G·M·I_S·2 + T·H·2 bytes (37.7 MB
+at T = 2048, M = 64).
 
 Protocol of one call (epoch e, counted by the host from 1, passed as an argument: no flag is reset
 between calls, a flag is compared with the value this call writes; stamp(e, n) = e·2^32 + n):
@@ -96,6 +97,16 @@ program records (code, waiting rank, index, seen, expected) in ``errors`` (first
 taking work; ``megakernel_finish`` then stops the device with an assertion naming the wait
 (``trap=True``) or leaves the record to ``read_error`` (``trap=False``).
 
+GEMMs of the items (``LaunchShape.gemm``, the TMA constexpr): K loops of BLOCK_K steps, software-pipelined
+(num_stages), on M-row tiles (64 or 128), their operands read by masked pointer loads ("ptr") or by TMA ("tma")
+through tensor descriptors each compute program makes once, before its first claim: over the rank's ring [Q·M, H]
+and h [Q·M, I], its experts' weights as [L·I, H] and [L·H, I], and the shared expert's x [T, H], h [SG·G·M, I_S]
+and weights. TMA reads what other programs stored (the pulled rows, h) through the async proxy, so a proxy fence
+follows the acquire that waited for them. The loads give the same operand values: where pointer loads mask (rows
+past a tile's expert's end: zeros in the ring, stored so by the pull; the shared expert's rows past T; columns past
+H or I) TMA reads zeros, and the weight rows of another expert that a TMA block may reach only feed output columns
+that are never stored.
+
 Serialized mode (``serialized=True``; Triton's interpreter runs programs one after another, so a spin
 there never ends): a launch publishes; the shared expert's tiles: a launch of the compute programs runs
 their A items, one their B items; then per window of Q routed tiles (one round) a launch of the
@@ -109,8 +120,8 @@ GPU's MMA chain does not), g and u rounded to bf16, h = silu(g)·u from them rou
 rounded to bf16 (RNE); so a shared expert row is ``SharedExpert(use_triton=True)``'s. The reduction is
 ``mok_combine.slot_reduce``'s (no FMA contraction; a scaled shared row rounded to fp32 before its add, as
 the gated SharedExpert's fp32 output). Each output element is computed by one item (no split-K, no atomics
-on values), so a token's output does not depend on the tile, the item order, the program, the ring size,
-the group, the lag, the batch or P.
+on values), so a token's output does not depend on the tile (or M), the item order, the program, the ring size,
+the group, the lag, the batch, P or the loads.
 
 Not here: MXFP8 (bf16 only), the backward.
 """
@@ -123,7 +134,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from titan_mok.kernels.grouped_gemm import _DOT_F32, _dot
+from titan_mok.kernels.grouped_gemm import _DOT_F32, _dot, _set_triton_allocator
 from titan_mok.kernels.grouped_tiles import _bf16_rne, _group_of, _swiglu_out
 from titan_mok.kernels.mok_combine import _round_to, _slot_term
 
@@ -150,6 +161,9 @@ WAIT_NAMES = {
 
 BLOCK_K = 64
 """K step of every GEMM: the Triton grouped FFN's bf16 step (the interpreter rounds to fp32 once per step)."""
+GEMM_LOADS = ("ptr", "tma")
+"""How the items' GEMMs read their operands (LaunchShape.gemm): masked pointer loads, or TMA loads through tensor
+descriptors each compute program makes once (H, I and I_S multiples of 8: 16-byte rows)."""
 MAX_EPOCH = 2**31 // 65 - 1
 """Largest epoch before the host resets the flags: e·(K + 1) stays inside int32 for K <= 64."""
 
@@ -215,46 +229,84 @@ def _pull_tile(tile_ptr, x_table, row_slot_ptr, rows, ok, N, K, H, BLOCK_M: tl.c
 
 
 @triton.jit
-def _gate_up_block(a_ptr, a_ok, wg_ptr, wu_ptr, h_ptr, n0, H, I, limit, HAS_LIMIT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """h[:, n0:n0 + BLOCK_N] = swiglu(a @ w_gate[n0:n0 + BLOCK_N].T, a @ w_up[...].T) for one row tile a [M, H]
-    (bf16, row-major; rows where not a_ok read as zeros; h [M, I])."""
+def _async_proxy_fence(ENABLED: tl.constexpr):
+    """Orders what this thread's acquire made visible (rows other programs stored, generic proxy) before the TMA
+    loads it issues next (async proxy). Not needed in serialized mode: launches end between writer and reader."""
+    if ENABLED:
+        tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _own_rows(x_table, rank):
+    """This rank's token rows x_TH (the shared expert's A operand)."""
+    return tl.load(x_table + rank).to(tl.pointer_type(tl.bfloat16))
+
+
+@triton.jit
+def _descriptor(ptr, rows, width, BR: tl.constexpr, BC: tl.constexpr):
+    """A TMA descriptor of the row-major [rows, width] bf16 operand at ptr, in [BR, BC] blocks."""
+    return tl.make_tensor_descriptor(ptr, shape=[rows, width], strides=[width, 1], block_shape=[BR, BC])
+
+
+@triton.jit
+def _operand_tile(src, row, col, row_ok, width, BR: tl.constexpr, BC: tl.constexpr, TMA: tl.constexpr,
+                  CACHE: tl.constexpr):
+    """The [BR, BC] block at (row, col) of a row-major operand [rows, width] (bf16): by TMA through the tensor
+    descriptor src (TMA; rows and columns past its shape read as zeros), or a masked load from the pointer src (rows
+    where not row_ok and columns >= width read as zeros; CACHE: its cache modifier)."""
+    if TMA:
+        block = src.load([row, col])
+    else:
+        first = src + (row + tl.zeros((), tl.int64)) * width  # the block's first row (row: int32 or a literal)
+        cols = col + tl.arange(0, BC)
+        block = tl.load(first + tl.arange(0, BR)[:, None] * width + cols[None, :],
+                        mask=row_ok[:, None] & (cols < width)[None, :], other=0.0, cache_modifier=CACHE)
+    return block
+
+
+@triton.jit
+def _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, limit, HAS_LIMIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                   TMA: tl.constexpr):
+    """h[:, n0:n0 + BLOCK_N] = swiglu(a @ w_gate[n0:n0 + BLOCK_N].T, a @ w_up[...].T) for the row tile a = rows
+    [a_row, a_row + M) of a_src [rows, H] (rows where not a_ok read as zeros) and the expert's weights = rows
+    [w_row, w_row + I) of wg_src / wu_src [rows, H] (_operand_tile: pointers or TMA descriptors); h [M, I] at h_ptr.
+    TMA: a block's columns past I read the next expert's weight rows (or zeros past the last); they only feed
+    output columns that the store masks. Its rows past a_ok are zeros in memory: the pull stores zeros for the rows
+    past its expert's end, and the shared expert's descriptor ends at row T."""
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
-    w_rows = offs_n[:, None].to(tl.int64) * H  # [N, 1] rows of w [I, H]
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < H
-        # .cg: another SM wrote the tile; read it from L2, never from a line this SM cached in an earlier round
-        a = tl.load(a_ptr + offs_m[:, None] * H + offs_k[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0,
-                    cache_modifier=".cg")
-        w_ok = n_ok[:, None] & k_ok[None, :]
-        acc1 = _dot(a, tl.trans(tl.load(wg_ptr + w_rows + offs_k[None, :], mask=w_ok, other=0.0)), acc1, DOT_F32)
-        acc2 = _dot(a, tl.trans(tl.load(wu_ptr + w_rows + offs_k[None, :], mask=w_ok, other=0.0)), acc2, DOT_F32)
+    for k0 in range(0, H, BLOCK_K):  # software-pipelined by the launch's num_stages
+        # .cg: another SM wrote the tile; read it from L2, never from a line this SM cached in an earlier round (TMA
+        # reads bypass L1)
+        a = _operand_tile(a_src, a_row, k0, a_ok, H, BLOCK_M, BLOCK_K, TMA, ".cg")
+        wg = _operand_tile(wg_src, w_row + n0, k0, n_ok, H, BLOCK_N, BLOCK_K, TMA, "")
+        acc1 = _dot(a, tl.trans(wg), acc1, DOT_F32)
+        wu = _operand_tile(wu_src, w_row + n0, k0, n_ok, H, BLOCK_N, BLOCK_K, TMA, "")
+        acc2 = _dot(a, tl.trans(wu), acc2, DOT_F32)
     _, _, h = _swiglu_out(acc1, acc2, limit, HAS_LIMIT)
     tl.store(h_ptr + offs_m[:, None] * I + offs_n[None, :], h, mask=n_ok[None, :])
 
 
 @triton.jit
-def _down_block(h_ptr, wd_ptr, dst_ptrs, ok, n0, H, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """y[:, n0:n0 + BLOCK_N] = h @ w_down[n0:n0 + BLOCK_N].T (h [M, I], w_down [H, I]); real row r's columns
-    stored at dst_ptrs[r] (its output row)."""
-    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
+def _down_block(h_src, h_row, wd_src, w_row, dst_ptrs, ok, n0, H, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
+    """y[:, n0:n0 + BLOCK_N] = h @ w_down[n0:n0 + BLOCK_N].T for h = rows [h_row, h_row + M) of h_src [rows, I] and
+    w_down = rows [w_row, w_row + H) of wd_src [rows, I] (_operand_tile: pointers or TMA descriptors); real row r's
+    columns stored at dst_ptrs[r] (its output row). TMA: a block's columns past H read the next expert's rows (or
+    zeros); the store masks them."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
-    w_rows = offs_n[:, None].to(tl.int64) * I  # [N, 1] rows of w_down [H, I]
+    every_row = tl.full((BLOCK_M,), 1, tl.int1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < I
+    for k0 in range(0, I, BLOCK_K):  # software-pipelined by the launch's num_stages
         # .cg: other SMs wrote h, and a ring slot's h is rewritten every round
-        a = tl.load(h_ptr + offs_m[:, None] * I + offs_k[None, :], mask=k_ok[None, :], other=0.0,
-                    cache_modifier=".cg")
-        b = tl.load(wd_ptr + w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        a = _operand_tile(h_src, h_row, k0, every_row, I, BLOCK_M, BLOCK_K, TMA, ".cg")
+        b = _operand_tile(wd_src, w_row + n0, k0, n_ok, I, BLOCK_N, BLOCK_K, TMA, "")
         acc = _dot(a, tl.trans(b), acc, DOT_F32)
     tl.store(dst_ptrs[:, None] + offs_n[None, :], _bf16_rne(acc), mask=ok[:, None] & n_ok[None, :])
 
@@ -320,12 +372,13 @@ def _item(j, G, LAG, NB_I, NB_H, NB_IS, SG):
 
 
 @triton.jit
-def _gate_up_item(f, stamp, a_ptr, a_ok, wg_ptr, wu_ptr, h_ptr, n0, h_ready_ptr, gate_up_done_ptr, H, I, NB_I, limit,
-                  HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DOT_F32: tl.constexpr):
+def _gate_up_item(f, stamp, a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, h_ready_ptr, gate_up_done_ptr, H,
+                  I, NB_I, limit, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
     """An A item of the tile of flag slot f (its wait done): h columns [n0, n0 + BLOCK_N), then the count; the
     tile's last A item publishes h_ready[f] = stamp."""
-    _gate_up_block(a_ptr, a_ok, wg_ptr, wu_ptr, h_ptr, n0, H, I, limit, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+    _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, limit, HAS_LIMIT, BLOCK_M, BLOCK_N,
+                   BLOCK_K, DOT_F32, TMA)
     tl.debug_barrier()  # every thread's h columns stored, and its reads of the row tile done, before the count
     if tl.atomic_add(gate_up_done_ptr + f, 1, sem="acq_rel", scope="sys") == NB_I - 1:
         # the tile's last A item: every other's h columns are ordered before this (acq_rel); rearm the count for the
@@ -335,12 +388,13 @@ def _gate_up_item(f, stamp, a_ptr, a_ok, wg_ptr, wu_ptr, h_ptr, n0, h_ready_ptr,
 
 
 @triton.jit
-def _down_item(f, stamp, h_ptr, wd_ptr, dst_ptrs, arrival_ptrs, real, n0, consumed_ptr, down_done_ptr, H, I, NB_H,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+def _down_item(f, stamp, h_src, h_row, wd_src, w_row, dst_ptrs, arrival_ptrs, real, n0, consumed_ptr, down_done_ptr,
+               H, I, NB_H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               DOT_F32: tl.constexpr, TMA: tl.constexpr):
     """A B item of the tile of flag slot f (its wait done): output columns [n0, n0 + BLOCK_N) of its real rows,
     then the count; the tile's last B item stores consumed[f] = stamp and adds 1 at each real row's arrival
     counter."""
-    _down_block(h_ptr, wd_ptr, dst_ptrs, real, n0, H, I, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+    _down_block(h_src, h_row, wd_src, w_row, dst_ptrs, real, n0, H, I, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
     tl.debug_barrier()  # every thread's output stores and h reads done before the count
     if tl.atomic_add(down_done_ptr + f, 1, sem="acq_rel", scope="sys") == NB_H - 1:
         # the tile's last B item: every other's output stores and reads are ordered before this (acq_rel)
@@ -357,9 +411,28 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
                      wsd_ptr, err_ptr, epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, shared_limit, L,
                      T, N, K, H, I, I_S, Q, COMPUTE, G, LAG, SG, PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr,
                      SHARED: tl.constexpr, HAS_SHARED_LIMIT: tl.constexpr, LOG_L: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                     TMA: tl.constexpr):
     """Claims items until none is left (module docstring), running those of its launch's kind and window."""
     SERIAL: tl.constexpr = PHASE != 0
+    # The GEMM operands as 2D row-major [rows, K] sources (_operand_tile): the rank's ring [Q·M, H] and h [Q·M, I],
+    # its experts' weights [L·I, H] and [L·H, I], the shared expert's x [T, H], h [SG·G·M, I_S] and weights. TMA: a
+    # tensor descriptor of each, made once per program (128 bytes of the launch's global scratch each).
+    ring_src, h_src, wg_src, wu_src, wd_src = ring_ptr, h_ptr, wg_ptr, wu_ptr, wd_ptr
+    x_src, shared_h_src, wsg_src, wsu_src, wsd_src = x_table, shared_h_ptr, wsg_ptr, wsu_ptr, wsd_ptr
+    if TMA:
+        ring_src = _descriptor(ring_ptr, Q * BLOCK_M, H, BLOCK_M, BLOCK_K)
+        h_src = _descriptor(h_ptr, Q * BLOCK_M, I, BLOCK_M, BLOCK_K)
+        wg_src = _descriptor(wg_ptr, L * I, H, BLOCK_N, BLOCK_K)
+        wu_src = _descriptor(wu_ptr, L * I, H, BLOCK_N, BLOCK_K)
+        wd_src = _descriptor(wd_ptr, L * H, I, BLOCK_N, BLOCK_K)
+        if SHARED:
+            x_src = _descriptor(_own_rows(x_table, rank), T, H, BLOCK_M, BLOCK_K)
+            shared_h_src = _descriptor(shared_h_ptr, SG * G * BLOCK_M, I_S, BLOCK_M, BLOCK_K)
+            wsg_src = _descriptor(wsg_ptr, I_S, H, BLOCK_N, BLOCK_K)
+            wsu_src = _descriptor(wsu_ptr, I_S, H, BLOCK_N, BLOCK_K)
+            wsd_src = _descriptor(wsd_ptr, H, I_S, BLOCK_N, BLOCK_K)
+    FENCE: tl.constexpr = TMA and not SERIAL
     NB_I = tl.cdiv(I, BLOCK_N)
     NB_H = tl.cdiv(H, BLOCK_N)
     NB_IS = tl.cdiv(I_S, BLOCK_N)
@@ -382,40 +455,44 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
             if is_a & mine & (u >= first_routed):
                 alive = _wait(ready_ptr + q, stamp, err_ptr, WAIT_RING_READY, rank, i, timeout_us, SERIAL)
                 if alive:
+                    _async_proxy_fence(FENCE)
                     e, _rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
-                    w_off = e.to(tl.int64) * I * H
-                    _gate_up_item(q, stamp, ring_ptr + q.to(tl.int64) * BLOCK_M * H, real, wg_ptr + w_off,
-                                  wu_ptr + w_off, h_ptr + q.to(tl.int64) * BLOCK_M * I, n0, h_ready_ptr,
-                                  gate_up_done_ptr, H, I, NB_I, limit, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                    _gate_up_item(q, stamp, ring_src, q * BLOCK_M, real, wg_src, wu_src, e * I,
+                                  h_ptr + q.to(tl.int64) * BLOCK_M * I, n0, h_ready_ptr, gate_up_done_ptr, H, I, NB_I,
+                                  limit, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
             if SHARED:
                 if is_a & mine & (u < first_routed):  # this rank's own tokens: no wait (written before the launch)
                     rows = u * BLOCK_M + tl.arange(0, BLOCK_M)
-                    x_ptr = tl.load(x_table + rank).to(tl.pointer_type(tl.bfloat16))
-                    _gate_up_item(Q + u, stamp, x_ptr + u.to(tl.int64) * BLOCK_M * H, rows < T, wsg_ptr, wsu_ptr,
+                    a_src = x_src
+                    if not TMA:  # the pointer, loaded here: a register less across the item loop
+                        a_src = _own_rows(x_table, rank)
+                    _gate_up_item(Q + u, stamp, a_src, u * BLOCK_M, rows < T, wsg_src, wsu_src, 0,
                                   shared_h_ptr + u.to(tl.int64) * BLOCK_M * I_S, n0, h_ready_ptr, gate_up_done_ptr, H,
-                                  I_S, NB_IS, shared_limit, HAS_SHARED_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                                  I_S, NB_IS, shared_limit, HAS_SHARED_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
         if PHASE != 3:
             if (is_a == 0) & mine & (u >= first_routed):
                 alive = _wait(h_ready_ptr + q, stamp, err_ptr, WAIT_H_READY, rank, i, timeout_us, SERIAL)
                 if alive:
+                    _async_proxy_fence(FENCE)
                     e, rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
                     s = tl.load(row_slot_ptr + rows, mask=real, other=0)  # gathered slot p·N + t·K + j
                     src = s // N
                     slot_ptrs = tl.load(slots_table + src, mask=real, other=0).to(tl.pointer_type(tl.bfloat16))
                     arrivals = tl.load(arrivals_table + src, mask=real, other=0).to(tl.pointer_type(tl.int32))
-                    _down_item(q, stamp, h_ptr + q.to(tl.int64) * BLOCK_M * I, wd_ptr + e.to(tl.int64) * H * I,
-                               slot_ptrs + (s % N).to(tl.int64) * H, arrivals + (s % N) // K, real, n0, consumed_ptr,
-                               down_done_ptr, H, I, NB_H, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                    _down_item(q, stamp, h_src, q * BLOCK_M, wd_src, e * H, slot_ptrs + (s % N).to(tl.int64) * H,
+                               arrivals + (s % N) // K, real, n0, consumed_ptr, down_done_ptr, H, I, NB_H, BLOCK_M,
+                               BLOCK_N, BLOCK_K, DOT_F32, TMA)
             if SHARED:
                 if (is_a == 0) & mine & (u < first_routed):
                     alive = _wait(h_ready_ptr + Q + u, stamp, err_ptr, WAIT_SHARED_H_READY, rank, u, timeout_us,
                                   SERIAL)
                     if alive:
+                        _async_proxy_fence(FENCE)
                         rows = u * BLOCK_M + tl.arange(0, BLOCK_M)
                         arrivals = tl.load(arrivals_table + rank).to(tl.pointer_type(tl.int32))
-                        _down_item(Q + u, stamp, shared_h_ptr + u.to(tl.int64) * BLOCK_M * I_S, wsd_ptr,
+                        _down_item(Q + u, stamp, shared_h_src, u * BLOCK_M, wsd_src, 0,
                                    shared_out_ptr + rows.to(tl.int64) * H, arrivals + rows, rows < T, n0,
-                                   consumed_ptr, down_done_ptr, H, I_S, NB_H, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                                   consumed_ptr, down_done_ptr, H, I_S, NB_H, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
         j = item_lo + tl.atomic_add(next_item_ptr, 1, sem="relaxed", scope="gpu")
     # this program claims nothing more; the last of the rank's programs to get here rearms the counter for the next
     # launch (stream order puts that launch after every claim of this one; acq_rel: the others' claims come before)
@@ -447,7 +524,7 @@ def _megakernel(
     P, L, T, K, H, I, I_S, Q, COMM, COMPUTE, G, LAG, SG,
     PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, SHARED: tl.constexpr, HAS_SHARED_LIMIT: tl.constexpr,
     LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     local = pid // (COMM + COMPUTE)  # this program's rank, within the launch
@@ -478,7 +555,7 @@ def _megakernel(
                              shared_h_ptr + local64 * first_tile * BLOCK_M * I_S, shared_out_ptr + local64 * T * H,
                              wsg_ptr, wsu_ptr, wsd_ptr, err_ptr, epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi,
                              limit, shared_limit, L, T, N, K, H, I, I_S, Q, COMPUTE, G, LAG, SG, PHASE, HAS_LIMIT,
-                             SHARED, HAS_SHARED_LIMIT, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                             SHARED, HAS_SHARED_LIMIT, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
 
 
 # debug: the device assertions below are compiled in
@@ -598,6 +675,8 @@ class LaunchShape:
     num_stages: int = 4
     shared_groups: int = 0
     """SG: the item order's groups of shared-expert tiles (0: no shared expert in the launch)."""
+    gemm: str = "ptr"
+    """How the items' GEMMs read their operands (GEMM_LOADS): "ptr" masked pointer loads, "tma" TMA loads."""
 
     @property
     def programs(self) -> int:
@@ -665,12 +744,13 @@ class KernelVariant:
     num_stages: int
     has_limit: bool
     has_shared_limit: bool = False
+    gemm: str = "ptr"
 
     def constexprs(self, phase: int) -> dict:
         return dict(PHASE=phase, HAS_LIMIT=self.has_limit, SHARED=self.shared_dim > 0,
                     HAS_SHARED_LIMIT=self.has_shared_limit, LOG_L=self.num_local.bit_length(), BLOCK_M=self.block_m,
                     BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, BLOCK_H=min(256, triton.next_power_of_2(self.dim_h)),
-                    DOT_F32=_DOT_F32, num_warps=self.num_warps, num_stages=self.num_stages)
+                    DOT_F32=_DOT_F32, TMA=self.gemm == "tma", num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 def _variant(bufs: MegakernelBuffers, weights, shared: SharedFFN | None, shape: LaunchShape,
@@ -678,7 +758,7 @@ def _variant(bufs: MegakernelBuffers, weights, shared: SharedFFN | None, shape: 
     dim_i, dim_h = weights[0].shape[1:]
     return KernelVariant(dim_h, dim_i, 0 if shared is None else shared.dim, shape.num_local, bufs.block_m,
                          shape.block_n, shape.num_warps, shape.num_stages, swiglu_limit is not None,
-                         shared is not None and shared.swiglu_limit is not None)
+                         shared is not None and shared.swiglu_limit is not None, shape.gemm)
 
 
 def compile_megakernel(variant: KernelVariant):
@@ -726,6 +806,8 @@ def megakernel_phase(bufs: MegakernelBuffers, schedule, weights, shape: LaunchSh
         raise ValueError(f"megakernel_phase: a launch shaped for {shape.shared_groups} groups of shared-expert tiles "
                          f"{'needs' if shape.shared_groups else 'takes no'} shared expert weights")
     variant = _variant(bufs, weights, shared, shape, swiglu_limit)
+    if variant.gemm == "tma" and weights[0].is_cuda:
+        _set_triton_allocator()  # the compute programs make their TMA descriptors in the launch's global scratch
     if phase == PHASE_ALL:
         max_programs = co_resident_programs(weights[0].device.index, variant)
         if shape.programs > max_programs:
@@ -751,6 +833,14 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
     waits)."""
     if not 1 <= epoch <= MAX_EPOCH:
         raise ValueError(f"megakernel_launch: epoch = {epoch} must be in [1, {MAX_EPOCH}]")
+    if shape.gemm not in GEMM_LOADS:
+        raise ValueError(f"megakernel_launch: gemm = {shape.gemm!r} must be one of {GEMM_LOADS}")
+    if shape.gemm == "tma":
+        widths = {"H": weights[0].shape[2], "I": weights[0].shape[1], "I_S": 8 if shared is None else shared.dim}
+        for name, dim in widths.items():
+            if dim % 8:
+                raise ValueError(f"megakernel_launch: gemm = 'tma' reads rows by TMA, which needs 16-byte rows: {name} "
+                                 f"= {dim} must be a multiple of 8 (or use gemm = 'ptr')")
     ring, group = bufs.ring_tiles, shape.group_tiles
     if (shape.lag + 1) * group > ring:
         raise ValueError(f"megakernel_launch: (lag + 1) x group_tiles = ({shape.lag} + 1) x {group} must be <= the "

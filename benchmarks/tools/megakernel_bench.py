@@ -1,7 +1,8 @@
 """The MoK forward megakernel against today's triton path, routed experts' forward only, one GPU.
 
     python3 benchmarks/tools/megakernel_bench.py [--tokens 2048] [--ranks 1 2 4 8] [--experts 384] [--iters 30]
-        [--comm-programs C] [--group-tiles G] [--lag LAG] [--ring-tiles Q] [--num-stages S] [--shared-dim I_S]
+        [--comm-programs C] [--group-tiles G] [--lag LAG] [--ring-tiles Q] [--shared-dim I_S]
+        [--block-m 64 128] [--gemm ptr tma] [--num-stages 3 4]
 
 Legend: P virtual ranks, T tokens per rank, K top-k, H hidden, I expert FFN size, E experts (all on this GPU).
 
@@ -14,17 +15,22 @@ by default), ms by CUDA events, median of --iters after warm-up:
 - mega P=P: the megakernel at virtual EP = P, T tokens per rank (the protocol's cost against P=1: flags,
   per-rank rings and schedules, the programs split among ranks); the shared expert inside the launch.
 Each megakernel output is checked bitwise against the triton path's first. Default shape: Kimi K2.7 Code's
-experts (H 7168, I 2048, E 384, K 8). The last columns: the P=P launch's programs per rank, its item order (tiles per
-group, lag in groups) and its ring per rank.
+experts (H 7168, I 2048, E 384, K 8). The megakernel runs every combination of --block-m (rows per tile), --gemm
+(its item GEMMs' loads: pointer or TMA) and --num-stages (their K loops' pipeline depth), one line each against the
+same triton timing (default: the config's, one variant). The last columns: the P=P launch's programs per rank, its
+item order (tiles per group, lag in groups) and its ring per rank; TFLOP/s: the routed experts' GEMM FLOPs
+(T·P·K·3·2·H·I) over the P=P launch's time, end to end (pull, FFN, push, reduction).
 """
 
 import argparse
+import dataclasses
+import itertools
 import statistics
 
 import torch
 
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
-from titan_mok.kernels.mok_megakernel import SharedFFN
+from titan_mok.kernels.mok_megakernel import GEMM_LOADS, SharedFFN
 from titan_mok.moe.fused import fused_routed_experts
 from titan_mok.moe.megakernel import MegakernelConfig, _WORKSPACES, megakernel_routed_experts
 
@@ -57,7 +63,11 @@ def main() -> None:
     parser.add_argument("--ring-tiles", type=int, default=None, help="per rank (default: the config's)")
     parser.add_argument("--group-tiles", type=int, default=MegakernelConfig.group_tiles, help="tiles per item step")
     parser.add_argument("--lag", type=int, default=MegakernelConfig.lag, help="groups A items run ahead of B items")
-    parser.add_argument("--num-stages", type=int, default=MegakernelConfig.num_stages, help="GEMM pipeline depth")
+    parser.add_argument("--num-stages", type=int, nargs="+", default=[MegakernelConfig.num_stages],
+                        help="GEMM pipeline depths")
+    parser.add_argument("--block-m", type=int, nargs="+", default=[MegakernelConfig.block_m], help="rows per tile")
+    parser.add_argument("--gemm", nargs="+", default=[MegakernelConfig.gemm], choices=GEMM_LOADS,
+                        help="the item GEMMs' loads")
     parser.add_argument("--shared-dim", type=int, default=0, help="I_S of a shared expert (0: none)")
     opts = parser.parse_args()
     dim_h, dim_i, num_experts, top_k = opts.hidden, opts.expert_dim, opts.experts, opts.top_k
@@ -70,12 +80,14 @@ def main() -> None:
                            for shape in ((opts.shared_dim, dim_h), (opts.shared_dim, dim_h), (dim_h, opts.shared_dim))
                            ) if opts.shared_dim else None
     shared_expert = SharedFFN(*shared_weights) if shared_weights else None
-    config = MegakernelConfig(comm_programs=opts.comm_programs, ring_tiles=opts.ring_tiles,
-                              group_tiles=opts.group_tiles, lag=opts.lag, num_stages=opts.num_stages)
+    base = MegakernelConfig(comm_programs=opts.comm_programs, ring_tiles=opts.ring_tiles,
+                            group_tiles=opts.group_tiles, lag=opts.lag)
+    configs = [dataclasses.replace(base, block_m=block_m, gemm=gemm, num_stages=stages)
+               for block_m, gemm, stages in itertools.product(opts.block_m, opts.gemm, opts.num_stages)]
     print(f"{torch.cuda.get_device_name()}, H {dim_h}, I {dim_i}, E {num_experts}, K {top_k}, T {opts.tokens} per "
           f"rank, shared expert I_S {opts.shared_dim or 'none'}; ms, median of {opts.iters}")
-    print(f"{'P':>2} {'tokens':>7} {'triton':>8} {'mega P=1':>9} {'mega P=P':>9} {'P=P/triton':>10} "
-          f"{'P=P/P=1':>8}  programs/rank (comm+compute), group x lag, ring/rank")
+    print(f"{'P':>2} {'tokens':>7} {'variant':>14} {'triton':>8} {'mega P=1':>9} {'mega P=P':>9} {'P=1/triton':>10} "
+          f"{'P=P/triton':>10} {'P=P/P=1':>8} {'TFLOP/s':>7}  programs/rank (comm+compute), group x lag, ring/rank")
     for ranks in opts.ranks:
         tokens = ranks * opts.tokens
         x_TH = torch.randn(tokens, dim_h, generator=g, **bf16)
@@ -92,28 +104,39 @@ def main() -> None:
                 shared_TH = grouped_swiglu_ffn(x_TH, group_end, *(w[None] for w in shared_weights), use_triton=True)
             return fused_routed_experts(x_TH, weights_TK, ids_TK, shared_TH, None, experts, num_experts=num_experts)
 
-        def mega(parts):
+        def mega(parts, config):
             split = (lambda t: list(t.chunk(parts))) if parts > 1 else (lambda t: t)
             out = megakernel_routed_experts(split(x_TH), split(weights_TK), split(ids_TK),
                                             [None] * parts if parts > 1 else None, expert_weights,
                                             num_experts=num_experts, config=config, shared_expert=shared_expert)
             return torch.cat(out) if parts > 1 else out
 
+        ffn_flops = tokens * top_k * 3 * 2 * dim_h * dim_i  # the routed experts' GEMMs
         with torch.no_grad():
             want = triton_path()
-            row = [time_ms(triton_path, opts.iters)]
-            for parts in sorted({1, ranks}):
-                if not torch.equal(mega(parts), want):
-                    raise SystemExit(f"P = {ranks}: the megakernel at {parts} ranks differs from the triton path")
-                row.append(time_ms(lambda: mega(parts), opts.iters))
-            row += row[-1:] * (3 - len(row))  # P = 1: one megakernel run
-        ws = [w for key, w in _WORKSPACES.items() if key[1:3] == (ranks, opts.tokens)][-1]
-        ring_mb = (ws.bufs.ring_VQMH[0].numel() + ws.bufs.h_VQMI[0].numel()) * 2 / 1e6
-        print(f"{ranks:2} {tokens:7} {row[0]:8.3f} {row[1]:9.3f} {row[2]:9.3f} {row[2] / row[0]:10.3f} "
-              f"{row[2] / row[1]:8.3f}  {ws.shape.comm_programs}+{ws.shape.compute_programs}, "
-              f"{ws.shape.group_tiles} x {ws.shape.lag}, {ws.bufs.ring_tiles} tiles ({ring_mb:.0f} MB)")
-        _WORKSPACES.clear()  # free this P's buffers before the next
-        torch.cuda.empty_cache()
+            triton_ms = time_ms(triton_path, opts.iters)
+        for config in configs:
+            row = []
+            with torch.no_grad():
+                for parts in sorted({1, ranks}):
+                    if not torch.equal(mega(parts, config), want):
+                        raise SystemExit(f"P = {ranks}, {variant_name(config)}: the megakernel at {parts} ranks "
+                                         "differs from the triton path")
+                    row.append(time_ms(lambda: mega(parts, config), opts.iters))
+            row += row[-1:] * (2 - len(row))  # P = 1: one megakernel run
+            ws = [w for key, w in _WORKSPACES.items() if key[1:3] == (ranks, opts.tokens)][-1]
+            ring_mb = (ws.bufs.ring_VQMH[0].numel() + ws.bufs.h_VQMI[0].numel()) * 2 / 1e6
+            print(f"{ranks:2} {tokens:7} {variant_name(config):>14} {triton_ms:8.3f} {row[0]:9.3f} {row[1]:9.3f} "
+                  f"{row[0] / triton_ms:10.3f} {row[1] / triton_ms:10.3f} {row[1] / row[0]:8.3f} "
+                  f"{ffn_flops / row[1] / 1e9:7.0f}  "
+                  f"{ws.shape.comm_programs}+{ws.shape.compute_programs}, {ws.shape.group_tiles} x {ws.shape.lag}, "
+                  f"{ws.bufs.ring_tiles} tiles ({ring_mb:.0f} MB)", flush=True)
+            _WORKSPACES.clear()  # free this variant's buffers before the next
+            torch.cuda.empty_cache()
+
+
+def variant_name(config: MegakernelConfig) -> str:
+    return f"{config.gemm} M{config.block_m} S{config.num_stages}"
 
 
 if __name__ == "__main__":

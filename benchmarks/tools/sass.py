@@ -3,6 +3,8 @@ shared memory and SASS instruction mix of every kernel one MoE FFN pass would la
 
     python3 -m benchmarks.tools.sass [--shape kimi] [--rows-per-expert 43] [--precision mxfp8] [--sass-dir DIR] [--json]
     python3 -m benchmarks.tools.sass --rows-per-expert 85 --set 'mxfp8/plain@mid_rows={"CONSUMER_REGS": 200}'
+    python3 -m benchmarks.tools.sass --megakernel [--shape kimi] [--block-m 64 128] [--gemm ptr tma] [--num-stages 4]
+        [--shared-dim I_S]
 
 Why: device time is scarce. A tile config that spills, or that cannot fit two programs on an SM,
 shows here first. Triton's wheel carries ptxas, nvdisasm and
@@ -15,6 +17,9 @@ registers, spills and shared memory show before any device time is spent; ``--ch
 of its own (``tile_configs.TABLES``; default the H200's).
 Registers and shared memory are per program; a warp-specialized kernel's partitions then move
 registers among themselves (``setmaxnreg``, listed).
+``--megakernel``: the forward MoK megakernel's concurrent launch instead (``kernels/mok_megakernel.py``), one kernel
+per combination of tile rows, GEMM loads and pipeline depth, with its TMA loads (UTMALDG), cp.async copies (LDGSTS),
+wgmmas (HGMMA) and the spill loads/stores inside its K loops (a spill elsewhere costs little).
 """
 
 import argparse
@@ -36,7 +41,9 @@ from benchmarks.tools.grouped_ffn import SHAPES
 from titan_mok.kernels import grouped_gemm as gg
 from titan_mok.kernels import grouped_mm_ws
 from titan_mok.kernels import tile_configs as tc
+from titan_mok.kernels import mok_megakernel
 from titan_mok.kernels.grouped_ffn import weight_operand
+from titan_mok.moe.megakernel import MegakernelConfig
 
 H200_SMS = 132
 REGISTERS_PER_SM = 65536
@@ -112,6 +119,43 @@ def kernel_report(name: str, kernel) -> dict:
     }
 
 
+def k_loop_spills(sass: str) -> int:
+    """Spill loads and stores (LDL, STL) inside the loops that hold wgmmas (the K loops). Loops are back edges; those
+    from the stubs after the kernel's last EXIT (a barrier wait's slow path jumping back) are not loops."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\.L_x_\d+):", line.strip()))}
+    last_exit = max((i for i, line in enumerate(lines) if re.search(r"^\s+/\*[0-9a-f]+\*/\s+EXIT ;", line)),
+                    default=len(lines))
+    spills = 0
+    for i, line in enumerate(lines[:last_exit]):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = lines[labels[m.group(1)]:i + 1]
+            if any("HGMMA" in b for b in body):
+                spills += sum(bool(re.search(r"\b(LDL|STL)\b", b)) for b in body)
+    return spills
+
+
+def megakernel_kernels(shape: str, block_ms, gemms, stages, shared_dim: int = 0) -> list[dict]:
+    """The forward megakernel's concurrent launch compiled for each (block_m, gemm, num_stages), at the shape's H
+    and I, the default config's other sizes and 8 ranks' local experts; one report per variant."""
+    dim_h, dim_i, num_experts, _ = SHAPES[shape]
+    reports = []
+    for block_m in block_ms:
+        for gemm in gemms:
+            for num_stages in stages:
+                variant = mok_megakernel.KernelVariant(
+                    dim_h, dim_i, shared_dim, num_experts // 8, block_m, MegakernelConfig.block_n,
+                    MegakernelConfig.num_warps, num_stages, False, gemm=gemm)
+                with compiling_for_sm90():
+                    kernel = mok_megakernel.compile_megakernel(variant)
+                report = kernel_report("_megakernel", kernel)
+                reports.append({"step": f"megakernel {gemm} M{block_m} S{num_stages}", "block_m": block_m,
+                                "gemm": gemm, "num_stages": num_stages, "k_loop_spills": k_loop_spills(report["sass"]),
+                                **report})
+    return reports
+
+
 def programs_per_sm(report: dict) -> int:
     """Programs that fit on one SM by registers (allocated per warp in units of 256) and shared memory."""
     regs_per_warp = -(-report["registers"] * 32 // 256) * 256
@@ -172,6 +216,14 @@ def main() -> None:
     parser.add_argument("--chip", default="", choices=["", *tc.TABLES],
                         help="the tile table of a chip with one of its own (default: the H200's)")
     add_variant_args(parser)
+    parser.add_argument("--megakernel", action="store_true",
+                        help="compile the forward megakernel's variants instead (--block-m, --gemm, --num-stages)")
+    parser.add_argument("--block-m", type=int, nargs="+", default=[64, 128], help="--megakernel: rows per tile")
+    parser.add_argument("--gemm", nargs="+", default=list(mok_megakernel.GEMM_LOADS),
+                        choices=mok_megakernel.GEMM_LOADS, help="--megakernel: the item GEMMs' loads")
+    parser.add_argument("--num-stages", type=int, nargs="+", default=[MegakernelConfig.num_stages],
+                        help="--megakernel: K-loop pipeline depths")
+    parser.add_argument("--shared-dim", type=int, default=0, help="--megakernel: I_S of a shared expert (0: none)")
     opts = parser.parse_args()
     try:
         table = variant_table(tc.table_for(opts.chip), opts.sets, opts.unsets)
@@ -181,6 +233,9 @@ def main() -> None:
         parser.error(f"--rows-per-expert must be >= 1, got {opts.rows_per_expert}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         parser.error("TRITON_INTERPRET=1 interprets the kernels instead of compiling them: unset it")
+    if opts.megakernel:
+        megakernel_main(opts)
+        return
     reports = ffn_pass_kernels(opts.shape, opts.rows_per_expert, opts.precision, chip=opts.chip, table=table)
     if opts.json:
         print(json.dumps([{**{k: v for k, v in r.items() if k != "sass"}, "programs_per_sm": programs_per_sm(r)}
@@ -195,6 +250,24 @@ def main() -> None:
         if opts.sass_dir:
             os.makedirs(opts.sass_dir, exist_ok=True)
             with open(os.path.join(opts.sass_dir, f"{i:02d}_{r['kernel']}.sass"), "w") as f:
+                f.write(r["sass"])
+
+
+def megakernel_main(opts) -> None:
+    reports = megakernel_kernels(opts.shape, opts.block_m, opts.gemm, opts.num_stages, opts.shared_dim)
+    if opts.json:
+        print(json.dumps([{**{k: v for k, v in r.items() if k != "sass"}, "programs_per_sm": programs_per_sm(r)}
+                          for r in reports]))
+        return
+    print(f"{'variant':28} {'regs':>4} {'stack':>5} {'K-loop spills':>13} {'shared':>7} {'per SM':>6} {'instr':>6} "
+          f"{'HGMMA':>5} {'UTMALDG':>7} {'LDGSTS':>6}")
+    for i, r in enumerate(reports):
+        ops = r["opcodes"]
+        print(f"{r['step']:28} {r['registers']:4} {r['stack_bytes']:5} {r['k_loop_spills']:13} {r['shared_bytes']:7} "
+              f"{programs_per_sm(r):6} {r['instructions']:6} {ops['HGMMA']:5} {ops['UTMALDG']:7} {ops['LDGSTS']:6}")
+        if opts.sass_dir:
+            os.makedirs(opts.sass_dir, exist_ok=True)
+            with open(os.path.join(opts.sass_dir, f"{i:02d}_megakernel_{r['gemm']}_m{r['block_m']}.sass"), "w") as f:
                 f.write(r["sass"])
 
 

@@ -9,6 +9,7 @@ tokens at once. So each test also holds a token's output independent of P and of
 torch.equal. GPU (the concurrent launch): test_mok_megakernel_gpu.py.
 """
 
+import dataclasses
 import functools
 import os
 import re
@@ -148,6 +149,51 @@ def test_column_blocks_not_dividing_hidden_or_ffn_size():
     config = MegakernelConfig(comm_programs=1, compute_programs=2, group_tiles=3, lag=1, block_m=16, block_n=64)
     want = triton_path(x, weights, ids.to(DEVICE), shared, expert_weights)
     assert torch.equal(megakernel(2, x, weights, ids, shared, expert_weights, config), want)
+
+
+@pytest.mark.parametrize("kind", ["skewed", "one_expert", "all_remote"])
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@interpreted
+def test_tma_loads_give_the_same_bits(kind, ranks):
+    """gemm = "tma": the items' GEMMs read through tensor descriptors (zeros past their shapes, other experts' weight
+    rows in a block's masked columns) instead of masked pointer loads; H = 96 and I = 80 in 64-column items: partial
+    column blocks and a partial K step in both GEMMs."""
+    (x, weights, shared), expert_weights = layer_inputs(ranks, 96, seed=40 + ranks, dim_i=80)
+    ids = routing(kind, ranks, seed=ranks)
+    config = dataclasses.replace(SMALL, block_n=64, gemm="tma")
+    want = triton_path(x, weights, ids.to(DEVICE), shared, expert_weights)
+    assert torch.equal(megakernel(ranks, x, weights, ids, shared, expert_weights, config), want), (kind, ranks)
+
+
+@pytest.mark.parametrize("gemm", ["ptr", "tma"])
+@interpreted
+def test_shared_expert_and_clamp_with_tma_loads(gemm):
+    """The shared expert in the launch (20 tokens: its last 16-row tile partial, rows past T from its descriptor's
+    end), both SwiGLU clamps, by both loads."""
+    (x, weights, _), expert_weights = layer_inputs(2, 64, seed=42, tokens=20)
+    ids = routing("skewed", 2, tokens=20, seed=43)
+    shared_weights = shared_inputs(64, 80, seed=44)
+    want = triton_path(x, weights, ids.to(DEVICE), shared_expert_rows(x, shared_weights, 0.4), expert_weights,
+                       swiglu_limit=0.5)
+    got = megakernel(2, x, weights, ids, None, expert_weights, dataclasses.replace(SMALL, gemm=gemm),
+                     swiglu_limit=0.5, shared_expert=SharedFFN(*shared_weights, swiglu_limit=0.4))
+    assert torch.equal(got, want), gemm
+
+
+@pytest.mark.parametrize("gemm", ["ptr", "tma"])
+@pytest.mark.parametrize("kind", ["one_expert", "skewed"])
+@interpreted
+def test_128_row_tiles_give_the_same_bits(kind, gemm):
+    """block_m = 128 (the GPU's tile): 80 tokens per rank, 2 ranks; one_expert: 160 rows for each of experts 0 and
+    1, a full and a partial tile each; with the shared expert in the launch (one partial 128-row tile per rank)."""
+    (x, weights, _), expert_weights = layer_inputs(2, 64, seed=45, tokens=80)
+    ids = routing(kind, 2, tokens=80, seed=46)
+    shared_weights = shared_inputs(64, 64, seed=47)
+    config = MegakernelConfig(comm_programs=1, compute_programs=2, group_tiles=1, lag=1, ring_tiles=2, block_m=128,
+                              block_n=32, gemm=gemm)
+    want = triton_path(x, weights, ids.to(DEVICE), shared_expert_rows(x, shared_weights), expert_weights)
+    got = megakernel(2, x, weights, ids, None, expert_weights, config, shared_expert=SharedFFN(*shared_weights))
+    assert torch.equal(got, want), (kind, gemm)
 
 
 # Item orders and rings (per rank: T·K = 32 rows in 16-row tiles over 4 local experts, about 4 to 6 tiles)
@@ -366,6 +412,12 @@ def test_bad_inputs_are_named():
         call(config=MegakernelConfig(comm_programs=1, compute_programs=1, ring_tiles=0, block_m=16))
     with pytest.raises(ValueError, match="stall_rank = 2"):
         call(stall_rank=2)
+    with pytest.raises(ValueError, match=r"MegakernelConfig.gemm = 'wgmma' must be one of \('ptr', 'tma'\)"):
+        call(config=dataclasses.replace(SMALL, gemm="wgmma"))
+    (x60, _, shared60), weights60 = layer_inputs(2, 60)
+    with pytest.raises(ValueError, match="16-byte rows: H = 60 must be a multiple of 8"):
+        call(x_TH=list(x60.chunk(2)), shared_TH=list(shared60.chunk(2)), expert_weights=weights60,
+             config=dataclasses.replace(SMALL, gemm="tma"))
     if os.environ.get("TRITON_INTERPRET") == "1":
         with pytest.raises(ValueError, match="spin forever"):
             call(serialized=False)

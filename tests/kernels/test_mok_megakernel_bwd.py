@@ -10,6 +10,7 @@ dgate and dup by ``grouped_down_dgrad_swiglu``, the rows' dx by ``grouped_mm_sum
 the batch. Compared with torch.equal. GPU (the concurrent launch): test_mok_megakernel_bwd_gpu.py.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -231,6 +232,8 @@ def test_bad_inputs_are_named():
         call(expert_weights=(*expert_weights[:2], expert_weights[2].float()))
     with pytest.raises(ValueError, match="stall_rank = 2"):
         call(stall_rank=2)
+    with pytest.raises(ValueError, match="MegakernelConfig.gemm = 'tma': the dgrad launch's GEMMs read by pointer"):
+        call(config=dataclasses.replace(SMALL, gemm="tma"))
     with pytest.raises(ValueError, match="spin forever"):
         call(serialized=False)
 

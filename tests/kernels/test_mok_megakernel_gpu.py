@@ -4,7 +4,8 @@ each other's flags) at virtual EP 1, 2, 4, 8.
 Claims, compared bit for bit: the concurrent launch equals the serialized one (the interpreter's mode, here
 compiled) and today's triton path on the same tokens (reference dispatch, the Triton grouped FFN on the GPU,
 reference combine, at EP = 1), for every routing of the CPU tests, the smallest ring and the CPU tests' item
-orders, and with the shared expert in the launch (against the SharedExpert module, gated too); it repeats its bits;
+orders, and with the shared expert in the launch (against the SharedExpert module, gated too), also with TMA loads
+and on 128-row tiles; it repeats its bits;
 a rank that never publishes ends in the bounded device error (recorded, or with ``trap`` an assertion naming
 the wait) within a few timeouts; a launch the device cannot hold at once is refused; no host sync.
 """
@@ -151,3 +152,44 @@ def test_no_host_sync():
 
     call()  # compile the kernels and allocate the workspace
     run_without_host_sync(call)
+
+
+# The item GEMMs' other variants (the default config's: pointer loads on 64-row tiles, above)
+VARIANTS = {"tma M64": dict(gemm="tma"), "ptr M128": dict(block_m=128), "tma M128": dict(gemm="tma", block_m=128)}
+
+
+@pytest.mark.parametrize("kind", ["skewed", "one_expert", "empty_experts", "all_remote"])
+@pytest.mark.parametrize("ranks", [1, 2, 8])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gemm_variants_concurrent_equal_serialized_and_triton_path(variant, ranks, kind):
+    """TMA loads and 128-row tiles, concurrently (TMA reads of rows other programs stored, behind the proxy fence):
+    the triton path's bits, run to run and serialized alike."""
+    x, weights, ids, shared, expert_weights = _inputs(ranks, kind, seed=ranks)
+    config = MegakernelConfig(**VARIANTS[variant])
+    want = triton_path(x, weights, ids, shared, expert_weights)
+    first = megakernel(ranks, x, weights, ids, shared, expert_weights, config)
+    assert torch.equal(megakernel(ranks, x, weights, ids, shared, expert_weights, config), first), "run-to-run"
+    assert torch.equal(megakernel(ranks, x, weights, ids, shared, expert_weights, config, serialized=True), first)
+    assert torch.equal(first, want), f"{variant}, {ranks} ranks, {kind}: differs from the triton path"
+
+
+@pytest.mark.parametrize("ranks", [1, 8])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gemm_variants_smallest_ring_and_shared_expert(variant, ranks):
+    """The variants with one ring tile per rank (every pull waits for its slot's previous tile's B items) and with
+    the gated shared expert in the launch."""
+    x, weights, ids, _, expert_weights = _inputs(ranks, "one_expert", seed=9)
+    tight = MegakernelConfig(comm_programs=2, compute_programs=2, group_tiles=1, lag=0, ring_tiles=1,
+                             **VARIANTS[variant])
+    torch.manual_seed(9)
+    module = SharedExpert(H, 192, True, None, use_triton=True).cuda()
+    with torch.no_grad():
+        shared_TH = module(x)
+        shared_expert = SharedFFN(*(linear.weight.to(torch.bfloat16).contiguous()
+                                    for linear in (module.w_gate, module.w_up, module.w_down)))
+        scale_T1 = pointwise_padded(torch.sigmoid, row_invariant_linear(x.float(), module.output_gate.weight.float()))
+    want = triton_path(x, weights, ids, shared_TH, expert_weights)
+    assert torch.equal(megakernel(ranks, x, weights, ids, shared_TH, expert_weights, tight), want), "smallest ring"
+    got = megakernel(ranks, x, weights, ids, None, expert_weights, MegakernelConfig(**VARIANTS[variant]),
+                     shared_expert=shared_expert, shared_scale_T1=list(scale_T1.chunk(ranks)))
+    assert torch.equal(got, want), f"{variant}, {ranks} ranks: differs from SharedExpert + the triton path"

@@ -29,6 +29,7 @@ import torch
 
 from titan_mok.kernels.grouped_ffn import interpreting
 from titan_mok.kernels.mok_megakernel import (
+    GEMM_LOADS,
     MAX_EPOCH,
     KernelVariant,
     LaunchShape,
@@ -69,7 +70,8 @@ class MegakernelConfig:
     """Ring tiles per rank (each block_m rows of H, and their block_m rows of I). None: group_tiles x (lag + 3).
     Any size >= (lag + 1) x group_tiles takes any routing (tiles are recycled)."""
     block_m: int = 64
-    """Rows per tile (the GEMMs' M)."""
+    """Rows per tile (the GEMMs' M): 64, or 128 (the ring's bytes double; at Kimi K2.7's sizes and the default 32
+    tiles 75.5 MB per rank)."""
     block_n: int = 128
     """Output columns per work item (the GEMMs' N)."""
     num_warps: int = 8
@@ -77,9 +79,14 @@ class MegakernelConfig:
     num_stages: int = 4
     """Software-pipeline depth of the GEMMs' K loops: shared memory per program is num_stages x the operand tiles
     of one gate/up K step (40 KB at the defaults: 160 KB, one program per SM; ptxas for sm_90: 255 registers, no
-    spills, at Kimi K2.7's sizes)."""
+    spills, at Kimi K2.7's sizes; block_m 128: 48 KB, 192 KB; ``python -m benchmarks.tools.sass --megakernel``
+    lists every variant's)."""
     timeout_ms: float = 10_000.0
     """Bound of every wait on another program; then a device error naming the wait."""
+    gemm: str = "ptr"
+    """How the forward launch's item GEMMs read their operands: "ptr" (masked pointer loads) or "tma" (TMA loads
+    through tensor descriptors each compute program makes once; H, I and I_S multiples of 8). The same bits. The
+    dgrad launch reads by pointer only."""
 
 
 @dataclass
@@ -116,12 +123,14 @@ def _resolve(config: MegakernelConfig, ranks: int, dim_h: int, dim_i: int, num_l
     """Fill the config's None sizes (module docstring of MegakernelConfig); a concurrent launch the device cannot
     hold at once is refused here, before anything is allocated (the launcher checks it again). co_resident: the
     launch's kernel's count of programs the device runs at once (the forward's, or the backward's)."""
+    if config.gemm not in GEMM_LOADS:
+        raise ValueError(f"MegakernelConfig.gemm = {config.gemm!r} must be one of {GEMM_LOADS}")
     comm, compute = config.comm_programs, config.compute_programs
     total = None
     if not interpreting():
         variant = KernelVariant(dim_h, dim_i, 0 if shared is None else shared.dim, num_local, config.block_m,
                                 config.block_n, config.num_warps, config.num_stages, has_limit,
-                                shared is not None and shared.swiglu_limit is not None)
+                                shared is not None and shared.swiglu_limit is not None, config.gemm)
         total = co_resident(device.index, variant)
     if comm is None or compute is None:
         per_rank = (comm or 1) + (compute or 2) if total is None else total // ranks
@@ -188,7 +197,7 @@ def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg
         shared_out_VTH=torch.zeros(ranks, num_tokens, dim_h, **bf16) if groups else None,
     )
     shape = LaunchShape(ranks, 0, ranks, num_tokens, top_k, num_local, cfg.comm_programs, compute, cfg.group_tiles,
-                        cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages, groups)
+                        cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages, groups, cfg.gemm)
     return _Workspace(shape, bufs, symmetric, [*bufs.flags, *symmetric["arrivals_T"], *symmetric["x_ready"]],
                       cfg.timeout_ms)
 
