@@ -51,7 +51,8 @@ Protocol of one call (epoch e, counted by the host from 1, passed as an argument
 between calls, a flag is compared with the value this call writes; stamp(e, n) = e·2^32 + n):
 - publish: communication program 0 of each rank stores x_ready = e (release); its x_TH was written
   before the launch, in stream order.
-- pull: a communication program first acquires every source rank's x_ready = e, then per tile i
+- pull: a communication program first acquires every source rank's x_ready >= e (on real EP a fast source
+  may already have published call e + 1: see "Across calls"), then per tile i
   (round n, slot q) waits until consumed[q] = stamp(e, n - 1) (the tile that held the slot last is
   done with: its rows and its h; round 0 finds the slot free: the previous call's launch has ended),
   copies the tile's rows from the source ranks' x_TH (row j of expert rows: token (s mod N) div K of
@@ -68,17 +69,20 @@ between calls, a flag is compared with the value this call writes; stamp(e, n) =
   shared tile), then adds 1 to arrivals[token] of each real row's source rank (release; the other B
   items' stores are ordered before through the counter), once per row.
 - finish (a second, small launch, ``megakernel_finish``): each rank's token t waits until arrivals[t] =
-  e·(K + 1) with the shared expert in the launch, else e·K (acquire), then out[t] = cast(Σ_j w[t,j]·slots[t,j]
+  the host's running total (K + 1 per call with the shared expert in the launch, else K; e·(K + 1) or e·K
+  when one workspace's calls own the counters) (acquire), then out[t] = cast(Σ_j w[t,j]·slots[t,j]
   + shared[t]·scale[t]) in fp32, ascending j (scale: optional, per token; shared: the launch's or an input).
 Stamps only grow, so a flag left by an earlier call or round never matches. The per-slot item counts go
 back to 0 when a tile is done, the item counter when a launch ends; the host zeroes them with the flags
 (``reset``, also after an error, which can leave a count short). The arrival counters grow by K (+ 1) per
 call; the host zeroes every flag and counter and restarts at epoch 1 before they would leave int32
-(``MAX_EPOCH``): one memset every ~2^31 / (K + 1) calls. A workspace runs with or without the shared
-expert, always the same (its arrivals expect the same growth every call).
+(``MAX_EPOCH``): one memset every ~2^31 / (K + 1) calls (on real EP between two barriers of the group).
 Across calls no barrier is needed: a rank rewrites x_TH for call e + 1 only after its finish of call
 e saw every one of its rows pushed (so pulled), and peers push into its slots for call e + 1 only
-after acquiring its x_ready = e + 1, which it stores after that finish.
+after acquiring its x_ready >= e + 1, which it stores after that finish. On real EP (one hosted rank per
+launch, P launches on P devices) a rank can thus publish call e + 1 while a peer's communication program
+of call e has yet to acquire its x_ready: that program pulls none of its rows (else the rank's finish of
+call e would still wait for them), so ">= e" lets it pass without reading rows of the wrong call.
 
 Deadlock freedom: rank a rank's work by item index j, with pull(i) just before the first item of routed
 tile i's group (step SG + i div G). Every wait is on lower-ranked work: a routed A item on pull(i); a B
@@ -127,6 +131,7 @@ Not here: MXFP8 (bf16 only), the backward.
 """
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -185,19 +190,22 @@ def _record_error(err_ptr, code: tl.constexpr, rank, index, seen, expected):
 
 
 @triton.jit
-def _wait(flag_ptr, expected, err_ptr, code: tl.constexpr, rank, index, timeout_us, SERIAL: tl.constexpr):
-    """Whether *flag_ptr reached ``expected`` (acquire), spinning at most timeout_us microseconds (SERIAL: no spin,
-    an assertion); on failure, or once another program recorded an error, records this wait and returns False."""
+def _wait(flag_ptr, expected, err_ptr, code: tl.constexpr, rank, index, timeout_us, SERIAL: tl.constexpr,
+          AT_LEAST: tl.constexpr = False):
+    """Whether *flag_ptr reached ``expected`` (acquire; AT_LEAST: any value >= expected), spinning at most timeout_us
+    microseconds (SERIAL: no spin, an assertion); on failure, or once another program recorded an error, records this
+    wait and returns False."""
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if not SERIAL:
         timeout_ns = timeout_us.to(tl.int64) * 1000
         start = globaltimer()
-        waiting = seen != expected
+        waiting = (seen < expected) if AT_LEAST else (seen != expected)
         while waiting:
             seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
             calm = tl.load(err_ptr, volatile=True) == 0
-            waiting = (seen != expected) & calm & (globaltimer() - start < timeout_ns)
-    ok = seen == expected
+            missing = (seen < expected) if AT_LEAST else (seen != expected)
+            waiting = missing & calm & (globaltimer() - start < timeout_ns)
+    ok = (seen >= expected) if AT_LEAST else (seen == expected)
     if not ok:
         _record_error(err_ptr, code, rank, index, seen, expected)
     tl.debug_barrier()  # the other threads' reads of what the flag guards come after the acquire
@@ -332,7 +340,9 @@ def _comm_program(c, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_t
         src = 0
         while alive & (src < P):
             src_ready = tl.load(x_ready_table + src).to(tl.pointer_type(tl.int64))
-            alive = _wait(src_ready, epoch.to(tl.int64), err_ptr, WAIT_X_READY, rank, src, timeout_us, SERIAL)
+            # at least: on real EP a source may already have published its next call (its rows that this launch
+            # pulls are still there: it rewrites them only once every one of them was pushed back)
+            alive = _wait(src_ready, epoch.to(tl.int64), err_ptr, WAIT_X_READY, rank, src, timeout_us, SERIAL, True)
             src += 1
         tile_lo = tl.maximum(tile_lo, 0)
         end = tl.minimum(tl.load(tile_end_ptr + L - 1), tile_hi)
@@ -823,8 +833,14 @@ def megakernel_phase(bufs: MegakernelBuffers, schedule, weights, shape: LaunchSh
 
 def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchShape, *, epoch: int,
                       swiglu_limit: float | None, serialized: bool, shared: SharedFFN | None = None,
-                      stall_rank: int | None = None, timeout_ms: float = 10_000.0) -> None:
+                      stall_rank: int | None = None, timeout_ms: float = 10_000.0,
+                      phase_barrier: Callable[[], None] | None = None) -> None:
     """The forward's one launch (``serialized``: its phases one after another, see the module docstring).
+
+    phase_barrier: in serialized mode with peers outside this launch (a rank of a real group, hosted_ranks <
+    ep_degree), the group's barrier: called after the publish (every peer's x_TH is ready before any pull asserts
+    it) and after the last round (every row pushed into a peer before its finish asserts the arrivals). The
+    concurrent launch needs none: its waits spin.
 
     schedule: (group_end_VL, tile_end_VL, row_slot_VR) int32 of the hosted ranks; weights: (w_gate [V·L, I, H],
     w_up [V·L, I, H], w_down [V·L, H, I]) bf16 contiguous; shared: the shared expert in the launch (exactly when
@@ -857,7 +873,9 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
         for phase, lag in ((PHASE_GATE_UP, 0), (PHASE_DOWN, shape.lag)):
             run(phase, tiles=window, items=tuple(shape.first_item(s + lag, *dims) for s in steps))
 
+    sync_peers = phase_barrier if phase_barrier is not None else (lambda: None)
     run(PHASE_PUBLISH)
+    sync_peers()
     first_routed = shape.shared_groups * group
     if first_routed:  # the shared expert's tiles
         compute((0, first_routed))
@@ -867,13 +885,15 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
         window = (first_routed + n * ring, first_routed + (n + 1) * ring)
         run(PHASE_COMM, tiles=window)
         compute(window)
+    sync_peers()
 
 
 def megakernel_finish(bufs: MegakernelBuffers, weights_VTK: torch.Tensor, shared_VTH: torch.Tensor | None,
-                      out_VTH: torch.Tensor, shape: LaunchShape, *, epoch: int, serialized: bool, trap: bool,
+                      out_VTH: torch.Tensor, shape: LaunchShape, *, arrivals: int, serialized: bool, trap: bool,
                       shared_scale_VT: torch.Tensor | None = None, timeout_ms: float = 10_000.0) -> None:
     """out[v, t] = cast(Σ_j w[v,t,j]·slots_v[t,j] + shared[v,t]) in fp32, ascending j, once token t's rows have
-    arrived (``trap``: a recorded error stops the device with an assertion naming the wait). shared: the launch's
+    arrived: its arrival counter holds ``arrivals`` (every call so far's shape.arrivals_per_call, summed; ``trap``:
+    a recorded error stops the device with an assertion naming the wait). shared: the launch's
     shared expert output when it ran one (then shared_VTH must be None), else shared_VTH (None: no shared term);
     shared_scale_VT (fp32): shared[v, t] times it first (one fp32 rounding)."""
     if shape.shared_groups and shared_VTH is not None:
@@ -889,6 +909,6 @@ def megakernel_finish(bufs: MegakernelBuffers, weights_VTK: torch.Tensor, shared
     _finish_kernel[grid](bufs.tables["slots_NH"], bufs.tables["arrivals_T"], weights_VTK,
                          shared if shared is not None else out_VTH,
                          shared_scale_VT if shared_scale_VT is not None else weights_VTK, out_VTH, bufs.errors,
-                         shape.first_rank, epoch * shape.arrivals_per_call, int(timeout_ms * 1000), num_tokens, dim_h,
+                         shape.first_rank, arrivals, int(timeout_ms * 1000), num_tokens, dim_h,
                          K=shape.top_k, HAS_SHARED=shared is not None, HAS_SCALE=shared_scale_VT is not None,
                          SERIAL=serialized, TRAP=trap, BLOCK_H=block_h, enable_fp_fusion=False)

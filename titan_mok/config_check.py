@@ -122,10 +122,6 @@ def check_job(job_config, world_size: int) -> None:
     if name == registry.BASELINE_MODEL:
         return  # TorchTitan's own model: the [mok] section does not apply to it
     kernels = job_config.mok.kernels
-    if kernels == "megakernel" and ep > 1:
-        raise ConfigError(f"[mok] kernels = 'megakernel' runs on one rank: real multi-GPU EP for the megakernel is "
-                          f"not wired yet, so [parallelism] expert_parallel_degree = {ep} needs kernels 'triton' or "
-                          "'auto'")
     if kernels == "megakernel" and job_config.mok.precision != "bf16":
         raise ConfigError(f"[mok] kernels = 'megakernel' runs precision 'bf16' only, got [mok] precision = "
                           f"{job_config.mok.precision!r}; use kernels 'triton' or 'auto' for it")

@@ -38,6 +38,7 @@ from titan_mok.kernels.mok_megakernel import (
 from titan_mok.moe import megakernel as mk
 from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch
 from titan_mok.moe.megakernel import MegakernelConfig, megakernel_routed_experts, raise_on_megakernel_error
+from titan_mok.moe.megakernel_rank import megakernel_rank_routed_experts, raise_on_megakernel_rank_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Small tiles (16 rows: MMAs unlike the GPU configs') and the serialized launches: the interpreter's tests
@@ -350,13 +351,14 @@ def test_a_missing_phase_is_a_named_error_then_the_workspace_recovers(skipped, w
 
 @interpreted
 def test_single_rank_call_and_ep_degree_invariance():
-    """The one-rank form (tensors, not lists) on all tokens equals virtual EP = 4 on the same tokens."""
+    """One rank alone (``megakernel_rank_routed_experts`` without a group: its launch hosts rank 0 of 1, its buffers
+    the mok workspace's) on all tokens equals virtual EP = 4 on the same tokens."""
     (x, weights, shared), expert_weights = layer_inputs(4, 64, seed=9)
     ids = routing("skewed", 4, seed=10)
     with torch.no_grad():
-        single = megakernel_routed_experts(x, weights, ids.to(DEVICE), shared, expert_weights, num_experts=E,
-                                           config=SMALL, trap=False)
-    raise_on_megakernel_error()
+        single = megakernel_rank_routed_experts(x, weights, ids.to(DEVICE), shared, expert_weights, num_experts=E,
+                                                config=SMALL, trap=False)
+    raise_on_megakernel_rank_error()
     assert torch.equal(single, megakernel(4, x, weights, ids, shared, expert_weights))
 
 

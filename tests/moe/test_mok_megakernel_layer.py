@@ -12,11 +12,10 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from titan_mok.moe import MoE, MoEArgs
-from titan_mok.moe import megakernel as mk
+from titan_mok.moe import megakernel_rank as mk_rank
 from titan_mok.moe import moe as moe_module
 from titan_mok.moe.moe import routed_schedule
 
@@ -135,24 +134,25 @@ def test_activation_checkpointing_and_layers_sharing_the_workspace():
 
 @interpreted
 def test_backward_reads_nothing_from_the_workspace():
-    """The workspace is every same-shaped layer's: overwritten with NaN between the forward and the backward, the
-    gradients are still the triton path's."""
+    """The workspaces are every same-shaped layer's (the megakernel's ring and h, the mok workspace's symmetric
+    buffers, which the backward's recomputed "triton" forward rewrites before it reads them): overwritten with NaN
+    between the forward and the backward, the gradients are still the triton path's."""
     x, dy = _inputs(seed=5)
     want = run_layers([_layer("triton")], x, dy)
     layer = _layer("megakernel")
     xs = x.clone().requires_grad_()
     y = layer(xs)
-    assert mk._WORKSPACES
+    assert mk_rank._WORKSPACES
     with torch.no_grad():
-        for ws in mk._WORKSPACES.values():
-            for buf in (ws.bufs.ring_VQMH, ws.bufs.h_VQMI, *ws.symmetric["x_TH"], *ws.symmetric["slots_NH"]):
+        for ws in mk_rank._WORKSPACES.values():
+            for buf in (ws.bufs.ring_VQMH, ws.bufs.h_VQMI, ws.group_ws.x_TH, ws.group_ws.slots_NH, ws.group_ws.dy_NH):
                 buf.fill_(float("nan"))
     y.backward(dy)
     grads = {(0, n): p.grad for n, p in layer.named_parameters() if p.grad is not None}
     _assert_bitwise((y.detach(), xs.grad, grads), want)
 
 
-def test_what_the_megakernel_does_not_run_is_refused(one_rank_gloo):
+def test_what_the_megakernel_does_not_run_is_refused():
     with pytest.raises(ValueError, match="kernels = 'megakernel' runs precision 'bf16' only.*got precision 'mxfp8'"):
         MoE(MoEArgs(num_experts=E, expert_dim=I, kernels="megakernel", precision="mxfp8"), H)
     with pytest.raises(ValueError, match="max_rows_per_rank = 10 bounds the reference schedule's receive buffer"):
@@ -162,13 +162,6 @@ def test_what_the_megakernel_does_not_run_is_refused(one_rank_gloo):
     with pytest.raises(ValueError, match=r"MoEArgs.kernels = 'fused'; choose one of \['auto', 'reference', "
                                          r"'triton', 'megakernel'\]"):
         MoE(MoEArgs(kernels="fused"), H)
-    # an expert-parallel group (here the 1-rank group handed over as the layer's EP group)
-    layer = _layer("megakernel")
-    x_TH = torch.randn(T, H).to(torch.bfloat16)
-    weights_TK, ids_TK = torch.rand(T, K), torch.randint(E, (T, K))
-    with pytest.raises(ValueError, match=r"\[mok\] kernels = 'megakernel' runs on one rank \(EP degree 1\).*"
-                                         "real multi-GPU EP for the megakernel is not wired yet"):
-        layer.routed(x_TH, weights_TK, ids_TK, None, dist.group.WORLD, torch.bfloat16)
     # fp32 activations (no AMP): the megakernel runs bf16
     with pytest.raises(ValueError, match="x_TH of rank 0 must be .* torch.bfloat16"):
         _layer("megakernel", "amp_gated_clamped")(torch.randn(1, T, H))

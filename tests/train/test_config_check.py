@@ -67,9 +67,9 @@ def test_wrong_literal_in_toml(tmp_path):
         (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
          r"selective_ac_option = 'op' fails"),
         (["--mok.kernels", "triton"], r"\[mok\] kernels = 'triton' needs a CUDA GPU"),
-        (["--mok.kernels", "megakernel"], r"\[mok\] kernels = 'megakernel' runs on one rank: real multi-GPU EP for "
-                                          r"the megakernel is not wired yet, so \[parallelism\] expert_parallel_degree = 2"),
-        (["--mok.kernels", "megakernel", "--parallelism.expert_parallel_degree", "1", "--mok.precision", "mxfp8"],
+        # EP 2 (the debug config's) passes: the megakernel runs expert-parallel; the next check is the device's
+        (["--mok.kernels", "megakernel"], r"\[mok\] kernels = 'megakernel' needs a CUDA GPU"),
+        (["--mok.kernels", "megakernel", "--mok.precision", "mxfp8"],
          r"\[mok\] kernels = 'megakernel' runs precision 'bf16' only, got \[mok\] precision = 'mxfp8'"),
         (["--mok.kernels", "megakernel", "--parallelism.expert_parallel_degree", "1"],
          r"\[mok\] kernels = 'megakernel' needs a CUDA GPU"),

@@ -35,8 +35,8 @@ class RoutedExperts(nn.Module):
 
     ``forward(x_RH, group_end_L)`` runs the FFN (``titan_mok.kernels.grouped_ffn.grouped_swiglu_ffn``)
     on rows grouped by this rank's experts; ``forward(x_TH, routing=TokenRouting(...))`` (``[mok] kernels =
-    "megakernel"``, one rank) runs the routed experts and the combine on token rows through the megakernel
-    (``titan_mok.moe.megakernel_autograd``). The layer calls it (rather than reading
+    "megakernel"``, this rank of ``ep_mesh``'s group, or alone) runs the routed experts and the combine on token rows
+    through the megakernel (``titan_mok.moe.megakernel_autograd``). The layer calls it (rather than reading
     the weights itself) so that FSDP's hooks on this module gather the weights.
     Under expert parallelism the weights are DTensors ``Shard(0)`` on the ``ep``
     mesh and ``ep_mesh`` is that mesh (set by the EP strategy).
@@ -70,7 +70,7 @@ class RoutedExperts(nn.Module):
                 routing: TokenRouting | None = None) -> torch.Tensor:
         """Rows grouped by local expert (x_RH [R, H], ends ``group_end_L`` [L]) → expert outputs [R, H] in x's
         dtype; or, with ``routing`` instead of ``group_end_L``, token rows x_TH [T, H] → the combined output
-        [T, H] in ``routing.out_dtype`` (the megakernel, one rank)."""
+        [T, H] in ``routing.out_dtype`` (the megakernel)."""
         if (group_end_L is None) == (routing is None):
             raise TypeError("RoutedExperts.forward takes grouped rows with group_end_L, or token rows with routing: "
                             "exactly one of the two")
@@ -95,10 +95,12 @@ class RoutedExperts(nn.Module):
     def _megakernel(self, x_TH: torch.Tensor, routing: TokenRouting) -> torch.Tensor:
         # the megakernel reads contiguous weights in the activations' dtype (under AMP: a cast of the fp32 masters)
         weights = tuple(w.to(x_TH.dtype).contiguous() for w in self.local_weights())
-        out_TH, group_end_E = megakernel_routed_experts_trainable(
-            x_TH, routing, weights, swiglu_limit=self.swiglu_limit, config=self.megakernel_config)
+        group = self.ep_mesh.get_group() if self.ep_mesh is not None and self.ep_mesh.size() > 1 else None
+        out_TH, group_end_L = megakernel_routed_experts_trainable(
+            x_TH, routing, weights, num_experts=self.num_experts, group=group, swiglu_limit=self.swiglu_limit,
+            config=self.megakernel_config)
         with torch.no_grad():
-            self.rows_computed.add_(group_end_E[-1])
+            self.rows_computed.add_(group_end_L[-1])
         return out_TH
 
     def init_weights(self, init_std: float) -> None:

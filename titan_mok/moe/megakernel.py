@@ -1,5 +1,6 @@
-"""The routed experts' forward through the MoK megakernel (``kernels/mok_megakernel.py``), for one rank or
-for P virtual ranks on one device (virtual EP).
+"""The routed experts' forward through the MoK megakernel (``kernels/mok_megakernel.py``) for P virtual ranks on
+one device (virtual EP), and what every host of the megakernel shares: its config, checks and schedules. A rank of
+a real EP group (or one rank alone): ``titan_mok.moe.megakernel_rank``.
 
 Legend: P ep degree (virtual ranks on this device), T tokens per rank, K top-k, N = T·K, H hidden,
 I expert FFN size, E experts, L = E / P local experts per rank.
@@ -19,8 +20,7 @@ with the shared expert's output). The workspace of a (device, P, T, K, H, I, sha
 is allocated at its first call and reused; its flags are never reset between calls (per-call epochs).
 
 Not here: the backward (an input that requires grad raises NotImplementedError; ``[mok] kernels = "megakernel"``
-trains through ``titan_mok.moe.megakernel_autograd``, whose backward recomputes the FFN), MXFP8, and real
-multi-GPU ranks (the same kernel with symmetric-memory peer tables: one hosted rank per launch).
+trains through ``titan_mok.moe.megakernel_autograd``, whose backward recomputes the triton path's forward), MXFP8.
 """
 
 from dataclasses import dataclass, replace
@@ -220,26 +220,32 @@ def tile_schedules(ids: list[torch.Tensor], num_local: int, num_experts: int, bl
     schedules = [mok_schedule(ids_PN, rank, num_local, num_experts) for rank in range(ranks)]
     group_end_PL = torch.stack([group_end for group_end, _ in schedules])
     row_slot_PR = torch.stack([row_slot for _, row_slot in schedules])
-    counts_PL = torch.diff(group_end_PL, dim=1, prepend=group_end_PL.new_zeros(ranks, 1))
-    tile_end_PL = torch.div(counts_PL + block_m - 1, block_m, rounding_mode="floor").cumsum(1).to(torch.int32)
-    return group_end_PL, tile_end_PL, row_slot_PR
+    return group_end_PL, tile_ends(group_end_PL, block_m), row_slot_PR
 
 
-def _as_list(name: str, t, ranks: int | None, virtual: bool) -> list:
-    if virtual != isinstance(t, (list, tuple)):
-        raise TypeError(f"megakernel_routed_experts: {name} must be a list (one per virtual rank) exactly when x_TH is")
-    items = list(t) if virtual else [t]
+def tile_ends(group_end_VL: torch.Tensor, block_m: int) -> torch.Tensor:
+    """int32 [V, L]: cumulative block_m-row tiles per local expert of each schedule's cumulative rows."""
+    counts_VL = torch.diff(group_end_VL, dim=1, prepend=group_end_VL.new_zeros(group_end_VL.shape[0], 1))
+    return torch.div(counts_VL + block_m - 1, block_m, rounding_mode="floor").cumsum(1).to(torch.int32)
+
+
+def _as_list(name: str, t, ranks: int | None) -> list:
+    if not isinstance(t, (list, tuple)):
+        raise TypeError(f"megakernel_routed_experts: {name} must be a list (one per virtual rank), as x_TH; one rank "
+                        "of a group (or one alone) calls titan_mok.moe.megakernel_rank.megakernel_rank_routed_experts")
+    items = list(t)
     if ranks is not None and len(items) != ranks:
         raise ValueError(f"megakernel_routed_experts: {name} has {len(items)} entries, x_TH {ranks}")
     return items
 
 
-def _check(xs, weights, ids, shared, expert_weights, num_experts):
-    ranks = len(xs)
+def _check(xs, weights, ids, shared, expert_weights, num_experts, ep_degree: int, caller: str):
+    """(T, K, H, I) after checking one rank's or every virtual rank's inputs (xs etc.: one entry per rank given) and
+    the expert weights: all E experts when every rank is given, else the L = E / ep_degree of the rank."""
     num_tokens, dim_h = xs[0].shape
     top_k = ids[0].shape[1] if ids[0].dim() == 2 else -1
     w_gate_EIH, w_up_EIH, w_down_EHI = expert_weights
-    for p in range(ranks):
+    for p in range(len(xs)):
         checks = (("x_TH", xs[p], (num_tokens, dim_h), (torch.bfloat16,)),
                   ("weights_TK", weights[p], (num_tokens, top_k), (torch.float32,)),
                   ("topk_idx_TK", ids[p], (num_tokens, top_k), (torch.int32, torch.int64)))
@@ -247,63 +253,103 @@ def _check(xs, weights, ids, shared, expert_weights, num_experts):
             checks += (("shared_TH", shared[p], (num_tokens, dim_h), (torch.bfloat16, torch.float32)),)
         for name, t, shape, dtypes in checks:
             if tuple(t.shape) != shape or t.dtype not in dtypes or t.device != xs[0].device:
-                raise ValueError(f"megakernel_routed_experts: {name} of rank {p} must be {shape} of "
+                raise ValueError(f"{caller}: {name} of rank {p} must be {shape} of "
                                  f"{' or '.join(map(str, dtypes))} on {xs[0].device}, got {tuple(t.shape)} "
                                  f"{t.dtype} on {t.device}")
     if not 1 <= top_k <= 64:
-        raise ValueError(f"megakernel_routed_experts: top_k = {top_k} must be in [1, 64] (arrival counts in int32)")
+        raise ValueError(f"{caller}: top_k = {top_k} must be in [1, 64] (arrival counts in int32)")
     if len({s is None for s in shared}) != 1:
-        raise ValueError("megakernel_routed_experts: shared_TH must be given for every rank or for none")
-    if num_experts % ranks or w_gate_EIH.shape[0] != num_experts:
-        raise ValueError(f"megakernel_routed_experts: num_experts = {num_experts} must be a multiple of the "
-                         f"{ranks} virtual ranks and the weights' first dim ({w_gate_EIH.shape[0]})")
+        raise ValueError(f"{caller}: shared_TH must be given for every rank or for none")
+    held = num_experts if len(xs) == ep_degree else num_experts // ep_degree  # all experts, or the rank's
+    if num_experts % ep_degree or w_gate_EIH.shape[0] != held:
+        raise ValueError(f"{caller}: num_experts = {num_experts} must be a multiple of the {ep_degree} ranks, and the "
+                         f"weights' first dim ({w_gate_EIH.shape[0]}) {held}: "
+                         f"{'all experts' if held == num_experts else 'the experts of the rank'}")
     dim_i = w_gate_EIH.shape[1]
-    for name, w, shape in (("w_gate_EIH", w_gate_EIH, (num_experts, dim_i, dim_h)),
-                           ("w_up_EIH", w_up_EIH, (num_experts, dim_i, dim_h)),
-                           ("w_down_EHI", w_down_EHI, (num_experts, dim_h, dim_i))):
+    for name, w, shape in (("w_gate_EIH", w_gate_EIH, (held, dim_i, dim_h)),
+                           ("w_up_EIH", w_up_EIH, (held, dim_i, dim_h)),
+                           ("w_down_EHI", w_down_EHI, (held, dim_h, dim_i))):
         if tuple(w.shape) != shape or w.dtype != torch.bfloat16 or not w.is_contiguous() or w.device != xs[0].device:
-            raise ValueError(f"megakernel_routed_experts: {name} must be a contiguous bfloat16 {shape} on "
+            raise ValueError(f"{caller}: {name} must be a contiguous bfloat16 {shape} on "
                              f"{xs[0].device}, got {w.dtype} {tuple(w.shape)} (contiguous: {w.is_contiguous()})")
     if xs[0].device.type != "cuda" and not interpreting():
-        raise ValueError("megakernel_routed_experts needs CUDA tensors (or TRITON_INTERPRET=1)")
-    return ranks, num_tokens, top_k, dim_h, dim_i
+        raise ValueError(f"{caller} needs CUDA tensors (or TRITON_INTERPRET=1)")
+    return num_tokens, top_k, dim_h, dim_i
 
 
-def _check_shared_expert(shared_expert, scales, shared, num_tokens, dim_h, device) -> int:
+def _check_shared_expert(shared_expert, scales, shared, num_tokens, dim_h, device, caller: str) -> int:
     """The in-launch shared expert's size I_S (0: none), after checking it and its per-token scales."""
     if shared_expert is None:
         if any(s is not None for s in scales):
-            raise ValueError("megakernel_routed_experts: shared_scale_T1 scales the in-launch shared expert's output: "
+            raise ValueError(f"{caller}: shared_scale_T1 scales the in-launch shared expert's output: "
                              "it needs shared_expert")
         return 0
     if not isinstance(shared_expert, SharedFFN):
-        raise TypeError(f"megakernel_routed_experts: shared_expert must be a SharedFFN, got {type(shared_expert)}")
+        raise TypeError(f"{caller}: shared_expert must be a SharedFFN, got {type(shared_expert)}")
     if any(s is not None for s in shared):
-        raise ValueError("megakernel_routed_experts: shared_TH and shared_expert both give the shared expert's output: "
+        raise ValueError(f"{caller}: shared_TH and shared_expert both give the shared expert's output: "
                          "pass one of them")
     dim_s = shared_expert.dim
     for name, w, shape in (("w_gate_IH", shared_expert.w_gate_IH, (dim_s, dim_h)),
                            ("w_up_IH", shared_expert.w_up_IH, (dim_s, dim_h)),
                            ("w_down_HI", shared_expert.w_down_HI, (dim_h, dim_s))):
         if tuple(w.shape) != shape or w.dtype != torch.bfloat16 or not w.is_contiguous() or w.device != device:
-            raise ValueError(f"megakernel_routed_experts: shared_expert.{name} must be a contiguous bfloat16 {shape} "
+            raise ValueError(f"{caller}: shared_expert.{name} must be a contiguous bfloat16 {shape} "
                              f"on {device}, got {w.dtype} {tuple(w.shape)} on {w.device} "
                              f"(contiguous: {w.is_contiguous()})")
     if len({s is None for s in scales}) != 1:
-        raise ValueError("megakernel_routed_experts: shared_scale_T1 must be given for every rank or for none")
+        raise ValueError(f"{caller}: shared_scale_T1 must be given for every rank or for none")
     for p, scale in enumerate(scales):
         if scale is not None and (tuple(scale.shape) != (num_tokens, 1) or scale.dtype != torch.float32
                                   or scale.device != device):
-            raise ValueError(f"megakernel_routed_experts: shared_scale_T1 of rank {p} must be ({num_tokens}, 1) of "
+            raise ValueError(f"{caller}: shared_scale_T1 of rank {p} must be ({num_tokens}, 1) of "
                              f"torch.float32 on {device}, got {tuple(scale.shape)} {scale.dtype} on {scale.device}")
     return dim_s
 
 
+@dataclass(frozen=True)
+class CheckedCall:
+    """A call's sizes, after its inputs were checked (``check_call``)."""
+
+    num_tokens: int
+    top_k: int
+    dim_h: int
+    dim_i: int
+    shared_dim: int
+    """I_S of the in-launch shared expert; 0: none."""
+    serialized: bool
+    config: MegakernelConfig
+    """Its None sizes filled (``_resolve``)."""
+
+
+def check_call(caller: str, xs, weights, ids, shared, scales, expert_weights, shared_expert: SharedFFN | None, *,
+               num_experts: int, ep_degree: int, swiglu_limit: float | None, config: MegakernelConfig,
+               serialized: bool | None, stall_rank: int | None) -> CheckedCall:
+    """Every check of a forward call, of one rank (xs etc. one entry) or of every virtual rank (P entries)."""
+    shared_weights = () if shared_expert is None else (shared_expert.w_gate_IH, shared_expert.w_up_IH,
+                                                        shared_expert.w_down_HI)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (*xs, *weights, *shared, *scales, *expert_weights, *shared_weights)):
+        raise NotImplementedError(f"{caller} is forward-only: call it under torch.no_grad(); training runs it through "
+                                  "titan_mok.moe.megakernel_autograd ([mok] kernels = 'megakernel')")
+    num_tokens, top_k, dim_h, dim_i = _check(xs, weights, ids, shared, expert_weights, num_experts, ep_degree, caller)
+    shared_dim = _check_shared_expert(shared_expert, scales, shared, num_tokens, dim_h, xs[0].device, caller)
+    serialized = interpreting() if serialized is None else serialized
+    if interpreting() and not serialized:
+        raise ValueError(f"{caller}: Triton's interpreter runs programs one at a time, so the "
+                         "concurrent launch would spin forever; use serialized=True (or None)")
+    if stall_rank is not None and not 0 <= stall_rank < ep_degree:
+        raise ValueError(f"{caller}: stall_rank = {stall_rank} is not a rank of {ep_degree}")
+    cfg = _resolve(config, len(xs), dim_h, dim_i, num_experts // ep_degree, swiglu_limit is not None, shared_expert,
+                   xs[0].device, serialized)
+    return CheckedCall(num_tokens, top_k, dim_h, dim_i, shared_dim, serialized, cfg)
+
+
 def megakernel_routed_experts(
-    x_TH,
-    weights_TK,
-    topk_idx_TK,
-    shared_TH,
+    x_TH: list[torch.Tensor],
+    weights_TK: list[torch.Tensor],
+    topk_idx_TK: list[torch.Tensor],
+    shared_TH: list[torch.Tensor | None],
     expert_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     *,
     num_experts: int,
@@ -315,12 +361,13 @@ def megakernel_routed_experts(
     stall_rank: int | None = None,
     shared_expert: SharedFFN | None = None,
     shared_scale_T1=None,
-):
-    """Routed experts' forward: [T, H] → [T, H] in out_dtype (None: x's dtype), per rank (module docstring).
+) -> list[torch.Tensor]:
+    """Routed experts' forward of P virtual ranks on this device: [T, H] → [T, H] in out_dtype (None: x's dtype),
+    per rank (module docstring). One rank of a group, or one alone: ``megakernel_rank.megakernel_rank_routed_experts``.
 
     Args:
-        x_TH, weights_TK, topk_idx_TK, shared_TH: one rank's tensors, or lists of P (virtual EP: entry p is rank
-            p's): x bf16 [T, H], weights fp32 [T, K], ids int [T, K] in [0, E), shared bf16/fp32 [T, H] or None.
+        x_TH, weights_TK, topk_idx_TK, shared_TH: lists of P (entry p is virtual rank p's): x bf16 [T, H], weights
+            fp32 [T, K], ids int [T, K] in [0, E), shared bf16/fp32 [T, H] or None.
         expert_weights: (w_gate [E, I, H], w_up [E, I, H], w_down [E, H, I]) bf16 contiguous, all E experts
             (virtual rank p computes experts p·L .. p·L + L - 1).
         serialized: the interpreter's phase-by-phase launches (None: under TRITON_INTERPRET=1 only).
@@ -329,43 +376,29 @@ def megakernel_routed_experts(
         stall_rank: a rank that never publishes (tests the bounded waits).
         shared_expert: the shared expert's weights (and SwiGLU clamp), to run inside the launch on each rank's own
             tokens (then shared_TH is None); its rows are ``SharedExpert(use_triton=True)``'s bf16 output.
-        shared_scale_T1: fp32 [T, 1] per rank (a list under virtual EP) or None: the shared expert's output times
-            it, in fp32 (Qwen3.5's output gate, sigmoid(x · w_gate), computed by the caller).
+        shared_scale_T1: a list of fp32 [T, 1], or None: the shared expert's output times it, in fp32 (Qwen3.5's
+            output gate, sigmoid(x · w_gate), computed by the caller).
 
     Returns:
-        out_TH, or the list of P of them.
+        the list of P out_TH.
     """
-    virtual = isinstance(x_TH, (list, tuple))
-    xs = _as_list("x_TH", x_TH, None, virtual)
-    weights = _as_list("weights_TK", weights_TK, len(xs), virtual)
-    ids = _as_list("topk_idx_TK", topk_idx_TK, len(xs), virtual)
-    shared = _as_list("shared_TH", shared_TH, len(xs), virtual) if virtual else [shared_TH]
-    if not virtual:
-        scales = [shared_scale_T1]
-    else:  # None: no scale for any rank
-        scales = [None] * len(xs) if shared_scale_T1 is None else _as_list("shared_scale_T1", shared_scale_T1,
-                                                                             len(xs), virtual)
-    shared_weights = () if shared_expert is None else (shared_expert.w_gate_IH, shared_expert.w_up_IH,
-                                                        shared_expert.w_down_HI)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (*xs, *weights, *shared, *scales, *expert_weights, *shared_weights)):
-        raise NotImplementedError("megakernel_routed_experts is forward-only (its backward is not written yet): "
-                                  "call it under torch.no_grad(), or use [mok] kernels = 'triton' for training")
-    ranks, num_tokens, top_k, dim_h, dim_i = _check(xs, weights, ids, shared, expert_weights, num_experts)
-    shared_dim = _check_shared_expert(shared_expert, scales, shared, num_tokens, dim_h, xs[0].device)
-    serialized = interpreting() if serialized is None else serialized
-    if interpreting() and not serialized:
-        raise ValueError("megakernel_routed_experts: Triton's interpreter runs programs one at a time, so the "
-                         "concurrent launch would spin forever; use serialized=True (or None)")
-    if stall_rank is not None and not 0 <= stall_rank < ranks:
-        raise ValueError(f"megakernel_routed_experts: stall_rank = {stall_rank} is not a rank of {ranks}")
+    xs = _as_list("x_TH", x_TH, None)
+    weights = _as_list("weights_TK", weights_TK, len(xs))
+    ids = _as_list("topk_idx_TK", topk_idx_TK, len(xs))
+    shared = _as_list("shared_TH", shared_TH, len(xs))
+    # None: no scale for any rank
+    scales = [None] * len(xs) if shared_scale_T1 is None else _as_list("shared_scale_T1", shared_scale_T1, len(xs))
+    ranks = len(xs)
+    call = check_call("megakernel_routed_experts", xs, weights, ids, shared, scales, expert_weights, shared_expert,
+                      num_experts=num_experts, ep_degree=ranks, swiglu_limit=swiglu_limit, config=config,
+                      serialized=serialized, stall_rank=stall_rank)
+    cfg, num_tokens, dim_h = call.config, call.num_tokens, call.dim_h
     device = xs[0].device
     num_local = num_experts // ranks
-    cfg = _resolve(config, ranks, dim_h, dim_i, num_local, swiglu_limit is not None, shared_expert, device,
-                   serialized)
-    key = (device, ranks, num_tokens, top_k, dim_h, dim_i, num_local, cfg, shared_dim)
+    key = (device, ranks, num_tokens, call.top_k, dim_h, call.dim_i, num_local, cfg, call.shared_dim)
     if key not in _WORKSPACES:
-        _WORKSPACES[key] = _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg, device)
+        _WORKSPACES[key] = _allocate(ranks, num_tokens, call.top_k, dim_h, call.dim_i, call.shared_dim, num_local,
+                                     cfg, device)
     ws = _WORKSPACES[key]
 
     for x_buf_TH, x in zip(ws.symmetric["x_TH"], xs):
@@ -373,10 +406,12 @@ def megakernel_routed_experts(
     schedule = tile_schedules(ids, num_local, num_experts, cfg.block_m)
     epoch = ws.next_epoch()
     megakernel_launch(ws.bufs, schedule, expert_weights, ws.shape, epoch=epoch, swiglu_limit=swiglu_limit,
-                      serialized=serialized, shared=shared_expert, stall_rank=stall_rank, timeout_ms=cfg.timeout_ms)
+                      serialized=call.serialized, shared=shared_expert, stall_rank=stall_rank,
+                      timeout_ms=cfg.timeout_ms)
     out_PTH = torch.empty(ranks, num_tokens, dim_h, dtype=out_dtype or xs[0].dtype, device=device)
     shared_PTH = torch.stack(shared) if shared[0] is not None else None
     scale_PT = torch.stack(scales).reshape(ranks, num_tokens) if scales[0] is not None else None
-    megakernel_finish(ws.bufs, torch.stack(weights), shared_PTH, out_PTH, ws.shape, epoch=epoch,
-                      serialized=serialized, trap=trap, shared_scale_VT=scale_PT, timeout_ms=cfg.timeout_ms)
-    return list(out_PTH.unbind(0)) if virtual else out_PTH[0]
+    megakernel_finish(ws.bufs, torch.stack(weights), shared_PTH, out_PTH, ws.shape,
+                      arrivals=epoch * ws.shape.arrivals_per_call, serialized=call.serialized, trap=trap,
+                      shared_scale_VT=scale_PT, timeout_ms=cfg.timeout_ms)
+    return list(out_PTH.unbind(0))

@@ -217,13 +217,7 @@ class MoE(nn.Module):
                 x_TH, weights_TK, topk_idx_TK, shared, group, self.experts,
                 num_experts=self.args.num_experts, max_rows_per_rank=self.args.max_rows_per_rank, out_dtype=out_dtype,
             )
-        if schedule == "megakernel":
-            if group is not None:
-                raise ValueError(
-                    "[mok] kernels = 'megakernel' runs on one rank (EP degree 1), but this layer is expert-parallel: "
-                    "real multi-GPU EP for the megakernel is not wired yet; use kernels = 'triton' or 'auto' under "
-                    "expert parallelism"
-                )
+        if schedule == "megakernel":  # this rank's launch; under EP its peers through the symmetric workspace
             # x's gradient is a sum over its consumers, in the order the autograd engine reaches them: later nodes
             # first. On the fused path the dispatch node precedes the shared expert's; the shared output goes into
             # the megakernel's finish, so the shared expert runs first here, and this view, made before it, keeps

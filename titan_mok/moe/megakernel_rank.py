@@ -1,0 +1,223 @@
+"""The routed experts' forward through the MoK megakernel (``kernels/mok_megakernel.py``) on one rank of an
+expert-parallel group, one GPU each (or on one rank alone): each rank's launch hosts only itself
+(``first_rank = rank``, ``hosted_ranks = 1``) and reaches its peers through symmetric memory.
+
+Legend: P ep degree, T tokens per rank, K top-k, N = T·K slots per rank, H hidden, I expert FFN size, E experts,
+L = E / P local experts, R = P·N grouped rows per rank (the most its schedule holds).
+
+Contract: ``megakernel_routed_experts``'s (``titan_mok.moe.megakernel``), per rank: out[t] = cast(shared[t] +
+Σ_j w[t,j]·expert_{e[t,j]}(x[t])), the sum in fp32 in ascending slot order j; bitwise the ``"triton"`` path's at the
+same EP degree, and a token's output does not depend on P.
+
+Buffers. The peers touch this rank's x_TH, slots_NH, arrivals_T, x_ready (and ids_N): they are the group's mok
+workspace (``titan_mok.moe.workspace``: one symmetric allocation per (group, T, K, H, dtype), made collectively at
+its first call and shared with the ``"triton"`` path, which the backward reuses), its int64 [P] address tables the
+launch's peer tables. Local to the rank, allocated at the first call of a (group, T, K, H, I, L, config, shared
+expert size) and reused by every layer of that shape: the ring, h, flags and counters of one hosted rank.
+
+Per call, all on the current stream, no host sync: x → own x_TH, ids → own ids_N | group barrier | every rank's
+ids gathered (peer loads), this rank's schedule (``kernels/mok_schedule.py``, as the ``"triton"`` path's); the
+megakernel (pull from the source ranks' x_TH, FFN, push into their slots and arrival counters); the finish (per
+token, wait for its K rows, then the ordered fp32 reduction). The one barrier orders the ids: a rank rewrites ids_N
+for the next call only after its finish, which waited for a row that a peer pulled after every rank had published
+x_ready for this call, so after every rank gathered (kernels/mok_megakernel.py, "Across calls", for x_TH and the
+slots).
+
+Epochs: every rank of the group makes the same megakernel calls in the same order (the same layers, forward and
+recomputation, on the same batch shape: the workspace's requirement), so a count kept per workspace
+(``MokWorkspace.megakernel_calls``) is the same epoch on every rank, with no exchange; it also keeps the arrival
+counters' running total, which the finish waits for. Before the epoch would leave ``MAX_EPOCH``, every rank zeroes
+its flags between two group barriers and the count starts over.
+
+Serialized mode (Triton's interpreter): the launch's phases one after another, with the group's barrier after the
+publish and after the last round (``megakernel_launch``'s phase_barrier), so that the pull and the finish find
+their peers' flags already set.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from titan_mok.kernels.mok_megakernel import (
+    MAX_EPOCH,
+    LaunchShape,
+    MegakernelBuffers,
+    SharedFFN,
+    megakernel_finish,
+    megakernel_launch,
+    read_error,
+    shared_groups,
+)
+from titan_mok.kernels.mok_schedule import mok_schedule
+from titan_mok.moe.fused import FusedHandle
+from titan_mok.moe.megakernel import MegakernelConfig, check_call, tile_ends
+from titan_mok.moe.workspace import MokWorkspace, get_workspace
+
+
+@dataclass
+class _RankWorkspace:
+    shape: LaunchShape
+    bufs: MegakernelBuffers
+    """The hosted rank's (V = 1) ring, flags and counters; its tables are the group workspace's."""
+    group_ws: MokWorkspace
+
+    def zero_flags(self) -> None:
+        for flag in self.bufs.flags:
+            flag.zero_()
+        self.bufs.errors.zero_()
+
+
+_WORKSPACES: dict[tuple, _RankWorkspace] = {}
+
+
+def _allocate(group_ws: MokWorkspace, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg: MegakernelConfig,
+              device) -> _RankWorkspace:
+    ring, rows = cfg.ring_tiles, cfg.block_m
+    groups = shared_groups(num_tokens, rows, cfg.group_tiles) if shared_dim else 0
+    slots_f = ring + groups * cfg.group_tiles  # flag slots: the ring's, then the shared expert's tiles'
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    flag = lambda *shape, dtype: torch.zeros(1, *shape, dtype=dtype, device=device)  # noqa: E731
+    tables = {name: group_ws.tables[name] for name in ("x_TH", "slots_NH", "arrivals_T", "x_ready")}
+    bufs = MegakernelBuffers(
+        ring_VQMH=torch.zeros(1, ring, rows, dim_h, **bf16),
+        h_VQMI=torch.zeros(1, ring, rows, dim_i, **bf16),
+        ready_VQ=flag(ring, dtype=torch.int64),
+        h_ready_VF=flag(slots_f, dtype=torch.int64),
+        consumed_VF=flag(slots_f, dtype=torch.int64),
+        gate_up_done_VF=flag(slots_f, dtype=torch.int32),
+        down_done_VF=flag(slots_f, dtype=torch.int32),
+        next_item_V=flag(dtype=torch.int32),
+        programs_done_V=flag(dtype=torch.int32),
+        tables=tables,
+        errors=torch.zeros(6, dtype=torch.int64, device=device),
+        shared_h_VRI=torch.zeros(1, groups * cfg.group_tiles * rows, shared_dim, **bf16) if groups else None,
+        shared_out_VTH=torch.zeros(1, num_tokens, dim_h, **bf16) if groups else None,
+    )
+    shape = LaunchShape(group_ws.ep_degree, group_ws.ep_rank, 1, num_tokens, top_k, num_local, cfg.comm_programs,
+                        cfg.compute_programs, cfg.group_tiles, cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                        groups, cfg.gemm)
+    return _RankWorkspace(shape, bufs, group_ws)
+
+
+def _restart_epochs(group_ws: MokWorkspace, *, synchronized: bool) -> None:
+    """Zero the group workspace's megakernel flags, and those of every rank workspace on it; epochs start over.
+    synchronized: between two group barriers (every rank calls it at the same call): no peer's launch still reads
+    this rank's flags, and none reads them before they are zero."""
+    if synchronized:
+        group_ws.barrier()
+    group_ws.arrivals_T.zero_()
+    group_ws.x_ready.zero_()
+    for ws in _WORKSPACES.values():
+        if ws.group_ws is group_ws:
+            ws.zero_flags()
+    group_ws.megakernel_calls.epoch = group_ws.megakernel_calls.arrivals = 0
+    if synchronized:
+        group_ws.barrier()
+
+
+def _next_call(ws: _RankWorkspace) -> tuple[int, int]:
+    """(epoch, arrivals) of this call: the same on every rank (module docstring, Epochs)."""
+    calls = ws.group_ws.megakernel_calls
+    if calls.epoch >= MAX_EPOCH:  # arrivals <= epoch·(K + 1) stays inside int32 (K <= 64) below it
+        _restart_epochs(ws.group_ws, synchronized=True)
+    calls.epoch += 1
+    calls.arrivals += ws.shape.arrivals_per_call
+    return calls.epoch, calls.arrivals
+
+
+def raise_on_megakernel_rank_error() -> None:
+    """Raise RuntimeError naming the wait that ran out in any rank workspace of this process (then zero its flags and
+    restart its epochs, without barriers: at EP > 1 a peer's call is left unfinished too, so the group cannot go on
+    unless every rank restarts at the same point). For calls made with ``trap=False``. NOTE: host sync."""
+    for ws in _WORKSPACES.values():
+        message = read_error(ws.bufs.errors)
+        if message is not None:
+            _restart_epochs(ws.group_ws, synchronized=False)
+            raise RuntimeError(message)
+
+
+def megakernel_rank_forward(
+    x_TH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    topk_idx_TK: torch.Tensor,
+    shared_TH: torch.Tensor | None,
+    expert_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    num_experts: int,
+    group: dist.ProcessGroup | None,
+    swiglu_limit: float | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: MegakernelConfig = MegakernelConfig(),
+    serialized: bool | None = None,
+    trap: bool = True,
+    stall_rank: int | None = None,
+    shared_expert: SharedFFN | None = None,
+    shared_scale_T1: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, FusedHandle]:
+    """(out_TH, this call's schedule as the ``"triton"`` path's handle: its rows, on the same workspace), for the
+    backward (``titan_mok.moe.megakernel_autograd``). Arguments: ``megakernel_rank_routed_experts``."""
+    ep_degree = 1 if group is None else dist.get_world_size(group)
+    caller = "megakernel_rank_routed_experts"
+    call = check_call(caller, [x_TH], [weights_TK], [topk_idx_TK], [shared_TH], [shared_scale_T1], expert_weights,
+                      shared_expert, num_experts=num_experts, ep_degree=ep_degree, swiglu_limit=swiglu_limit,
+                      config=config, serialized=serialized, stall_rank=stall_rank)
+    cfg, num_tokens, top_k, dim_h = call.config, call.num_tokens, call.top_k, call.dim_h
+    device = x_TH.device
+    num_local = num_experts // ep_degree
+    group_ws = get_workspace(group, num_tokens, top_k, dim_h, torch.bfloat16, device)
+    key = (device, None if group is None else group.group_name, num_tokens, top_k, dim_h, call.dim_i, num_local, cfg,
+           call.shared_dim)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = _allocate(group_ws, num_tokens, top_k, dim_h, call.dim_i, call.shared_dim, num_local, cfg,
+                                     device)
+    ws = _WORKSPACES[key]
+
+    group_ws.x_TH.copy_(x_TH)
+    group_ws.ids_N.copy_(topk_idx_TK.reshape(-1))  # int64 → int32, slot t·K + j
+    ids_PN = torch.empty(ep_degree, num_tokens * top_k, dtype=torch.int32, device=device)
+    group_ws.barrier()
+    group_ws.gather_ids(ids_PN)
+    group_end_L, row_slot_R = mok_schedule(ids_PN, group_ws.ep_rank, num_local, num_experts)
+    schedule = (group_end_L[None], tile_ends(group_end_L[None], cfg.block_m), row_slot_R[None])
+    epoch, arrivals = _next_call(ws)
+    megakernel_launch(ws.bufs, schedule, expert_weights, ws.shape, epoch=epoch, swiglu_limit=swiglu_limit,
+                      serialized=call.serialized, shared=shared_expert, stall_rank=stall_rank,
+                      timeout_ms=cfg.timeout_ms, phase_barrier=group_ws.barrier)
+    out_1TH = torch.empty(1, num_tokens, dim_h, dtype=out_dtype or x_TH.dtype, device=device)
+    megakernel_finish(ws.bufs, weights_TK[None], None if shared_TH is None else shared_TH[None], out_1TH, ws.shape,
+                      arrivals=arrivals, serialized=call.serialized, trap=trap,
+                      shared_scale_VT=None if shared_scale_T1 is None else shared_scale_T1.reshape(1, num_tokens),
+                      timeout_ms=cfg.timeout_ms)
+    return out_1TH[0], FusedHandle(num_tokens, top_k, row_slot_R, group_end_L, group_ws)
+
+
+def megakernel_rank_routed_experts(
+    x_TH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    topk_idx_TK: torch.Tensor,
+    shared_TH: torch.Tensor | None,
+    expert_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    num_experts: int,
+    group: dist.ProcessGroup | None = None,
+    **options,
+) -> torch.Tensor:
+    """Routed experts' forward of this rank: [T, H] → [T, H] in out_dtype (None: x's dtype) (module docstring).
+    Every rank of ``group`` calls it with the same T, K, H and options, in the same order (its calls are
+    collective).
+
+    Args:
+        x_TH, weights_TK, topk_idx_TK, shared_TH: this rank's x bf16 [T, H], combine weights fp32 [T, K], ids int
+            [T, K] in [0, E), shared output bf16/fp32 [T, H] or None.
+        expert_weights: (w_gate [L, I, H], w_up [L, I, H], w_down [L, H, I]) bf16 contiguous: this rank's
+            experts, rank·L .. rank·L + L - 1 (all E with no group).
+        group: the expert-parallel group (None: this rank alone, P = 1).
+        options: ``megakernel_routed_experts``'s swiglu_limit, out_dtype, config, serialized, trap (False: then
+            ``raise_on_megakernel_rank_error()`` names the wait), stall_rank (a rank whose launch publishes
+            nothing), shared_expert, shared_scale_T1 (fp32 [T, 1]).
+    """
+    out_TH, _ = megakernel_rank_forward(x_TH, weights_TK, topk_idx_TK, shared_TH, expert_weights,
+                                        num_experts=num_experts, group=group, **options)
+    return out_TH
+
