@@ -7,8 +7,8 @@
 # 3. the weight gradient's output stores alone vs contiguous writes (bench.write_tiles);
 # 4. the MoE layer benchmark (bench.layer) at Kimi's full shape on one GPU, bf16: auto (the fused path on
 #    Hopper) and the megakernel vs TorchTitan's own MoE layer (titan);
-# 5. with two GPUs, the MoE layer at EP=2, bf16, balanced, the four shapes: the same plus mok_tt
-#    (titan-mok's router/shared/combine + TorchTitan's grouped experts).
+# 5. with two GPUs, the MoE layer at EP=2, bf16, balanced, the four shapes: titan, auto, triton, the megakernel
+#    and mok_tt (titan-mok's router/shared/combine + TorchTitan's grouped experts).
 # Each stage runs even if an earlier one failed; the exit status is the first failure's.
 # Needs the wheels in .whl/ (README, "On a GPU"): pass them with the device tool's carry.
 set -uo pipefail
@@ -37,7 +37,7 @@ run layer_kimi python3 -m titan_mok.bench.layer --shape kimi_k2_7_code --impl ti
     --json "$LOGS/layer_kimi.jsonl"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     run layer_ep2 torchrun --standalone --nproc_per_node 2 -m titan_mok.bench.layer --precision bf16 \
-        --impl titan,auto,triton,mok_tt --json "$LOGS/layer_ep2.jsonl"
+        --impl titan,auto,triton,megakernel,mok_tt --json "$LOGS/layer_ep2.jsonl"
 else
     echo "layer_ep2: skipped (one GPU)"
 fi

@@ -4,17 +4,28 @@ floats from the runs' metrics.jsonl):
   and under autocast with a gated shared expert and the SwiGLU clamp), run to run, with activation checkpointing and
   two layers sharing the megakernel's workspace; ``kernels = "auto"`` takes the fused path and equals "triton";
 - the routed path (forward and backward) does no host sync;
-- training steps of the Kimi K2.7 Code debug flavor (one GPU, AMP, full activation checkpointing; and on two GPUs
-  under FSDP, EP degree 1, whose hooks gather the experts' weights for the megakernel): every step's loss,
-  gradient norm and loss checksum; no token dropped.
+- training steps of the Kimi K2.7 Code debug flavor (one GPU, AMP, full activation checkpointing; on two GPUs
+  under FSDP, EP degree 1, whose hooks gather the experts' weights for the megakernel; and at EP degree 2, each
+  rank's launch reaching the other through symmetric memory): every step's loss, gradient norm and loss checksum;
+  no token dropped.
+- on 2 (4, 8) GPUs, one launch per rank over symmetric memory (``titan_mok.moe.megakernel_rank``): the layer at EP =
+  the GPU count equals ``kernels = "triton"`` at the same EP degree, output and every gradient, run to run; its
+  routed path does no host sync; a stalled peer ends in the bounded wait's error on both ranks, and with ``trap``
+  in a device error within the bound.
 The megakernel row of ``bench.layer``: tests/moe/test_bench_layer.py::test_full_kimi_layer_on_gpu.
 CPU (the interpreter's serialized megakernel): test_mok_megakernel_layer.py.
 """
 
+import datetime
 import json
+import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from tests import torchrun
 from tests.cuda_sync import run_without_host_sync
@@ -96,9 +107,9 @@ def test_routed_path_has_no_host_sync():
     run_without_host_sync(step)
 
 
-def _train(folder, kernels: str, nproc: int) -> list[dict]:
+def _train(folder, kernels: str, nproc: int, ep: int = 1) -> list[dict]:
     torchrun.run("titan_mok.train", "train_configs/kimi_k2_7_code/debug.toml", "--training.steps", "4",
-                 "--parallelism.expert_parallel_degree", "1", "--training.mixed_precision_param", "bfloat16",
+                 "--parallelism.expert_parallel_degree", str(ep), "--training.mixed_precision_param", "bfloat16",
                  "--activation_checkpoint.mode", "full", "--metrics.log_freq", "1", "--mok.kernels", kernels,
                  "--job.dump_folder", str(folder), nproc=nproc, timeout=600)
     (jsonl,) = folder.glob("tb/*/metrics.jsonl")
@@ -123,3 +134,142 @@ def test_kimi_debug_training_steps_equal_the_triton_path(tmp_path):
 def test_kimi_debug_training_steps_under_fsdp_equal_the_triton_path(tmp_path):
     """Two GPUs, FSDP over both, EP degree 1: each rank's megakernel on its own tokens with the gathered weights."""
     _assert_same_steps(_train(tmp_path / "megakernel", "megakernel", 2), _train(tmp_path / "triton", "triton", 2))
+
+
+@pytest.mark.two_gpus
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_kimi_debug_training_steps_at_ep_2_equal_the_triton_path(tmp_path):
+    """Two GPUs, EP degree 2: each rank's megakernel pulls and pushes the other's rows through symmetric memory; the
+    backward recomputes the triton path's forward and runs its backward across the two ranks."""
+    _assert_same_steps(_train(tmp_path / "megakernel", "megakernel", 2, ep=2),
+                       _train(tmp_path / "triton", "triton", 2, ep=2))
+
+
+# ---------------------------------------------------------------- EP over real GPUs, one process per GPU, NCCL
+
+_SYMMETRIC_MEMORY_ENV = (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                         ("NVSHMEM_DISABLE_NVLS", "1"))
+STALL_TIMEOUT_MS = 3000.0
+
+
+def _init(rank: int, world: int, init_file: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120), device_id=torch.device("cuda", rank))
+    return init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
+
+
+def _ep_layer(kernels: str, case: str, mesh) -> MoE:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from titan_mok.moe.expert_parallel import MokExpertParallel
+
+    layer = _layer(kernels, case)
+    parallelize_module(layer.experts, mesh, MokExpertParallel())
+    return layer
+
+
+def _local_grads(result):
+    y, dx, grads = result
+    return y, dx, {key: g.to_local() if hasattr(g, "to_local") else g for key, g in grads.items()}
+
+
+def _layer_worker(rank: int, world: int, init_file: str) -> None:
+    mesh = _init(rank, world, init_file)
+    try:
+        for case in CASES:
+            x, dy = (t[:, rank * T // world:(rank + 1) * T // world] for t in _inputs(case))  # this rank's tokens
+            amp = CASES[case]["amp"]
+            want = _local_grads(run_layers([_ep_layer("triton", case, mesh)], x, dy, amp))
+            mega = _ep_layer("megakernel", case, mesh)
+            got = _local_grads(run_layers([mega], x, dy, amp))
+            _assert_bitwise(got, want, f"rank {rank} of {world}, {case}")
+            _assert_bitwise(_local_grads(run_layers([mega], x, dy, amp)), got, f"rank {rank}, {case}: run to run")
+        # the routed path (forward and backward) without a host sync, at EP = world
+        layer = _ep_layer("megakernel", "bf16", mesh)
+        tokens = T // world
+        g = torch.Generator().manual_seed(10 + rank)
+        x_TH = torch.randn(tokens, H, generator=g).to(torch.bfloat16).cuda().requires_grad_()
+        weights_TK = torch.rand(tokens, K, generator=g).cuda().requires_grad_()
+        topk_idx_TK = torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :K].cuda()
+        dy_TH = torch.randn(tokens, H, generator=g).to(torch.bfloat16).cuda()
+        group = mesh.get_group()
+
+        def step():
+            layer.routed(x_TH, weights_TK, topk_idx_TK, None, group, torch.bfloat16).backward(dy_TH)
+
+        step()  # compile the kernels and allocate the workspaces
+        run_without_host_sync(step)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.two_gpus
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_layer_at_ep_equals_the_triton_path_at_the_same_ep(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    for var, value in _SYMMETRIC_MEMORY_ENV:
+        os.environ[var] = value
+    init_file = Path(f"/tmp/mok_megakernel_ep{world}_{os.getpid()}")
+    init_file.unlink(missing_ok=True)
+    mp.spawn(_layer_worker, args=(world, str(init_file)), nprocs=world, join=True)
+
+
+def _stall_worker(rank: int, init_file: str, out_dir: str) -> None:
+    from titan_mok.moe.megakernel import MegakernelConfig
+    from titan_mok.moe.megakernel_rank import megakernel_rank_routed_experts, raise_on_megakernel_rank_error
+
+    mesh = _init(rank, 2, init_file)
+    layer = _ep_layer("megakernel", "bf16", mesh)
+    local = tuple(w.to_local().to(torch.bfloat16).contiguous() for w in (layer.experts.w_gate, layer.experts.w_up,
+                                                                          layer.experts.w_down))
+    g = torch.Generator().manual_seed(20 + rank)
+    tokens = T // 2
+    x_TH = torch.randn(tokens, H, generator=g).to(torch.bfloat16).cuda()
+    weights_TK = torch.rand(tokens, K, generator=g).cuda()
+    topk_idx_TK = torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :K].cuda()
+    config = MegakernelConfig(timeout_ms=STALL_TIMEOUT_MS)
+    call = lambda **kw: megakernel_rank_routed_experts(  # noqa: E731
+        x_TH, weights_TK, topk_idx_TK, None, local, num_experts=E, group=mesh.get_group(), config=config, **kw)
+    result = {}
+    with torch.no_grad():
+        call()  # compile and allocate
+        torch.cuda.synchronize()
+        start = time.monotonic()
+        call(stall_rank=1, trap=False)
+        torch.cuda.synchronize()
+        result["seconds"] = time.monotonic() - start
+        try:
+            raise_on_megakernel_rank_error()
+            result["error"] = None
+        except RuntimeError as e:
+            result["error"] = str(e)
+        dist.barrier()  # both ranks restarted their epochs before either calls again
+        start = time.monotonic()
+        try:
+            call(stall_rank=1, trap=True)
+            torch.cuda.synchronize()
+            result["trap"] = None
+        except RuntimeError as e:  # the finish's device assertion
+            result["trap"] = str(e)
+        result["trap_seconds"] = time.monotonic() - start
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # a CUDA context does not survive the device error
+
+
+@pytest.mark.two_gpus
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_a_stalled_peer_ends_in_the_bounded_wait_error(tmp_path):
+    for var, value in _SYMMETRIC_MEMORY_ENV:
+        os.environ[var] = value
+    mp.spawn(_stall_worker, args=(str(tmp_path / "pg_init"), str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    assert "x_ready: rank 0's communication program waited for rank 1 " in results[0]["error"]
+    assert results[1]["error"] is not None and "mok megakernel: timed out" in results[1]["error"]
+    for result in results:
+        assert result["seconds"] <= 3 * STALL_TIMEOUT_MS / 1000 + 10, result  # bounded: a few waits in sequence
+        assert result["trap"] is not None and result["trap_seconds"] <= 3 * STALL_TIMEOUT_MS / 1000 + 10, result

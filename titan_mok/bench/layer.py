@@ -223,8 +223,9 @@ IMPLS = {
                  partial(build_mok, backend="mok", kernels="auto"), routed_mok),
     "triton": Impl("titan-mok MoE, backend mok, kernels triton (the fused path over symmetric memory; SM90+)",
                    partial(build_mok, backend="mok", kernels="triton"), routed_mok),
-    "megakernel": Impl("titan-mok MoE, backend mok, kernels megakernel (the forward megakernel; its backward "
-                       "recomputes the FFN, then as triton; SM90+, EP 1)",
+    "megakernel": Impl("titan-mok MoE, backend mok, kernels megakernel (the forward megakernel, one launch per "
+                       "rank over symmetric memory under EP; its backward recomputes the triton forward, then as "
+                       "triton; SM90+)",
                        partial(build_mok, backend="mok", kernels="megakernel"), routed_mok, ("bf16",)),
     "mok_tt": Impl("titan-mok router/shared/combine + TorchTitan grouped experts: the A/B where only the "
                    "routed path differs (titan-mok MoE, backend torchtitan)",
