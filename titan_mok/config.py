@@ -23,9 +23,10 @@ class Mok:
     """Implementation of the mok backend. "reference": pure PyTorch, runs
     anywhere. "triton": the symmetric-memory dispatch/combine kernels plus the
     Triton expert FFN (Hopper, needs a CUDA GPU; no host sync). "megakernel": the
-    routed experts' forward as one persistent launch (the MoK megakernel), its
-    backward recomputing the FFN forward and then as "triton" (gradients bitwise
-    "triton"'s); Hopper, one rank (expert_parallel_degree = 1), precision "bf16".
+    routed experts' forward as one persistent launch per rank (the MoK megakernel; under
+    EP its peers through the same symmetric memory as "triton"), its backward
+    recomputing the "triton" forward and then as "triton" (gradients bitwise
+    "triton"'s); Hopper, any expert_parallel_degree, precision "bf16".
     "auto": the fastest measured path for the device: "triton" on SM90+ GPUs; the
     reference dispatch/combine with the Triton expert FFN there when the model sets
     a receive-buffer capacity (MoEArgs.max_rows_per_rank) and in RL rollouts (token
