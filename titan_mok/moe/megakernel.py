@@ -85,8 +85,8 @@ class MegakernelConfig:
     """Bound of every wait on another program; then a device error naming the wait."""
     gemm: str = "ptr"
     """How the forward launch's item GEMMs read their operands: "ptr" (masked pointer loads) or "tma" (TMA loads
-    through tensor descriptors each compute program makes once; H, I and I_S multiples of 8). The same bits. The
-    dgrad launch reads by pointer only."""
+    through tensor descriptors each compute program makes once; H, I and I_S multiples of 8, the weights' data
+    16-byte aligned). The same bits. The dgrad launch reads by pointer only."""
 
 
 @dataclass
