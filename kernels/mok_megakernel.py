@@ -857,6 +857,14 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
             if dim % 8:
                 raise ValueError(f"megakernel_launch: gemm = 'tma' reads rows by TMA, which needs 16-byte rows: {name} "
                                  f"= {dim} must be a multiple of 8 (or use gemm = 'ptr')")
+        # the descriptors' bases: the weights as given (the launch's own buffers are allocations of their own)
+        named = zip(("w_gate", "w_up", "w_down", "the shared expert's w_gate", "the shared expert's w_up",
+                     "the shared expert's w_down"),
+                    (*weights, *(() if shared is None else (shared.w_gate_IH, shared.w_up_IH, shared.w_down_HI))))
+        for name, w in named:
+            if w.data_ptr() % 16:
+                raise ValueError(f"megakernel_launch: gemm = 'tma' reads {name} by TMA, which needs a 16-byte aligned "
+                                 f"start: its data starts {w.data_ptr() % 16} bytes past one (or use gemm = 'ptr')")
     ring, group = bufs.ring_tiles, shape.group_tiles
     if (shape.lag + 1) * group > ring:
         raise ValueError(f"megakernel_launch: (lag + 1) x group_tiles = ({shape.lag} + 1) x {group} must be <= the "

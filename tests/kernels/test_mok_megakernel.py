@@ -420,6 +420,11 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="16-byte rows: H = 60 must be a multiple of 8"):
         call(x_TH=list(x60.chunk(2)), shared_TH=list(shared60.chunk(2)), expert_weights=weights60,
              config=dataclasses.replace(SMALL, gemm="tma"))
+    w_down = expert_weights[2]  # the same values 4 elements into a buffer: 8 bytes past an aligned start
+    moved = torch.empty(w_down.numel() + 4, dtype=w_down.dtype, device=DEVICE)[4:].view(w_down.shape).copy_(w_down)
+    with pytest.raises(ValueError, match="gemm = 'tma' reads w_down by TMA, which needs a 16-byte aligned start: its "
+                                         "data starts 8 bytes past one"):
+        call(expert_weights=(*expert_weights[:2], moved), config=dataclasses.replace(SMALL, gemm="tma"))
     if os.environ.get("TRITON_INTERPRET") == "1":
         with pytest.raises(ValueError, match="spin forever"):
             call(serialized=False)

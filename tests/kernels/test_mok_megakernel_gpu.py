@@ -5,7 +5,7 @@ Claims, compared bit for bit: the concurrent launch equals the serialized one (t
 compiled) and today's triton path on the same tokens (reference dispatch, the Triton grouped FFN on the GPU,
 reference combine, at EP = 1), for every routing of the CPU tests, the smallest ring and the CPU tests' item
 orders, and with the shared expert in the launch (against the SharedExpert module, gated too), also with TMA loads
-and on 128-row tiles; it repeats its bits;
+and on 128-row tiles (K loops longer than the pipeline too); it repeats its bits;
 a rank that never publishes ends in the bounded device error (recorded, or with ``trap`` an assertion naming
 the wait) within a few timeouts; a launch the device cannot hold at once is refused; no host sync.
 """
@@ -20,6 +20,7 @@ import torch
 
 from tests.cuda_sync import run_without_host_sync
 from tests.kernels.test_mok_megakernel import ORDERS, E, layer_inputs, megakernel, routing, triton_path
+from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
 from titan_mok.kernels.mok_megakernel import SharedFFN
 from titan_mok.kernels.row_tiles import pointwise_padded, row_invariant_linear
 from titan_mok.moe.experts import SharedExpert
@@ -141,14 +142,16 @@ def test_too_many_programs_are_refused():
                                                                                 compute_programs=10_000))
 
 
-def test_no_host_sync():
+@pytest.mark.parametrize("config", [DEFAULT, MegakernelConfig(gemm="tma", block_m=128)], ids=["default", "tma M128"])
+def test_no_host_sync(config):
+    """Also with TMA loads: the descriptors' global scratch comes from Triton's allocator (torch memory), per launch."""
     x, weights, ids, shared, expert_weights = _inputs(4, "skewed", seed=5)
     split = lambda t: list(t.chunk(4))  # noqa: E731
 
     def call():
         with torch.no_grad():
             return megakernel_routed_experts(split(x), split(weights), split(ids), split(shared), expert_weights,
-                                             num_experts=E, config=DEFAULT)
+                                             num_experts=E, config=config)
 
     call()  # compile the kernels and allocate the workspace
     run_without_host_sync(call)
@@ -193,3 +196,25 @@ def test_gemm_variants_smallest_ring_and_shared_expert(variant, ranks):
     got = megakernel(ranks, x, weights, ids, None, expert_weights, MegakernelConfig(**VARIANTS[variant]),
                      shared_expert=shared_expert, shared_scale_T1=list(scale_T1.chunk(ranks)))
     assert torch.equal(got, want), f"{variant}, {ranks} ranks: differs from SharedExpert + the triton path"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gemm_variants_on_long_k_loops_through_a_small_ring(variant):
+    """K loops longer than the pipeline (H 1024, I 512: 16 and 8 steps of 64, the other tests' at most 4) in steady
+    state across items and rounds: 256 tokens per rank at virtual EP 8 under skewed routing (rank 0's expert holds
+    about half of all rows: ~16 full 128-row tiles) through a 4-tile ring, the shared expert (I_S 384) in the
+    launch; three calls on one workspace."""
+    ranks, tokens = 8, 256
+    (x, weights, _), expert_weights = layer_inputs(ranks, 1024, seed=9, tokens=tokens, dim_i=512)
+    ids = routing("skewed", ranks, tokens=tokens, seed=9).cuda()
+    g = torch.Generator(device="cuda").manual_seed(10)
+    shared_weights = tuple((torch.randn(*shape, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
+                           for shape in ((384, 1024), (384, 1024), (1024, 384)))
+    with torch.no_grad():  # SharedExpert(use_triton=True)'s rows: the Triton FFN, every row in one expert's group
+        group_end = torch.full((1,), x.shape[0], dtype=torch.int32, device="cuda")
+        shared_TH = grouped_swiglu_ffn(x, group_end, *(w[None] for w in shared_weights), use_triton=True)
+    want = triton_path(x, weights, ids, shared_TH, expert_weights)
+    config = MegakernelConfig(group_tiles=2, lag=1, ring_tiles=4, **VARIANTS[variant])
+    for call in range(3):
+        got = megakernel(ranks, x, weights, ids, None, expert_weights, config, shared_expert=SharedFFN(*shared_weights))
+        assert torch.equal(got, want), f"{variant}, call {call}"

@@ -85,8 +85,8 @@ class MegakernelConfig:
     """Bound of every wait on another program; then a device error naming the wait."""
     gemm: str = "ptr"
     """How the forward launch's item GEMMs read their operands: "ptr" (masked pointer loads) or "tma" (TMA loads
-    through tensor descriptors each compute program makes once; H, I and I_S multiples of 8). The same bits. The
-    dgrad launch reads by pointer only."""
+    through tensor descriptors each compute program makes once; H, I and I_S multiples of 8, the weights' data
+    16-byte aligned). The same bits. The dgrad launch reads by pointer only."""
 
 
 @dataclass
@@ -170,6 +170,14 @@ def virtual_symmetric(ranks: int, specs: dict[str, tuple[tuple[int, ...], torch.
     return symmetric, tables
 
 
+def launch_shape(cfg: MegakernelConfig, ranks: int, num_tokens: int, top_k: int, num_local: int,
+                 shared_groups: int = 0) -> LaunchShape:
+    """The fixed sizes of a launch hosting all ``ranks`` virtual ranks of this device, from a resolved config
+    (``_resolve``): the forward's and the dgrad launch's."""
+    return LaunchShape(ranks, 0, ranks, num_tokens, top_k, num_local, cfg.comm_programs, cfg.compute_programs,
+                       cfg.group_tiles, cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages, shared_groups, cfg.gemm)
+
+
 def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg: MegakernelConfig,
               device) -> _Workspace:
     slots = num_tokens * top_k
@@ -177,7 +185,7 @@ def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg
     symmetric, tables = virtual_symmetric(ranks, {
         "x_TH": ((num_tokens, dim_h), torch.bfloat16), "slots_NH": ((slots, dim_h), torch.bfloat16),
         "arrivals_T": ((num_tokens,), torch.int32), "x_ready": ((1,), torch.int64)}, device)
-    ring, compute, rows = cfg.ring_tiles, cfg.compute_programs, cfg.block_m
+    ring, rows = cfg.ring_tiles, cfg.block_m
     groups = shared_groups(num_tokens, rows, cfg.group_tiles) if shared_dim else 0
     slots_f = ring + groups * cfg.group_tiles  # flag slots: the ring's, then the shared expert's tiles'
     flag = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
@@ -196,8 +204,7 @@ def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg
         shared_h_VRI=torch.zeros(ranks, groups * cfg.group_tiles * rows, shared_dim, **bf16) if groups else None,
         shared_out_VTH=torch.zeros(ranks, num_tokens, dim_h, **bf16) if groups else None,
     )
-    shape = LaunchShape(ranks, 0, ranks, num_tokens, top_k, num_local, cfg.comm_programs, compute, cfg.group_tiles,
-                        cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages, groups, cfg.gemm)
+    shape = launch_shape(cfg, ranks, num_tokens, top_k, num_local, groups)
     return _Workspace(shape, bufs, symmetric, [*bufs.flags, *symmetric["arrivals_T"], *symmetric["x_ready"]],
                       cfg.timeout_ms)
 

@@ -27,7 +27,6 @@ import torch
 
 from titan_mok.kernels.grouped_ffn import interpreting
 from titan_mok.kernels.mok_combine import slot_scale
-from titan_mok.kernels.mok_megakernel import LaunchShape
 from titan_mok.kernels.mok_megakernel_bwd import (
     BackwardBuffers,
     GroupedRows,
@@ -36,7 +35,14 @@ from titan_mok.kernels.mok_megakernel_bwd import (
     megakernel_bwd_launch,
     read_error,
 )
-from titan_mok.moe.megakernel import MegakernelConfig, _resolve, _Workspace, tile_schedules, virtual_symmetric
+from titan_mok.moe.megakernel import (
+    MegakernelConfig,
+    _resolve,
+    _Workspace,
+    launch_shape,
+    tile_schedules,
+    virtual_symmetric,
+)
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,7 @@ def _allocate(ranks, num_tokens, top_k, dim_h, num_local, cfg: MegakernelConfig,
         tables=tables,
         errors=torch.zeros(6, dtype=torch.int64, device=device),
     )
-    shape = LaunchShape(ranks, 0, ranks, num_tokens, top_k, num_local, cfg.comm_programs, cfg.compute_programs,
-                        cfg.group_tiles, cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    shape = launch_shape(cfg, ranks, num_tokens, top_k, num_local)
     return _Workspace(shape, bufs, symmetric, [*bufs.flags, *symmetric["arrivals_T"], *symmetric["dy_ready"]],
                       cfg.timeout_ms)
 
