@@ -325,6 +325,21 @@ def grouped_swiglu_ffn(
     )
 
 
+def forward_weight_operands(weights: tuple, precision: str, *, weights_owner: object = None,
+                            weight_sources: tuple | None = None, backward_follows: bool = False) -> tuple:
+    """(w_gate, w_up, w_down) as the Triton path's forward GEMMs read them (``weight_operand(w, precision, 2,
+    name)``): bf16 as given; MXFP8 kept under ``weights_owner`` per version of ``weight_sources`` and made with the
+    dgrad layouts when ``backward_follows``, exactly as ``grouped_swiglu_ffn(use_triton=True)`` keeps them (so a
+    later call of it finds them); MXFP8-gathered weights as gathered. For other kernels that read the FFN's
+    operands (the MoK megakernel)."""
+    gathered = _gathered_as_mxfp8(weights, precision)
+    keeps = precision == "mxfp8" and not gathered
+    stamps = _source_stamps(weights_owner, weight_sources, weights) if keeps else {}
+    ops = _TritonOps(weights_owner if keeps else None, stamps, backward_follows)
+    return tuple(ops._operand(w, precision, 2, name) for w, name in zip(weights, ("w_gate_EIH", "w_up_EIH",
+                                                                                   "w_down_EHI")))
+
+
 def _gathered_as_mxfp8(weights, precision: str) -> bool:
     """Whether the weights arrive as their MXFP8 operands (all three, under precision mxfp8) or as values."""
     gathered = [isinstance(w, MXFP8GatheredWeight) for w in weights]

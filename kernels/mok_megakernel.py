@@ -142,6 +142,9 @@ from triton.language.extra.cuda import globaltimer
 from titan_mok.kernels.grouped_gemm import _DOT_F32, _dot, _set_triton_allocator
 from titan_mok.kernels.grouped_tiles import _bf16_rne, _group_of, _swiglu_out
 from titan_mok.kernels.mok_combine import _round_to, _slot_term
+from titan_mok.kernels.mxfp8 import BLOCK as MX_BLOCK
+from titan_mok.kernels.mxfp8 import MXTensor
+from titan_mok.kernels.mxfp8_quant import mx_dequantize_bits, mx_from_mma_order, mx_quantize_block, mx_store_bits
 
 # Launch phases (the PHASE constexpr; the kernels compare it with these literals): one concurrent launch, or the
 # serialized mode's four kinds.
@@ -223,8 +226,12 @@ def _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
-def _pull_tile(tile_ptr, x_table, row_slot_ptr, rows, ok, N, K, H, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    """tile [M, H] = the rows' token rows from their source ranks' x_TH; rows past the expert's end zero."""
+def _pull_tile(tile_ptr, tile_scale_ptr, x_table, row_slot_ptr, rows, ok, N, K, H, MX: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """tile [M, H] = the rows' token rows from their source ranks' x_TH; rows past the expert's end zero. MX: the
+    rows quantized on the way (the FFN's A operand: E4M3 bits [M, H] at tile_ptr, index order, and E8M0 bits
+    [M, H/32] at tile_scale_ptr, blocks of 32 along H: ``mxfp8_quantize``'s rule, so the Triton grouped FFN's
+    values); the zero rows get the zero block's bits."""
     s = tl.load(row_slot_ptr + rows, mask=ok, other=0)  # gathered slot p·N + t·K + j
     src_base = tl.load(x_table + s // N, mask=ok, other=0).to(tl.pointer_type(tl.bfloat16))
     src_ptrs = src_base + ((s % N) // K).to(tl.int64) * H  # [M] token rows on the source ranks
@@ -233,7 +240,25 @@ def _pull_tile(tile_ptr, x_table, row_slot_ptr, rows, ok, N, K, H, BLOCK_M: tl.c
         cols = h0 + tl.arange(0, BLOCK_H)
         col_ok = (cols < H)[None, :]
         v = tl.load(src_ptrs[:, None] + cols[None, :], mask=ok[:, None] & col_ok, other=0.0)
-        tl.store(dst_ptrs[:, None] + cols[None, :], v, mask=col_ok)
+        if MX:  # H is a multiple of 32: a block lies wholly inside the row or wholly past it
+            _store_mx_rows(v, dst_ptrs, tile_scale_ptr + tl.arange(0, BLOCK_M).to(tl.int64) * (H // 32), h0, H,
+                           BLOCK_M, BLOCK_H)
+        else:
+            tl.store(dst_ptrs[:, None] + cols[None, :], v, mask=col_ok)
+
+
+@triton.jit
+def _store_mx_rows(v, dst_ptrs, scale_ptrs, c0, width, BR: tl.constexpr, BC: tl.constexpr):
+    """Columns [c0, c0 + BC) of rows [BR] of width ``width`` (a multiple of 32; c0 and BC too) as MXFP8, blocks of
+    32 along the row (``mx_quantize_block``, the reference's rule): E4M3 bits at dst_ptrs[r] + column, E8M0 bits
+    at scale_ptrs[r] + column / 32; columns past width not stored."""
+    q, e, bad = mx_quantize_block(tl.reshape(v.to(tl.float32), (BR, BC // 32, 32)), 2)
+    q_bits, s_bits = mx_store_bits(q, e, bad)
+    cols = c0 + tl.arange(0, BC)
+    tl.store(dst_ptrs[:, None] + cols[None, :], tl.reshape(q_bits, (BR, BC)), mask=(cols < width)[None, :])
+    blocks = c0 // 32 + tl.arange(0, BC // 32)
+    tl.store(scale_ptrs[:, None] + blocks[None, :], tl.reshape(s_bits, (BR, BC // 32)),
+             mask=(blocks < width // 32)[None, :])
 
 
 @triton.jit
@@ -274,47 +299,87 @@ def _operand_tile(src, row, col, row_ok, width, BR: tl.constexpr, BC: tl.constex
 
 
 @triton.jit
-def _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, limit, HAS_LIMIT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                   TMA: tl.constexpr):
+def _mx_operand_tile(src, scales, row, col, row_ok, width, BR: tl.constexpr, TMA: tl.constexpr, CACHE: tl.constexpr,
+                     MMA_ORDER: tl.constexpr):
+    """The [BR, 32] block at (row, col) of an MXFP8 operand, blocks of 32 along its rows of ``width``, as the MMA's
+    bf16 values (exact: E4M3 · 2^e): its E4M3 bits as _operand_tile reads them from src ([rows, width] uint8) and
+    the block's E8M0 bits per row from ``scales`` ([rows, width / 32] uint8, by pointer; rows where not row_ok read
+    0, the smallest scale). MMA_ORDER: the block's elements stored in MMA order (the weights' operands,
+    ``MXTensor.mma_order``), put back in index order."""
+    q = _operand_tile(src, row, col, row_ok, width, BR, 32, TMA, CACHE).to(tl.float8e4nv, bitcast=True)
+    rows = (row + tl.zeros((), tl.int64)) + tl.arange(0, BR)
+    bits = tl.load(scales + rows * (width // 32) + col // 32, mask=row_ok, other=0, cache_modifier=CACHE)
+    v = mx_dequantize_bits(q, bits, 1)
+    if MMA_ORDER:
+        v = mx_from_mma_order(v, BR)
+    return v
+
+
+@triton.jit
+def _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, limit, a_scales, wg_scales, wu_scales,
+                   h_scale_ptr, HAS_LIMIT: tl.constexpr, MX: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
     """h[:, n0:n0 + BLOCK_N] = swiglu(a @ w_gate[n0:n0 + BLOCK_N].T, a @ w_up[...].T) for the row tile a = rows
     [a_row, a_row + M) of a_src [rows, H] (rows where not a_ok read as zeros) and the expert's weights = rows
     [w_row, w_row + I) of wg_src / wu_src [rows, H] (_operand_tile: pointers or TMA descriptors); h [M, I] at h_ptr.
     TMA: a block's columns past I read the next expert's weight rows (or zeros past the last); they only feed
     output columns that the store masks. Its rows past a_ok are zeros in memory: the pull stores zeros for the rows
-    past its expert's end, and the shared expert's descriptor ends at row T."""
+    past its expert's end, and the shared expert's descriptor ends at row T.
+
+    MX: a and the weights are MXFP8 (E4M3 bits, their E8M0 bits [rows, H / 32] at a_scales / wg_scales / wu_scales,
+    the weights' blocks in MMA order), dequantized to bf16 per 32-wide K step (the Triton grouped FFN's MXFP8 step);
+    h is stored as the down GEMM's operand: MXFP8 along I (E4M3 bits at h_ptr, E8M0 bits [M, I / 32] at
+    h_scale_ptr), quantized from its bf16 values."""
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):  # software-pipelined by the launch's num_stages
+    STEP_K: tl.constexpr = 32 if MX else BLOCK_K
+    for k0 in range(0, H, STEP_K):  # software-pipelined by the launch's num_stages
         # .cg: another SM wrote the tile; read it from L2, never from a line this SM cached in an earlier round (TMA
         # reads bypass L1)
-        a = _operand_tile(a_src, a_row, k0, a_ok, H, BLOCK_M, BLOCK_K, TMA, ".cg")
-        wg = _operand_tile(wg_src, w_row + n0, k0, n_ok, H, BLOCK_N, BLOCK_K, TMA, "")
+        if MX:
+            a = _mx_operand_tile(a_src, a_scales, a_row, k0, a_ok, H, BLOCK_M, TMA, ".cg", False)
+            wg = _mx_operand_tile(wg_src, wg_scales, w_row + n0, k0, n_ok, H, BLOCK_N, TMA, "", True)
+        else:
+            a = _operand_tile(a_src, a_row, k0, a_ok, H, BLOCK_M, BLOCK_K, TMA, ".cg")
+            wg = _operand_tile(wg_src, w_row + n0, k0, n_ok, H, BLOCK_N, BLOCK_K, TMA, "")
         acc1 = _dot(a, tl.trans(wg), acc1, DOT_F32)
-        wu = _operand_tile(wu_src, w_row + n0, k0, n_ok, H, BLOCK_N, BLOCK_K, TMA, "")
+        if MX:
+            wu = _mx_operand_tile(wu_src, wu_scales, w_row + n0, k0, n_ok, H, BLOCK_N, TMA, "", True)
+        else:
+            wu = _operand_tile(wu_src, w_row + n0, k0, n_ok, H, BLOCK_N, BLOCK_K, TMA, "")
         acc2 = _dot(a, tl.trans(wu), acc2, DOT_F32)
     _, _, h = _swiglu_out(acc1, acc2, limit, HAS_LIMIT)
-    tl.store(h_ptr + offs_m[:, None] * I + offs_n[None, :], h, mask=n_ok[None, :])
+    if MX:  # BLOCK_N and I are multiples of 32: the item's blocks along I are whole
+        _store_mx_rows(h, h_ptr + offs_m * I, h_scale_ptr + offs_m * (I // 32), n0, I, BLOCK_M, BLOCK_N)
+    else:
+        tl.store(h_ptr + offs_m[:, None] * I + offs_n[None, :], h, mask=n_ok[None, :])
 
 
 @triton.jit
-def _down_block(h_src, h_row, wd_src, w_row, dst_ptrs, ok, n0, H, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
+def _down_block(h_src, h_row, wd_src, w_row, dst_ptrs, ok, n0, H, I, h_scales, wd_scales, MX: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                TMA: tl.constexpr):
     """y[:, n0:n0 + BLOCK_N] = h @ w_down[n0:n0 + BLOCK_N].T for h = rows [h_row, h_row + M) of h_src [rows, I] and
     w_down = rows [w_row, w_row + H) of wd_src [rows, I] (_operand_tile: pointers or TMA descriptors); real row r's
     columns stored at dst_ptrs[r] (its output row). TMA: a block's columns past H read the next expert's rows (or
-    zeros); the store masks them."""
+    zeros); the store masks them. MX: h and w_down MXFP8 along I (E8M0 bits [rows, I / 32] at h_scales /
+    wd_scales; w_down's blocks in MMA order), dequantized per 32-wide K step."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     every_row = tl.full((BLOCK_M,), 1, tl.int1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):  # software-pipelined by the launch's num_stages
+    STEP_K: tl.constexpr = 32 if MX else BLOCK_K
+    for k0 in range(0, I, STEP_K):  # software-pipelined by the launch's num_stages
         # .cg: other SMs wrote h, and a ring slot's h is rewritten every round
-        a = _operand_tile(h_src, h_row, k0, every_row, I, BLOCK_M, BLOCK_K, TMA, ".cg")
-        b = _operand_tile(wd_src, w_row + n0, k0, n_ok, I, BLOCK_N, BLOCK_K, TMA, "")
+        if MX:
+            a = _mx_operand_tile(h_src, h_scales, h_row, k0, every_row, I, BLOCK_M, TMA, ".cg", False)
+            b = _mx_operand_tile(wd_src, wd_scales, w_row + n0, k0, n_ok, I, BLOCK_N, TMA, "", True)
+        else:
+            a = _operand_tile(h_src, h_row, k0, every_row, I, BLOCK_M, BLOCK_K, TMA, ".cg")
+            b = _operand_tile(wd_src, w_row + n0, k0, n_ok, I, BLOCK_N, BLOCK_K, TMA, "")
         acc = _dot(a, tl.trans(b), acc, DOT_F32)
     tl.store(dst_ptrs[:, None] + offs_n[None, :], _bf16_rne(acc), mask=ok[:, None] & n_ok[None, :])
 
@@ -326,9 +391,10 @@ def _first_tile(worker, workers, tile_lo):
 
 
 @triton.jit
-def _comm_program(c, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_table, group_end_ptr, tile_end_ptr,
-                  row_slot_ptr, err_ptr, epoch, stall_rank, timeout_us, tile_lo, tile_hi, P, L, N, K, H, Q, COMM,
-                  PHASE: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def _comm_program(c, rank, ring_ptr, ring_scale_ptr, ready_ptr, consumed_ptr, x_table, x_ready_table, group_end_ptr,
+                  tile_end_ptr, row_slot_ptr, err_ptr, epoch, stall_rank, timeout_us, tile_lo, tile_hi, P, L, N, K, H,
+                  Q, COMM, PHASE: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
     """Publishes x_ready, then pulls the routed tiles i in [tile_lo, tile_hi) dealt to it (module docstring)."""
     SERIAL: tl.constexpr = PHASE != 0
     alive = rank != stall_rank  # the stalled rank (a test hook) publishes nothing
@@ -355,8 +421,9 @@ def _comm_program(c, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_t
                               SERIAL)
             if alive:
                 _e, rows, ok = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
-                _pull_tile(ring_ptr + q.to(tl.int64) * BLOCK_M * H, x_table, row_slot_ptr, rows, ok, N, K, H, BLOCK_M,
-                           BLOCK_H)
+                slot = q.to(tl.int64) * BLOCK_M
+                _pull_tile(ring_ptr + slot * H, ring_scale_ptr + slot * (H // 32), x_table, row_slot_ptr, rows, ok, N,
+                           K, H, MX, BLOCK_M, BLOCK_H)
                 tl.debug_barrier()  # every thread's rows stored before the release
                 tl.atomic_xchg(ready_ptr + q, _stamp(epoch, n), sem="release", scope="sys")
             i += COMM
@@ -383,12 +450,13 @@ def _item(j, G, LAG, NB_I, NB_H, NB_IS, SG):
 
 @triton.jit
 def _gate_up_item(f, stamp, a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, h_ready_ptr, gate_up_done_ptr, H,
-                  I, NB_I, limit, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
+                  I, NB_I, limit, a_scales, wg_scales, wu_scales, h_scale_ptr, HAS_LIMIT: tl.constexpr,
+                  MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_F32: tl.constexpr, TMA: tl.constexpr):
     """An A item of the tile of flag slot f (its wait done): h columns [n0, n0 + BLOCK_N), then the count; the
     tile's last A item publishes h_ready[f] = stamp."""
-    _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, limit, HAS_LIMIT, BLOCK_M, BLOCK_N,
-                   BLOCK_K, DOT_F32, TMA)
+    _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, limit, a_scales, wg_scales, wu_scales,
+                   h_scale_ptr, HAS_LIMIT, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
     tl.debug_barrier()  # every thread's h columns stored, and its reads of the row tile done, before the count
     if tl.atomic_add(gate_up_done_ptr + f, 1, sem="acq_rel", scope="sys") == NB_I - 1:
         # the tile's last A item: every other's h columns are ordered before this (acq_rel); rearm the count for the
@@ -399,12 +467,13 @@ def _gate_up_item(f, stamp, a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0
 
 @triton.jit
 def _down_item(f, stamp, h_src, h_row, wd_src, w_row, dst_ptrs, arrival_ptrs, real, n0, consumed_ptr, down_done_ptr,
-               H, I, NB_H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               DOT_F32: tl.constexpr, TMA: tl.constexpr):
+               H, I, NB_H, h_scales, wd_scales, MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
     """A B item of the tile of flag slot f (its wait done): output columns [n0, n0 + BLOCK_N) of its real rows,
     then the count; the tile's last B item stores consumed[f] = stamp and adds 1 at each real row's arrival
     counter."""
-    _down_block(h_src, h_row, wd_src, w_row, dst_ptrs, real, n0, H, I, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
+    _down_block(h_src, h_row, wd_src, w_row, dst_ptrs, real, n0, H, I, h_scales, wd_scales, MX, BLOCK_M, BLOCK_N,
+                BLOCK_K, DOT_F32, TMA)
     tl.debug_barrier()  # every thread's output stores and h reads done before the count
     if tl.atomic_add(down_done_ptr + f, 1, sem="acq_rel", scope="sys") == NB_H - 1:
         # the tile's last B item: every other's output stores and reads are ordered before this (acq_rel)
@@ -418,24 +487,27 @@ def _down_item(f, stamp, h_src, h_row, wd_src, w_row, dst_ptrs, arrival_ptrs, re
 def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr, gate_up_done_ptr, down_done_ptr,
                      next_item_ptr, programs_done_ptr, x_table, slots_table, arrivals_table, group_end_ptr,
                      tile_end_ptr, row_slot_ptr, wg_ptr, wu_ptr, wd_ptr, shared_h_ptr, shared_out_ptr, wsg_ptr, wsu_ptr,
-                     wsd_ptr, err_ptr, epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, shared_limit, L,
-                     T, N, K, H, I, I_S, Q, COMPUTE, G, LAG, SG, PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                     SHARED: tl.constexpr, HAS_SHARED_LIMIT: tl.constexpr, LOG_L: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                     TMA: tl.constexpr):
-    """Claims items until none is left (module docstring), running those of its launch's kind and window."""
+                     wsd_ptr, err_ptr, ring_scale_ptr, h_scale_ptr, wg_scale_ptr, wu_scale_ptr, wd_scale_ptr, epoch,
+                     timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, shared_limit, L, T, N, K, H, I, I_S, Q,
+                     COMPUTE, G, LAG, SG, PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, SHARED: tl.constexpr,
+                     HAS_SHARED_LIMIT: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
+    """Claims items until none is left (module docstring), running those of its launch's kind and window. MX: the
+    routed experts' operands are MXFP8 (ring, h and weights: E4M3 bits with E8M0 bits at the *_scale_ptr), the
+    shared expert's bf16."""
     SERIAL: tl.constexpr = PHASE != 0
     # The GEMM operands as 2D row-major [rows, K] sources (_operand_tile): the rank's ring [Q·M, H] and h [Q·M, I],
     # its experts' weights [L·I, H] and [L·H, I], the shared expert's x [T, H], h [SG·G·M, I_S] and weights. TMA: a
     # tensor descriptor of each, made once per program (128 bytes of the launch's global scratch each).
     ring_src, h_src, wg_src, wu_src, wd_src = ring_ptr, h_ptr, wg_ptr, wu_ptr, wd_ptr
     x_src, shared_h_src, wsg_src, wsu_src, wsd_src = x_table, shared_h_ptr, wsg_ptr, wsu_ptr, wsd_ptr
+    STEP_K: tl.constexpr = 32 if MX else BLOCK_K  # the routed GEMMs' K step (MXFP8: one scale block)
     if TMA:
-        ring_src = _descriptor(ring_ptr, Q * BLOCK_M, H, BLOCK_M, BLOCK_K)
-        h_src = _descriptor(h_ptr, Q * BLOCK_M, I, BLOCK_M, BLOCK_K)
-        wg_src = _descriptor(wg_ptr, L * I, H, BLOCK_N, BLOCK_K)
-        wu_src = _descriptor(wu_ptr, L * I, H, BLOCK_N, BLOCK_K)
-        wd_src = _descriptor(wd_ptr, L * H, I, BLOCK_N, BLOCK_K)
+        ring_src = _descriptor(ring_ptr, Q * BLOCK_M, H, BLOCK_M, STEP_K)
+        h_src = _descriptor(h_ptr, Q * BLOCK_M, I, BLOCK_M, STEP_K)
+        wg_src = _descriptor(wg_ptr, L * I, H, BLOCK_N, STEP_K)
+        wu_src = _descriptor(wu_ptr, L * I, H, BLOCK_N, STEP_K)
+        wd_src = _descriptor(wd_ptr, L * H, I, BLOCK_N, STEP_K)
         if SHARED:
             x_src = _descriptor(_own_rows(x_table, rank), T, H, BLOCK_M, BLOCK_K)
             shared_h_src = _descriptor(shared_h_ptr, SG * G * BLOCK_M, I_S, BLOCK_M, BLOCK_K)
@@ -469,7 +541,9 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
                     e, _rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
                     _gate_up_item(q, stamp, ring_src, q * BLOCK_M, real, wg_src, wu_src, e * I,
                                   h_ptr + q.to(tl.int64) * BLOCK_M * I, n0, h_ready_ptr, gate_up_done_ptr, H, I, NB_I,
-                                  limit, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
+                                  limit, ring_scale_ptr, wg_scale_ptr, wu_scale_ptr,
+                                  h_scale_ptr + q.to(tl.int64) * BLOCK_M * (I // 32), HAS_LIMIT, MX, BLOCK_M, BLOCK_N,
+                                  BLOCK_K, DOT_F32, TMA)
             if SHARED:
                 if is_a & mine & (u < first_routed):  # this rank's own tokens: no wait (written before the launch)
                     rows = u * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -478,7 +552,8 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
                         a_src = _own_rows(x_table, rank)
                     _gate_up_item(Q + u, stamp, a_src, u * BLOCK_M, rows < T, wsg_src, wsu_src, 0,
                                   shared_h_ptr + u.to(tl.int64) * BLOCK_M * I_S, n0, h_ready_ptr, gate_up_done_ptr, H,
-                                  I_S, NB_IS, shared_limit, HAS_SHARED_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
+                                  I_S, NB_IS, shared_limit, err_ptr, err_ptr, err_ptr, err_ptr, HAS_SHARED_LIMIT,
+                                  False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
         if PHASE != 3:
             if (is_a == 0) & mine & (u >= first_routed):
                 alive = _wait(h_ready_ptr + q, stamp, err_ptr, WAIT_H_READY, rank, i, timeout_us, SERIAL)
@@ -490,8 +565,8 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
                     slot_ptrs = tl.load(slots_table + src, mask=real, other=0).to(tl.pointer_type(tl.bfloat16))
                     arrivals = tl.load(arrivals_table + src, mask=real, other=0).to(tl.pointer_type(tl.int32))
                     _down_item(q, stamp, h_src, q * BLOCK_M, wd_src, e * H, slot_ptrs + (s % N).to(tl.int64) * H,
-                               arrivals + (s % N) // K, real, n0, consumed_ptr, down_done_ptr, H, I, NB_H, BLOCK_M,
-                               BLOCK_N, BLOCK_K, DOT_F32, TMA)
+                               arrivals + (s % N) // K, real, n0, consumed_ptr, down_done_ptr, H, I, NB_H,
+                               h_scale_ptr, wd_scale_ptr, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
             if SHARED:
                 if (is_a == 0) & mine & (u < first_routed):
                     alive = _wait(h_ready_ptr + Q + u, stamp, err_ptr, WAIT_SHARED_H_READY, rank, u, timeout_us,
@@ -502,7 +577,8 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
                         arrivals = tl.load(arrivals_table + rank).to(tl.pointer_type(tl.int32))
                         _down_item(Q + u, stamp, shared_h_src, u * BLOCK_M, wsd_src, 0,
                                    shared_out_ptr + rows.to(tl.int64) * H, arrivals + rows, rows < T, n0,
-                                   consumed_ptr, down_done_ptr, H, I_S, NB_H, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
+                                   consumed_ptr, down_done_ptr, H, I_S, NB_H, err_ptr, err_ptr, False, BLOCK_M,
+                                   BLOCK_N, BLOCK_K, DOT_F32, TMA)
         j = item_lo + tl.atomic_add(next_item_ptr, 1, sem="relaxed", scope="gpu")
     # this program claims nothing more; the last of the rank's programs to get here rearms the counter for the next
     # launch (stream order puts that launch after every claim of this one; acq_rel: the others' claims come before)
@@ -530,11 +606,15 @@ def _megakernel(
     # [I_S, H], w_down [H, I_S] bf16
     shared_h_ptr, shared_out_ptr, wsg_ptr, wsu_ptr, wsd_ptr,
     err_ptr,
+    # MX: E8M0 bits (uint8) of the routed operands: ring [V, Q, M, H / 32], h [V, Q, M, I / 32], w_gate, w_up
+    # [V·L, I, H / 32], w_down [V·L, H, I / 32] (ring, h and the weights above then hold E4M3 bits, uint8);
+    # else never read
+    ring_scale_ptr, h_scale_ptr, wg_scale_ptr, wu_scale_ptr, wd_scale_ptr,
     first_rank, epoch, stall_rank, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, shared_limit,
     P, L, T, K, H, I, I_S, Q, COMM, COMPUTE, G, LAG, SG,
     PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, SHARED: tl.constexpr, HAS_SHARED_LIMIT: tl.constexpr,
-    LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-    DOT_F32: tl.constexpr, TMA: tl.constexpr,
+    MX: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     local = pid // (COMM + COMPUTE)  # this program's rank, within the launch
@@ -544,6 +624,7 @@ def _megakernel(
     local64 = local.to(tl.int64)
     F = Q + SG * G
     ring_ptr += local64 * Q * BLOCK_M * H
+    ring_scale_ptr += local64 * Q * BLOCK_M * (H // 32)
     ready_ptr += local64 * Q
     consumed_ptr += local64 * F
     group_end_ptr += local * L
@@ -552,20 +633,25 @@ def _megakernel(
     first_tile = SG * G  # the item order's tiles: the shared expert's first, then the routed (tile i: first_tile + i)
     if role < COMM:
         if PHASE <= 2:
-            _comm_program(role, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_table, group_end_ptr,
-                          tile_end_ptr, row_slot_ptr, err_ptr, epoch, stall_rank, timeout_us, tile_lo - first_tile,
-                          tile_hi - first_tile, P, L, N, K, H, Q, COMM, PHASE, LOG_L, BLOCK_M, BLOCK_H)
+            _comm_program(role, rank, ring_ptr, ring_scale_ptr, ready_ptr, consumed_ptr, x_table, x_ready_table,
+                          group_end_ptr, tile_end_ptr, row_slot_ptr, err_ptr, epoch, stall_rank, timeout_us,
+                          tile_lo - first_tile, tile_hi - first_tile, P, L, N, K, H, Q, COMM, PHASE, MX, LOG_L,
+                          BLOCK_M, BLOCK_H)
     else:
         if PHASE == 0 or PHASE >= 3:
-            w_off = local64 * L * I * H  # the hosted rank's first expert
+            w_off = local64 * L * I * H  # the hosted rank's first expert (MX: its E4M3 bits; its E8M0 bits below)
+            ws_off = local64 * L * I * H // 32
             _compute_program(rank, ring_ptr, h_ptr + local64 * Q * BLOCK_M * I, ready_ptr, h_ready_ptr + local64 * F,
                              consumed_ptr, gate_up_done_ptr + local64 * F, down_done_ptr + local64 * F,
                              next_item_ptr + local, programs_done_ptr + local, x_table, slots_table, arrivals_table,
                              group_end_ptr, tile_end_ptr, row_slot_ptr, wg_ptr + w_off, wu_ptr + w_off, wd_ptr + w_off,
                              shared_h_ptr + local64 * first_tile * BLOCK_M * I_S, shared_out_ptr + local64 * T * H,
-                             wsg_ptr, wsu_ptr, wsd_ptr, err_ptr, epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi,
-                             limit, shared_limit, L, T, N, K, H, I, I_S, Q, COMPUTE, G, LAG, SG, PHASE, HAS_LIMIT,
-                             SHARED, HAS_SHARED_LIMIT, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
+                             wsg_ptr, wsu_ptr, wsd_ptr, err_ptr, ring_scale_ptr,
+                             h_scale_ptr + local64 * Q * BLOCK_M * (I // 32), wg_scale_ptr + ws_off,
+                             wu_scale_ptr + ws_off, wd_scale_ptr + ws_off, epoch, timeout_us, tile_lo, tile_hi,
+                             item_lo, item_hi, limit, shared_limit, L, T, N, K, H, I, I_S, Q, COMPUTE, G, LAG, SG,
+                             PHASE, HAS_LIMIT, SHARED, HAS_SHARED_LIMIT, MX, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K,
+                             DOT_F32, TMA)
 
 
 # debug: the device assertions below are compiled in
@@ -658,12 +744,35 @@ class MegakernelBuffers(RingBuffers):
     expert in the launch."""
     shared_out_VTH: torch.Tensor | None = None
     """The shared expert's output rows [V, T, H] bf16 (the finish adds them)."""
+    ring_scales_VQMB: torch.Tensor | None = None
+    """MXFP8 launches: the ring rows' E8M0 bits [V, Q, M, H / 32] uint8 (ring_VQMH and h_VQMI then hold E4M3 bits,
+    uint8); None: a bf16 ring."""
+    h_scales_VQMB: torch.Tensor | None = None
+    """MXFP8 launches: the h rows' E8M0 bits [V, Q, M, I / 32] uint8."""
+
+    @property
+    def mx(self) -> bool:
+        """Whether the ring and h hold MXFP8 rows (the routed experts' operands), not bf16."""
+        return self.ring_scales_VQMB is not None
 
     @property
     def flags(self) -> list[torch.Tensor]:
         """The launch's own flags and counters (the symmetric ones are the caller's)."""
         return [self.ready_VQ, self.h_ready_VF, self.consumed_VF, self.gate_up_done_VF, self.down_done_VF,
                 self.next_item_V, self.programs_done_V]
+
+
+def ring_buffers(ranks: int, ring_tiles: int, block_m: int, dim_h: int, dim_i: int, mx: bool,
+                 device) -> dict[str, torch.Tensor]:
+    """MegakernelBuffers' ring and h (and, mx, their E8M0 bits) for ``ranks`` hosted ranks, zeroed: bf16 rows, or
+    MXFP8 rows (E4M3 bits, 1 + 1/32 bytes per element where bf16 takes 2)."""
+    rows = (ranks, ring_tiles, block_m)
+    if not mx:
+        return dict(ring_VQMH=torch.zeros(*rows, dim_h, dtype=torch.bfloat16, device=device),
+                    h_VQMI=torch.zeros(*rows, dim_i, dtype=torch.bfloat16, device=device))
+    bits = lambda *shape: torch.zeros(*shape, dtype=torch.uint8, device=device)  # noqa: E731
+    return dict(ring_VQMH=bits(*rows, dim_h), h_VQMI=bits(*rows, dim_i),
+                ring_scales_VQMB=bits(*rows, dim_h // MX_BLOCK), h_scales_VQMB=bits(*rows, dim_i // MX_BLOCK))
 
 
 @dataclass(frozen=True)
@@ -720,11 +829,24 @@ def read_error(errors: torch.Tensor) -> str | None:
     return f"mok megakernel: timed out: {what} (flag held {seen}, expected {expected})"
 
 
+def _weight_bits(weights) -> tuple[tuple, tuple | None]:
+    """(the routed weights as the kernel reads them, their E8M0 bits or None): bf16 tensors as they are; MXTensors
+    (MXFP8 along K, MMA order) as their E4M3 bits and E8M0 bits, uint8."""
+    if not isinstance(weights[0], MXTensor):
+        return tuple(weights), None
+    return tuple(w.data.view(torch.uint8) for w in weights), tuple(w.scale.view(torch.uint8) for w in weights)
+
+
 def _megakernel_args(bufs, schedule, weights, shared: SharedFFN | None, shape: LaunchShape, epoch, stall_rank,
                      timeout_us, tiles, items, limit):
     group_end_VL, tile_end_VL, row_slot_VR = schedule
+    weights, weight_scales = _weight_bits(weights)
     w_gate_XIH, w_up_XIH, w_down_XHI = weights
     _, dim_i, dim_h = w_gate_XIH.shape
+    if weight_scales is None:  # pointers the kernel does not read
+        scale_ptrs = (bufs.errors,) * 5
+    else:
+        scale_ptrs = (bufs.ring_scales_VQMB, bufs.h_scales_VQMB, *weight_scales)
     t = bufs.tables
     if shared is None:  # pointers the kernel does not read, and the routed I (no second specialization)
         shared_ptrs, shared_dim, shared_limit = (bufs.h_VQMI,) * 2 + weights, dim_i, 0.0
@@ -734,8 +856,8 @@ def _megakernel_args(bufs, schedule, weights, shared: SharedFFN | None, shape: L
         shared_limit = float(shared.swiglu_limit) if shared.swiglu_limit is not None else 0.0
     return (bufs.ring_VQMH, bufs.h_VQMI, *bufs.flags, t["x_TH"], t["slots_NH"], t["arrivals_T"], t["x_ready"],
             group_end_VL, tile_end_VL, row_slot_VR, w_gate_XIH, w_up_XIH, w_down_XHI, *shared_ptrs, bufs.errors,
-            shape.first_rank, epoch, stall_rank, timeout_us, *tiles, *items, limit, shared_limit, shape.ep_degree,
-            shape.num_local, shape.num_tokens, shape.top_k, dim_h, dim_i, shared_dim, bufs.ring_tiles,
+            *scale_ptrs, shape.first_rank, epoch, stall_rank, timeout_us, *tiles, *items, limit, shared_limit,
+            shape.ep_degree, shape.num_local, shape.num_tokens, shape.top_k, dim_h, dim_i, shared_dim, bufs.ring_tiles,
             shape.comm_programs, shape.compute_programs, shape.group_tiles, shape.lag, shape.shared_groups)
 
 
@@ -755,27 +877,33 @@ class KernelVariant:
     has_limit: bool
     has_shared_limit: bool = False
     gemm: str = "ptr"
+    mx: bool = False
+    """The routed experts' operands in MXFP8 (the shared expert's stay bf16)."""
 
     def constexprs(self, phase: int) -> dict:
         return dict(PHASE=phase, HAS_LIMIT=self.has_limit, SHARED=self.shared_dim > 0,
-                    HAS_SHARED_LIMIT=self.has_shared_limit, LOG_L=self.num_local.bit_length(), BLOCK_M=self.block_m,
-                    BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, BLOCK_H=min(256, triton.next_power_of_2(self.dim_h)),
-                    DOT_F32=_DOT_F32, TMA=self.gemm == "tma", num_warps=self.num_warps, num_stages=self.num_stages)
+                    HAS_SHARED_LIMIT=self.has_shared_limit, MX=self.mx, LOG_L=self.num_local.bit_length(),
+                    BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K,
+                    BLOCK_H=min(256, triton.next_power_of_2(self.dim_h)), DOT_F32=_DOT_F32, TMA=self.gemm == "tma",
+                    num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 def _variant(bufs: MegakernelBuffers, weights, shared: SharedFFN | None, shape: LaunchShape,
              swiglu_limit: float | None) -> KernelVariant:
-    dim_i, dim_h = weights[0].shape[1:]
+    dim_i, dim_h = _weight_bits(weights)[0][0].shape[1:]
     return KernelVariant(dim_h, dim_i, 0 if shared is None else shared.dim, shape.num_local, bufs.block_m,
                          shape.block_n, shape.num_warps, shape.num_stages, swiglu_limit is not None,
-                         shared is not None and shared.swiglu_limit is not None, shape.gemm)
+                         shared is not None and shared.swiglu_limit is not None, shape.gemm,
+                         isinstance(weights[0], MXTensor))
 
 
 def compile_megakernel(variant: KernelVariant):
     """The concurrent launch's kernel compiled for a variant (its other integers are not specialized), launching
     nothing: the current driver's target (``benchmarks/tools/sass.py`` compiles it for sm_90 without a GPU)."""
-    ptrs = [torch.bfloat16] * 2 + [torch.int64] * 3 + [torch.int32] * 4 + [torch.int64] * 4 + [torch.int32] * 3 + [
-        torch.bfloat16] * 8 + [torch.int64]  # pointer arguments as their dtypes (Triton's warmup takes those)
+    routed = torch.uint8 if variant.mx else torch.bfloat16  # ring, h and the routed weights: E4M3 bits or bf16
+    ptrs = [routed] * 2 + [torch.int64] * 3 + [torch.int32] * 4 + [torch.int64] * 4 + [torch.int32] * 3 + [
+        routed] * 3 + [torch.bfloat16] * 5 + [torch.int64] + [torch.uint8 if variant.mx else torch.int64] * 5
+    # (pointer arguments as their dtypes: Triton's warmup takes those)
     # first_rank ... item_hi, limit, shared_limit, P ... K, H, I, I_S, Q ... SG
     ints = [2] * 8 + [0.0] * 2 + [2] * 4 + [variant.dim_h, variant.dim_i, variant.shared_dim or variant.dim_i] + [
         2] * 6
@@ -816,10 +944,11 @@ def megakernel_phase(bufs: MegakernelBuffers, schedule, weights, shape: LaunchSh
         raise ValueError(f"megakernel_phase: a launch shaped for {shape.shared_groups} groups of shared-expert tiles "
                          f"{'needs' if shape.shared_groups else 'takes no'} shared expert weights")
     variant = _variant(bufs, weights, shared, shape, swiglu_limit)
-    if variant.gemm == "tma" and weights[0].is_cuda:
+    w_gate = _weight_bits(weights)[0][0]
+    if variant.gemm == "tma" and w_gate.is_cuda:
         _set_triton_allocator()  # the compute programs make their TMA descriptors in the launch's global scratch
     if phase == PHASE_ALL:
-        max_programs = co_resident_programs(weights[0].device.index, variant)
+        max_programs = co_resident_programs(w_gate.device.index, variant)
         if shape.programs > max_programs:
             raise RuntimeError(
                 f"mok megakernel: {shape.programs} programs ({shape.hosted_ranks} ranks x ({shape.comm_programs} "
@@ -829,6 +958,32 @@ def megakernel_phase(bufs: MegakernelBuffers, schedule, weights, shape: LaunchSh
                             int(timeout_ms * 1000), tiles, items,
                             float(swiglu_limit) if swiglu_limit is not None else 0.0)
     _megakernel[(shape.programs,)](*args, **variant.constexprs(phase))
+
+
+def _check_precision(bufs: MegakernelBuffers, weights, shape: LaunchShape) -> None:
+    """The routed weights are bf16 tensors for a bf16 ring, or, for an MXFP8 ring, the MXFP8 operands the Triton
+    grouped FFN reads (``grouped_ffn.weight_operand(w, "mxfp8", 2, name)``: blocked along K, MMA order)."""
+    names = ("w_gate", "w_up", "w_down")
+    mx = [isinstance(w, MXTensor) for w in weights]
+    if any(mx) != all(mx) or all(mx) != bufs.mx:
+        raise TypeError(f"megakernel_launch: the routed weights (w_gate, w_up, w_down as MXTensor: {mx}) must all be "
+                        f"{'MXTensors' if bufs.mx else 'bf16 tensors'}: the buffers hold a "
+                        f"{'MXFP8' if bufs.mx else 'bf16'} ring")
+    if not bufs.mx:
+        return
+    for name, w in zip(names, weights):
+        if w.dim != 2 or not w.mma_order or w.scale.shape != (*w.data.shape[:2], w.data.shape[2] // MX_BLOCK):
+            raise ValueError(f"megakernel_launch: {name} must be MXFP8 blocked along K (dim 2) in MMA order, as "
+                             f"grouped_ffn.weight_operand makes it; got dim {w.dim}, mma_order {w.mma_order}, data "
+                             f"{tuple(w.data.shape)}, scale {tuple(w.scale.shape)}")
+        if not (w.data.is_contiguous() and w.scale.is_contiguous()):
+            raise ValueError(f"megakernel_launch: {name}'s MXFP8 data and scales must be contiguous")
+    if shape.block_n % MX_BLOCK:
+        raise ValueError(f"megakernel_launch: MXFP8 stores h in 32-column blocks per item: block_n = {shape.block_n} "
+                         f"must be a multiple of {MX_BLOCK}")
+    dim_h, dim_i = bufs.ring_VQMH.shape[3], bufs.h_VQMI.shape[3]
+    if dim_h % MX_BLOCK or dim_i % MX_BLOCK:
+        raise ValueError(f"megakernel_launch: MXFP8 needs H ({dim_h}) and I ({dim_i}) to be multiples of {MX_BLOCK}")
 
 
 def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchShape, *, epoch: int,
@@ -843,16 +998,20 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
     concurrent launch needs none: its waits spin.
 
     schedule: (group_end_VL, tile_end_VL, row_slot_VR) int32 of the hosted ranks; weights: (w_gate [V·L, I, H],
-    w_up [V·L, I, H], w_down [V·L, H, I]) bf16 contiguous; shared: the shared expert in the launch (exactly when
-    shape.shared_groups > 0). A concurrent launch with more programs than the device runs at once raises instead of
-    risking a deadlock. ``stall_rank``: a rank whose communication programs publish nothing (tests of the bounded
-    waits)."""
+    w_up [V·L, I, H], w_down [V·L, H, I]) bf16 contiguous, or for an MXFP8 ring (``bufs.mx``) their MXFP8 operands
+    (MXTensors blocked along K in MMA order: ``grouped_ffn.weight_operand(w, "mxfp8", 2, name)``); shared: the
+    shared expert in the launch (exactly when shape.shared_groups > 0). A concurrent launch with more programs than
+    the device runs at once raises instead of risking a deadlock. ``stall_rank``: a rank whose communication
+    programs publish nothing (tests of the bounded waits)."""
     if not 1 <= epoch <= MAX_EPOCH:
         raise ValueError(f"megakernel_launch: epoch = {epoch} must be in [1, {MAX_EPOCH}]")
     if shape.gemm not in GEMM_LOADS:
         raise ValueError(f"megakernel_launch: gemm = {shape.gemm!r} must be one of {GEMM_LOADS}")
+    _check_precision(bufs, weights, shape)
+    weight_data = _weight_bits(weights)[0]
     if shape.gemm == "tma":
-        widths = {"H": weights[0].shape[2], "I": weights[0].shape[1], "I_S": 8 if shared is None else shared.dim}
+        widths = {"H": weight_data[0].shape[2], "I": weight_data[0].shape[1],
+                  "I_S": 8 if shared is None else shared.dim}
         for name, dim in widths.items():
             if dim % 8:
                 raise ValueError(f"megakernel_launch: gemm = 'tma' reads rows by TMA, which needs 16-byte rows: {name} "
@@ -860,7 +1019,8 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
         # the descriptors' bases: the weights as given (the launch's own buffers are allocations of their own)
         named = zip(("w_gate", "w_up", "w_down", "the shared expert's w_gate", "the shared expert's w_up",
                      "the shared expert's w_down"),
-                    (*weights, *(() if shared is None else (shared.w_gate_IH, shared.w_up_IH, shared.w_down_HI))))
+                    (*weight_data, *(() if shared is None else (shared.w_gate_IH, shared.w_up_IH,
+                                                                 shared.w_down_HI))))
         for name, w in named:
             if w.data_ptr() % 16:
                 raise ValueError(f"megakernel_launch: gemm = 'tma' reads {name} by TMA, which needs a 16-byte aligned "
@@ -874,7 +1034,7 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
     if not serialized:
         run(PHASE_ALL)
         return
-    dims = (weights[0].shape[2], weights[0].shape[1], 0 if shared is None else shared.dim)
+    dims = (weight_data[0].shape[2], weight_data[0].shape[1], 0 if shared is None else shared.dim)
 
     def compute(window):  # the window's A items, then its B items (each from the steps that hold them)
         steps = (window[0] // group, triton.cdiv(window[1], group))

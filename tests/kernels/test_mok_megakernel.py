@@ -277,7 +277,7 @@ def test_counters_rearm_and_flags_agree_after_a_call():
     (x, weights, _), expert_weights = layer_inputs(2, 64, seed=19, tokens=20)
     ids = routing("skewed", 2, tokens=20, seed=20)
     megakernel(2, x, weights, ids, None, expert_weights, shared_expert=SharedFFN(*shared_inputs(64, 32, seed=33)))
-    ws = mk._WORKSPACES[(torch.device(DEVICE), 2, 20, K, 64, I, E // 2, SMALL, 32)]
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 2, 20, K, 64, I, E // 2, SMALL, 32, "bf16")]
     bufs, ring = ws.bufs, SMALL.ring_tiles
     for count in (bufs.gate_up_done_VF, bufs.down_done_VF, bufs.next_item_V, bufs.programs_done_V):
         assert not count.any(), count
@@ -295,7 +295,7 @@ def test_a_tile_is_published_by_its_last_item_only():
     (x, weights, shared), expert_weights = layer_inputs(1, 64, seed=22)
     ids = routing("balanced", 1)  # 4 rows per expert: tile i is expert i's
     megakernel(1, x, weights, ids, shared, expert_weights)  # allocates the workspace
-    ws = mk._WORKSPACES[(torch.device(DEVICE), 1, T, K, 64, I, E, SMALL, 0)]
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 1, T, K, 64, I, E, SMALL, 0, "bf16")]
     bufs = ws.bufs
     schedule = mk.tile_schedules([ids.to(DEVICE)], E, E, SMALL.block_m)
     epoch = ws.next_epoch()
@@ -333,7 +333,7 @@ def test_a_missing_phase_is_a_named_error_then_the_workspace_recovers(skipped, w
     ids = routing("balanced", 1)
     want = triton_path(x, weights, ids.to(DEVICE), shared, expert_weights)
     assert torch.equal(megakernel(1, x, weights, ids, shared, expert_weights), want)  # allocates the workspace
-    ws = mk._WORKSPACES[(torch.device(DEVICE), 1, T, K, 64, I, E, SMALL, 0)]
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 1, T, K, 64, I, E, SMALL, 0, "bf16")]
     schedule = mk.tile_schedules([ids.to(DEVICE)], E, E, SMALL.block_m)
     run = functools.partial(megakernel_phase, ws.bufs, schedule, expert_weights, ws.shape, epoch=ws.next_epoch(),
                             swiglu_limit=None)
@@ -370,7 +370,7 @@ def test_run_to_run_and_epochs_wrap_without_stale_flags():
     ids, other_ids = routing("skewed", 2, seed=12), routing("balanced", 2)
     first = megakernel(2, x, weights, ids, shared, expert_weights)
     assert torch.equal(megakernel(2, x, weights, ids, shared, expert_weights), first)
-    ws = mk._WORKSPACES[(torch.device(DEVICE), 2, T, K, 64, I, E // 2, SMALL, 0)]
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 2, T, K, 64, I, E // 2, SMALL, 0, "bf16")]
     assert ws.epoch >= 2
     ws.epoch = MAX_EPOCH  # the next call zeroes every flag and starts over at epoch 1
     assert torch.equal(megakernel(2, x, weights, ids, shared, expert_weights), first)
@@ -497,7 +497,7 @@ def test_shared_expert_missing_gate_up_is_a_named_error():
     ids = routing("balanced", 1)
     shared_expert = SharedFFN(*shared_inputs(64, 64, seed=31))
     megakernel(1, x, weights, ids, None, expert_weights, shared_expert=shared_expert)  # allocates the workspace
-    ws = mk._WORKSPACES[(torch.device(DEVICE), 1, T, K, 64, I, E, SMALL, 64)]
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 1, T, K, 64, I, E, SMALL, 64, "bf16")]
     schedule = mk.tile_schedules([ids.to(DEVICE)], E, E, SMALL.block_m)
     run = functools.partial(megakernel_phase, ws.bufs, schedule, expert_weights, ws.shape, epoch=ws.next_epoch(),
                             swiglu_limit=None, shared=shared_expert)

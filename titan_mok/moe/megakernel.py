@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from titan_mok.kernels.grouped_ffn import interpreting
+from titan_mok.kernels.grouped_ffn import forward_weight_operands, interpreting
 from titan_mok.kernels.mok_megakernel import (
     GEMM_LOADS,
     MAX_EPOCH,
@@ -39,9 +39,12 @@ from titan_mok.kernels.mok_megakernel import (
     megakernel_finish,
     megakernel_launch,
     read_error,
+    ring_buffers,
     shared_groups,
 )
 from titan_mok.kernels.mok_schedule import mok_schedule
+from titan_mok.kernels.mxfp8 import BLOCK as MX_BLOCK
+from titan_mok.kernels.tile_configs import PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -119,10 +122,11 @@ _WORKSPACES: dict[tuple, _Workspace] = {}
 
 def _resolve(config: MegakernelConfig, ranks: int, dim_h: int, dim_i: int, num_local: int, has_limit: bool,
              shared: SharedFFN | None, device: torch.device, serialized: bool,
-             co_resident=co_resident_programs) -> MegakernelConfig:
+             co_resident=co_resident_programs, mx: bool = False) -> MegakernelConfig:
     """Fill the config's None sizes (module docstring of MegakernelConfig); a concurrent launch the device cannot
     hold at once is refused here, before anything is allocated (the launcher checks it again). co_resident: the
-    launch's kernel's count of programs the device runs at once (the forward's, or the backward's)."""
+    launch's kernel's count of programs the device runs at once (the forward's, or the backward's). mx: the
+    forward's routed experts in MXFP8."""
     if config.gemm not in GEMM_LOADS:
         raise ValueError(f"MegakernelConfig.gemm = {config.gemm!r} must be one of {GEMM_LOADS}")
     comm, compute = config.comm_programs, config.compute_programs
@@ -130,7 +134,7 @@ def _resolve(config: MegakernelConfig, ranks: int, dim_h: int, dim_i: int, num_l
     if not interpreting():
         variant = KernelVariant(dim_h, dim_i, 0 if shared is None else shared.dim, num_local, config.block_m,
                                 config.block_n, config.num_warps, config.num_stages, has_limit,
-                                shared is not None and shared.swiglu_limit is not None, config.gemm)
+                                shared is not None and shared.swiglu_limit is not None, config.gemm, mx)
         total = co_resident(device.index, variant)
     if comm is None or compute is None:
         per_rank = (comm or 1) + (compute or 2) if total is None else total // ranks
@@ -156,6 +160,9 @@ def _resolve(config: MegakernelConfig, ranks: int, dim_h: int, dim_i: int, num_l
             config.block_n & (config.block_n - 1)):
         raise ValueError(f"MegakernelConfig: block_m = {config.block_m} and block_n = {config.block_n} must be "
                          "powers of two >= 16 (tl.dot tiles)")
+    if mx and config.block_n < MX_BLOCK:
+        raise ValueError(f"MegakernelConfig.block_n = {config.block_n}: precision 'mxfp8' stores h in {MX_BLOCK}-column "
+                         f"MXFP8 blocks per item, so block_n must be >= {MX_BLOCK}")
     return replace(config, comm_programs=comm, compute_programs=compute, ring_tiles=ring)
 
 
@@ -178,8 +185,8 @@ def launch_shape(cfg: MegakernelConfig, ranks: int, num_tokens: int, top_k: int,
                        cfg.group_tiles, cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages, shared_groups, cfg.gemm)
 
 
-def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg: MegakernelConfig,
-              device) -> _Workspace:
+def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg: MegakernelConfig, device,
+              mx: bool) -> _Workspace:
     slots = num_tokens * top_k
     bf16 = dict(dtype=torch.bfloat16, device=device)
     symmetric, tables = virtual_symmetric(ranks, {
@@ -190,8 +197,7 @@ def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg
     slots_f = ring + groups * cfg.group_tiles  # flag slots: the ring's, then the shared expert's tiles'
     flag = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
     bufs = MegakernelBuffers(
-        ring_VQMH=torch.zeros(ranks, ring, rows, dim_h, **bf16),
-        h_VQMI=torch.zeros(ranks, ring, rows, dim_i, **bf16),
+        **ring_buffers(ranks, ring, rows, dim_h, dim_i, mx, device),
         ready_VQ=flag(ranks, ring, dtype=torch.int64),
         h_ready_VF=flag(ranks, slots_f, dtype=torch.int64),
         consumed_VF=flag(ranks, slots_f, dtype=torch.int64),
@@ -207,6 +213,18 @@ def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg
     shape = launch_shape(cfg, ranks, num_tokens, top_k, num_local, groups)
     return _Workspace(shape, bufs, symmetric, [*bufs.flags, *symmetric["arrivals_T"], *symmetric["x_ready"]],
                       cfg.timeout_ms)
+
+
+def launch_weights(expert_weights: tuple, precision: str, weights_owner: object = None,
+                   weight_sources: tuple | None = None, backward_follows: bool = False) -> tuple:
+    """The routed weights as the launch reads them: bf16 as given, or under mxfp8 the very operands the Triton
+    grouped FFN's forward reads (``grouped_ffn.forward_weight_operands``: MXFP8 along K in MMA order, kept under
+    ``weights_owner`` per weight version, the dgrad layouts made with them when ``backward_follows``). The launch
+    quantizes no weight."""
+    if precision == "bf16":
+        return tuple(expert_weights)
+    return forward_weight_operands(tuple(expert_weights), precision, weights_owner=weights_owner,
+                                   weight_sources=weight_sources, backward_follows=backward_follows)
 
 
 def raise_on_megakernel_error() -> None:
@@ -327,12 +345,16 @@ class CheckedCall:
     serialized: bool
     config: MegakernelConfig
     """Its None sizes filled (``_resolve``)."""
+    precision: str = "bf16"
+    """The routed experts' GEMM operands: "bf16" or "mxfp8" (the shared expert's stay bf16)."""
 
 
 def check_call(caller: str, xs, weights, ids, shared, scales, expert_weights, shared_expert: SharedFFN | None, *,
                num_experts: int, ep_degree: int, swiglu_limit: float | None, config: MegakernelConfig,
-               serialized: bool | None, stall_rank: int | None) -> CheckedCall:
+               serialized: bool | None, stall_rank: int | None, precision: str = "bf16") -> CheckedCall:
     """Every check of a forward call, of one rank (xs etc. one entry) or of every virtual rank (P entries)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"{caller}: precision = {precision!r} must be one of {PRECISIONS}")
     shared_weights = () if shared_expert is None else (shared_expert.w_gate_IH, shared_expert.w_up_IH,
                                                         shared_expert.w_down_HI)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
@@ -347,9 +369,12 @@ def check_call(caller: str, xs, weights, ids, shared, scales, expert_weights, sh
                          "concurrent launch would spin forever; use serialized=True (or None)")
     if stall_rank is not None and not 0 <= stall_rank < ep_degree:
         raise ValueError(f"{caller}: stall_rank = {stall_rank} is not a rank of {ep_degree}")
+    if precision == "mxfp8" and (dim_h % MX_BLOCK or dim_i % MX_BLOCK):
+        raise ValueError(f"{caller}: precision 'mxfp8' needs H ({dim_h}) and I ({dim_i}) to be multiples of "
+                         f"{MX_BLOCK} (the MXFP8 block)")
     cfg = _resolve(config, len(xs), dim_h, dim_i, num_experts // ep_degree, swiglu_limit is not None, shared_expert,
-                   xs[0].device, serialized)
-    return CheckedCall(num_tokens, top_k, dim_h, dim_i, shared_dim, serialized, cfg)
+                   xs[0].device, serialized, mx=precision == "mxfp8")
+    return CheckedCall(num_tokens, top_k, dim_h, dim_i, shared_dim, serialized, cfg, precision)
 
 
 def megakernel_routed_experts(
@@ -368,6 +393,9 @@ def megakernel_routed_experts(
     stall_rank: int | None = None,
     shared_expert: SharedFFN | None = None,
     shared_scale_T1=None,
+    precision: str = "bf16",
+    weights_owner: object = None,
+    weight_sources: tuple | None = None,
 ) -> list[torch.Tensor]:
     """Routed experts' forward of P virtual ranks on this device: [T, H] → [T, H] in out_dtype (None: x's dtype),
     per rank (module docstring). One rank of a group, or one alone: ``megakernel_rank.megakernel_rank_routed_experts``.
@@ -385,6 +413,10 @@ def megakernel_routed_experts(
             tokens (then shared_TH is None); its rows are ``SharedExpert(use_triton=True)``'s bf16 output.
         shared_scale_T1: a list of fp32 [T, 1], or None: the shared expert's output times it, in fp32 (Qwen3.5's
             output gate, sigmoid(x · w_gate), computed by the caller).
+        precision: the routed experts' GEMM operands, "bf16" or "mxfp8" (then every expert row is the Triton
+            grouped FFN's MXFP8 row: x quantized along H on the pull, h along I; the shared expert stays bf16).
+        weights_owner, weight_sources: under mxfp8, ``grouped_swiglu_ffn``'s: the MXFP8 weight operands are kept
+            under the owner per version of the sources (``launch_weights``); None: quantized on every call.
 
     Returns:
         the list of P out_TH.
@@ -398,21 +430,22 @@ def megakernel_routed_experts(
     ranks = len(xs)
     call = check_call("megakernel_routed_experts", xs, weights, ids, shared, scales, expert_weights, shared_expert,
                       num_experts=num_experts, ep_degree=ranks, swiglu_limit=swiglu_limit, config=config,
-                      serialized=serialized, stall_rank=stall_rank)
+                      serialized=serialized, stall_rank=stall_rank, precision=precision)
     cfg, num_tokens, dim_h = call.config, call.num_tokens, call.dim_h
     device = xs[0].device
     num_local = num_experts // ranks
-    key = (device, ranks, num_tokens, call.top_k, dim_h, call.dim_i, num_local, cfg, call.shared_dim)
+    key = (device, ranks, num_tokens, call.top_k, dim_h, call.dim_i, num_local, cfg, call.shared_dim, precision)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = _allocate(ranks, num_tokens, call.top_k, dim_h, call.dim_i, call.shared_dim, num_local,
-                                     cfg, device)
+                                     cfg, device, precision == "mxfp8")
     ws = _WORKSPACES[key]
 
     for x_buf_TH, x in zip(ws.symmetric["x_TH"], xs):
         x_buf_TH.copy_(x)
     schedule = tile_schedules(ids, num_local, num_experts, cfg.block_m)
     epoch = ws.next_epoch()
-    megakernel_launch(ws.bufs, schedule, expert_weights, ws.shape, epoch=epoch, swiglu_limit=swiglu_limit,
+    operands = launch_weights(expert_weights, precision, weights_owner, weight_sources)
+    megakernel_launch(ws.bufs, schedule, operands, ws.shape, epoch=epoch, swiglu_limit=swiglu_limit,
                       serialized=call.serialized, shared=shared_expert, stall_rank=stall_rank,
                       timeout_ms=cfg.timeout_ms)
     out_PTH = torch.empty(ranks, num_tokens, dim_h, dtype=out_dtype or xs[0].dtype, device=device)
