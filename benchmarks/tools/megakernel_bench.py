@@ -2,7 +2,7 @@
 
     python3 benchmarks/tools/megakernel_bench.py [--tokens 2048] [--ranks 1 2 4 8] [--experts 384] [--iters 30]
         [--comm-programs C] [--group-tiles G] [--lag LAG] [--ring-tiles Q] [--shared-dim I_S]
-        [--block-m 64 128] [--gemm ptr tma] [--num-stages 3 4]
+        [--block-m 64 128] [--gemm ptr tma] [--num-stages 3 4] [--precision bf16|mxfp8]
 
 Legend: P virtual ranks, T tokens per rank, K top-k, H hidden, I expert FFN size, E experts (all on this GPU).
 
@@ -21,6 +21,11 @@ same triton timing (default: the config's, one variant); one the device cannot c
 and the others run. The last columns: the P=P launch's programs per rank, its item order (tiles per group, lag in
 groups) and its ring per rank; TFLOP/s: the routed experts' GEMM FLOPs
 (T·P·K·3·2·H·I) over the P=P launch's time, end to end (pull, FFN, push, reduction).
+
+--precision mxfp8: the routed experts in MXFP8 on both paths (the triton path's Triton grouped FFN with
+``precision="mxfp8"``; the megakernel quantizing rows on the pull, its ring and h in MXFP8), the shared expert bf16.
+Both read the same MXFP8 weight operands, made once before the timings (kept under one owner, as a training step's
+microbatches read them), so neither time holds a weight quantization; the ring column counts its MXFP8 bytes.
 """
 
 import argparse
@@ -34,6 +39,7 @@ from triton.runtime.errors import OutOfResources
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
 from titan_mok.kernels.mok_megakernel import GEMM_LOADS, SharedFFN
 from titan_mok.moe.fused import fused_routed_experts
+from titan_mok.kernels.tile_configs import PRECISIONS
 from titan_mok.moe.megakernel import MegakernelConfig, _WORKSPACES, megakernel_routed_experts
 
 
@@ -71,6 +77,7 @@ def main() -> None:
     parser.add_argument("--gemm", nargs="+", default=[MegakernelConfig.gemm], choices=GEMM_LOADS,
                         help="the item GEMMs' loads")
     parser.add_argument("--shared-dim", type=int, default=0, help="I_S of a shared expert (0: none)")
+    parser.add_argument("--precision", default="bf16", choices=PRECISIONS, help="the routed experts' GEMMs")
     opts = parser.parse_args()
     dim_h, dim_i, num_experts, top_k = opts.hidden, opts.expert_dim, opts.experts, opts.top_k
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -86,8 +93,12 @@ def main() -> None:
                             group_tiles=opts.group_tiles, lag=opts.lag)
     configs = [dataclasses.replace(base, block_m=block_m, gemm=gemm, num_stages=stages)
                for block_m, gemm, stages in itertools.product(opts.block_m, opts.gemm, opts.num_stages)]
+    # the MXFP8 weight operands, kept under this owner for both paths (the weights never change here)
+    owner = WeightsOwner()
+    kept = dict(precision=opts.precision, weights_owner=owner, weight_sources=expert_weights)
     print(f"{torch.cuda.get_device_name()}, H {dim_h}, I {dim_i}, E {num_experts}, K {top_k}, T {opts.tokens} per "
-          f"rank, shared expert I_S {opts.shared_dim or 'none'}; ms, median of {opts.iters}")
+          f"rank, shared expert I_S {opts.shared_dim or 'none'}, routed experts {opts.precision}; ms, median of "
+          f"{opts.iters}")
     print(f"{'P':>2} {'tokens':>7} {'variant':>14} {'triton':>8} {'mega P=1':>9} {'mega P=P':>9} {'P=1/triton':>10} "
           f"{'P=P/triton':>10} {'P=P/P=1':>8} {'TFLOP/s':>7}  programs/rank (comm+compute), group x lag, ring/rank")
     for ranks in opts.ranks:
@@ -97,7 +108,7 @@ def main() -> None:
         weights_TK = torch.rand(tokens, top_k, generator=g, device="cuda")
 
         def experts(x_RH, group_end_E):
-            return grouped_swiglu_ffn(x_RH, group_end_E, *expert_weights, use_triton=True)
+            return grouped_swiglu_ffn(x_RH, group_end_E, *expert_weights, use_triton=True, **kept)
 
         def triton_path():
             shared_TH = None
@@ -107,11 +118,11 @@ def main() -> None:
             return fused_routed_experts(x_TH, weights_TK, ids_TK, shared_TH, None, experts, num_experts=num_experts)
 
         def mega(parts, config):
-            split = (lambda t: list(t.chunk(parts))) if parts > 1 else (lambda t: t)
-            out = megakernel_routed_experts(split(x_TH), split(weights_TK), split(ids_TK),
-                                            [None] * parts if parts > 1 else None, expert_weights,
-                                            num_experts=num_experts, config=config, shared_expert=shared_expert)
-            return torch.cat(out) if parts > 1 else out
+            out = megakernel_routed_experts(list(x_TH.chunk(parts)), list(weights_TK.chunk(parts)),
+                                            list(ids_TK.chunk(parts)), [None] * parts, expert_weights,
+                                            num_experts=num_experts, config=config, shared_expert=shared_expert,
+                                            **kept)
+            return torch.cat(out)
 
         ffn_flops = tokens * top_k * 3 * 2 * dim_h * dim_i  # the routed experts' GEMMs
         with torch.no_grad():
@@ -133,7 +144,8 @@ def main() -> None:
                 continue
             row += row[-1:] * (2 - len(row))  # P = 1: one megakernel run
             ws = [w for key, w in _WORKSPACES.items() if key[1:3] == (ranks, opts.tokens)][-1]
-            ring_mb = (ws.bufs.ring_VQMH[0].numel() + ws.bufs.h_VQMI[0].numel()) * 2 / 1e6
+            ring_bufs = (ws.bufs.ring_VQMH, ws.bufs.h_VQMI, ws.bufs.ring_scales_VQMB, ws.bufs.h_scales_VQMB)
+            ring_mb = sum(b[0].numel() * b.element_size() for b in ring_bufs if b is not None) / 1e6
             print(f"{ranks:2} {tokens:7} {variant_name(config):>14} {triton_ms:8.3f} {row[0]:9.3f} {row[1]:9.3f} "
                   f"{row[0] / triton_ms:10.3f} {row[1] / triton_ms:10.3f} {row[1] / row[0]:8.3f} "
                   f"{ffn_flops / row[1] / 1e9:7.0f}  "
@@ -141,6 +153,10 @@ def main() -> None:
                   f"{ws.bufs.ring_tiles} tiles ({ring_mb:.0f} MB)", flush=True)
             _WORKSPACES.clear()  # free this variant's buffers before the next
             torch.cuda.empty_cache()
+
+
+class WeightsOwner:
+    """Who the MXFP8 weight operands are kept under (``kernels/weight_cache.py``)."""
 
 
 def variant_name(config: MegakernelConfig) -> str:

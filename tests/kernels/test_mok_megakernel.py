@@ -540,14 +540,16 @@ def test_programs_per_sm_counts_registers_shared_memory_and_threads():
                     reason="Triton's wheel has no ptxas/cuobjdump here")
 def test_compiles_for_sm90_with_wgmma_and_no_spills():
     """The concurrent launch's kernel at Kimi K2.7's sizes and the default config, without and with the shared
-    expert (I_S 2048) in the launch, compiled for sm_90 on the CPU (benchmarks/tools/sass.py's stand-in driver; the
+    expert (I_S 2048) in the launch, and with MXFP8 routed experts (pointer and TMA loads), compiled for sm_90 on the
+    CPU (benchmarks/tools/sass.py's stand-in driver; the
     interpreter cannot compile, hence a subprocess): wgmmas, no spill stack, one program per SM at least (the
     occupancy the launch checks)."""
     script = (
         "import json; from benchmarks.tools import sass; from titan_mok.kernels import mok_megakernel as m\n"
         "from titan_mok.moe.megakernel import MegakernelConfig as C\n"
-        "for shared in (0, 2048):\n"
-        "    v = m.KernelVariant(7168, 2048, shared, 48, C.block_m, C.block_n, C.num_warps, C.num_stages, False)\n"
+        "for shared, mx, gemm in ((0, False, 'ptr'), (2048, False, 'ptr'), (0, True, 'ptr'), (2048, True, 'tma')):\n"
+        "    v = m.KernelVariant(7168, 2048, shared, 48, C.block_m, C.block_n, C.num_warps, C.num_stages, False,\n"
+        "                        gemm=gemm, mx=mx)\n"
         "    with sass.compiling_for_sm90():\n"
         "        k = m.compile_megakernel(v)\n"
         "    r = sass.kernel_report('_megakernel', k)\n"
@@ -557,6 +559,6 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills():
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
                          cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
-    for line in out.stdout.strip().splitlines()[-2:]:  # without and with the shared expert in the launch
+    for line in out.stdout.strip().splitlines()[-4:]:  # each variant
         report = __import__("json").loads(line)
         assert report["hgmma"] > 0 and report["stack"] == 0 and report["per_sm"] >= 1, report

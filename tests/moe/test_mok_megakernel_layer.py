@@ -1,8 +1,9 @@
 """``[mok] kernels = "megakernel"`` in the MoE layer, on CPU (Triton's interpreter, the megakernel's serialized
 mode), against ``kernels = "triton"`` (the fused path, which runs on CPU at one rank): the layer's output, its input
 gradient and every parameter's gradient, bit for bit (torch.equal); with activation checkpointing, with layers
-sharing the megakernel's workspace, run to run; the errors for what the megakernel does not run; and which path
-``kernels = "auto"`` takes. On a GPU: test_mok_megakernel_layer_gpu.py.
+sharing the megakernel's workspace, run to run, in bf16 and with MXFP8 routed experts (each weight quantized once
+per version for both); the errors for what the megakernel does not run; and which path ``kernels = "auto"``
+takes. On a GPU: test_mok_megakernel_layer_gpu.py.
 
 Hopper is required by both kernels' build-time check; these tests lift it (``has_cuda_capability``) since the
 interpreter runs the same kernels here.
@@ -14,6 +15,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from titan_mok.kernels import grouped_ffn
 from titan_mok.moe import MoE, MoEArgs
 from titan_mok.moe import megakernel_rank as mk_rank
 from titan_mok.moe import moe as moe_module
@@ -30,6 +32,10 @@ CASES = {
     "amp_gated_clamped": dict(dtype=torch.float32, amp=True, args=dict(
         score_func="softmax", use_expert_bias=False, load_balance_coeff=None, shared_expert_gate=True,
         swiglu_limit=0.3, shared_expert_swiglu_limit=0.3)),
+    # MXFP8 routed experts (the shared expert bf16), with the previous case's AMP, gate and clamps
+    "mxfp8_amp_gated_clamped": dict(dtype=torch.float32, amp=True, args=dict(
+        precision="mxfp8", score_func="softmax", use_expert_bias=False, load_balance_coeff=None,
+        shared_expert_gate=True, swiglu_limit=0.3, shared_expert_swiglu_limit=0.3)),
 }
 
 
@@ -153,8 +159,6 @@ def test_backward_reads_nothing_from_the_workspace():
 
 
 def test_what_the_megakernel_does_not_run_is_refused():
-    with pytest.raises(ValueError, match="kernels = 'megakernel' runs precision 'bf16' only.*got precision 'mxfp8'"):
-        MoE(MoEArgs(num_experts=E, expert_dim=I, kernels="megakernel", precision="mxfp8"), H)
     with pytest.raises(ValueError, match="max_rows_per_rank = 10 bounds the reference schedule's receive buffer"):
         MoE(MoEArgs(num_experts=E, expert_dim=I, kernels="megakernel", max_rows_per_rank=10), H)
     with pytest.raises(ValueError, match="TorchTitan's bf16 grouped GEMM baseline.*kernels 'megakernel'"):
@@ -194,3 +198,21 @@ def test_auto_on_cpu_tensors_is_the_reference_and_checks_router_logits():
     x[0, 3, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="NaN or Inf"):
         layer(x)
+
+
+@interpreted
+def test_mxfp8_weights_are_quantized_once_per_version(monkeypatch):
+    """Under mxfp8 the forward launch and the backward's recomputation read the MXFP8 weight operands kept under
+    the experts module: a training step quantizes each routed weight once (both layouts from one read), the next
+    step with the same weights not at all."""
+    made = []
+    both = grouped_ffn.mxfp8_quantize_both
+    monkeypatch.setattr(grouped_ffn, "mxfp8_quantize_both", lambda w, name, **kw: made.append(name) or both(w, name,
+                                                                                                           **kw))
+    monkeypatch.setattr(grouped_ffn, "weight_operand", lambda *a, **kw: pytest.fail(f"a single layout made: {a[3]}"))
+    x, dy = _inputs("mxfp8_amp_gated_clamped", seed=7)
+    layer = _layer("megakernel", "mxfp8_amp_gated_clamped")
+    first = run_layers([layer], x, dy, amp=True)
+    assert sorted(made) == ["w_down_EHI", "w_gate_EIH", "w_up_EIH"]
+    _assert_bitwise(run_layers([layer], x, dy, amp=True), first)
+    assert len(made) == 3

@@ -226,7 +226,7 @@ IMPLS = {
     "megakernel": Impl("titan-mok MoE, backend mok, kernels megakernel (the forward megakernel, one launch per "
                        "rank over symmetric memory under EP; its backward recomputes the triton forward, then as "
                        "triton; SM90+)",
-                       partial(build_mok, backend="mok", kernels="megakernel"), routed_mok, ("bf16",)),
+                       partial(build_mok, backend="mok", kernels="megakernel"), routed_mok),
     "mok_tt": Impl("titan-mok router/shared/combine + TorchTitan grouped experts: the A/B where only the "
                    "routed path differs (titan-mok MoE, backend torchtitan)",
                    partial(build_mok, backend="torchtitan", kernels="auto"), routed_mok, ("bf16",)),

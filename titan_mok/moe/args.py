@@ -70,6 +70,6 @@ class MoEArgs:
     """Routed-expert GEMMs: "bf16" (the activations' dtype) or "mxfp8" (kernels/mxfp8.py)."""
     kernels: Literal["auto", "reference", "triton", "megakernel"] = "auto"
     """"reference": pure PyTorch; "triton": the fused path (Hopper); "megakernel": the routed experts'
-    forward in the MoK megakernel, one launch per rank (any EP degree), bf16 (Hopper); "auto": the fastest measured
-    path: the fused path for CUDA tensors on SM90+, except with ``max_rows_per_rank`` set (and in RL
+    forward in the MoK megakernel, one launch per rank (any EP degree), bf16 or mxfp8 (Hopper); "auto": the fastest
+    measured path: the fused path for CUDA tensors on SM90+, except with ``max_rows_per_rank`` set (and in RL
     rollouts), where it runs the reference schedule with the Triton expert FFN; pure PyTorch elsewhere."""

@@ -14,7 +14,7 @@ from titan_mok.kernels.mxfp8_gathered import MXFP8GatheredWeight
 from titan_mok.kernels.row_tiles import pointwise_padded, row_invariant_linear
 from titan_mok.moe.args import MoEArgs
 from titan_mok.moe.megakernel import MegakernelConfig
-from titan_mok.moe.megakernel_autograd import TokenRouting, megakernel_routed_experts_trainable
+from titan_mok.moe.megakernel_autograd import ExpertPrecision, TokenRouting, megakernel_routed_experts_trainable
 
 
 def local_expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,9 +80,7 @@ class RoutedExperts(nn.Module):
         with torch.no_grad():
             self.rows_computed.add_(group_end_L[-1])  # rows past group_end_L[-1] are padding
         sources = self.local_weights()
-        if self.weights_gathered and self.precision == "mxfp8" and not isinstance(sources[0], MXFP8GatheredWeight):
-            raise RuntimeError("RoutedExperts: FSDP gathered these mxfp8 experts' weights as values, not as MXFP8: "
-                               "their parameters lost the MXFP8 all-gather (titan_mok.moe.mxfp8_fsdp.gather_as_mxfp8)")
+        self._check_gathered(sources)
         w_gate_LIH, w_up_LIH, w_down_LHI = (w.to(x_RH.dtype) for w in sources)
         # "auto" runs the Triton FFN on CUDA tensors only: a CPU copy of the layer runs the reference
         use_triton = self.use_triton and (x_RH.is_cuda or self.kernels == "triton")
@@ -92,13 +90,21 @@ class RoutedExperts(nn.Module):
             weight_sources=sources,
         )
 
+    def _check_gathered(self, sources) -> None:
+        if self.weights_gathered and self.precision == "mxfp8" and not isinstance(sources[0], MXFP8GatheredWeight):
+            raise RuntimeError("RoutedExperts: FSDP gathered these mxfp8 experts' weights as values, not as MXFP8: "
+                               "their parameters lost the MXFP8 all-gather (titan_mok.moe.mxfp8_fsdp.gather_as_mxfp8)")
+
     def _megakernel(self, x_TH: torch.Tensor, routing: TokenRouting) -> torch.Tensor:
-        # the megakernel reads contiguous weights in the activations' dtype (under AMP: a cast of the fp32 masters)
-        weights = tuple(w.to(x_TH.dtype).contiguous() for w in self.local_weights())
+        sources = self.local_weights()
+        self._check_gathered(sources)
+        # the megakernel reads contiguous weights in the activations' dtype (under AMP: a cast of the fp32 masters);
+        # under mxfp8 their MXFP8 operands, kept under this module as the Triton FFN keeps them
+        weights = tuple(w.to(x_TH.dtype).contiguous() for w in sources)
         group = self.ep_mesh.get_group() if self.ep_mesh is not None and self.ep_mesh.size() > 1 else None
         out_TH, group_end_L = megakernel_routed_experts_trainable(
             x_TH, routing, weights, num_experts=self.num_experts, group=group, swiglu_limit=self.swiglu_limit,
-            config=self.megakernel_config)
+            config=self.megakernel_config, experts_precision=ExpertPrecision(self.precision, self, sources))
         with torch.no_grad():
             self.rows_computed.add_(group_end_L[-1])
         return out_TH

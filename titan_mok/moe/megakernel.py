@@ -16,11 +16,15 @@ buffers exactly as they would between GPUs, so a token's output is the same bits
 Per call, all on the current stream, no host sync: each rank's x rows into its x buffer; the schedule
 (``kernels/mok_schedule.py``, per rank); the megakernel (one launch: pull, FFN, push, and the shared
 expert's FFN if given); the finish launch (per token, wait for its rows, then the ordered fp32 reduction
-with the shared expert's output). The workspace of a (device, P, T, K, H, I, shared expert size, config)
-is allocated at its first call and reused; its flags are never reset between calls (per-call epochs).
+with the shared expert's output). The workspace of a (device, P, T, K, H, I, shared expert size, config,
+precision) is allocated at its first call and reused; its flags are never reset between calls (per-call epochs).
+
+MXFP8 (``precision="mxfp8"``): every expert row is the Triton grouped FFN's MXFP8 row
+(``grouped_swiglu_ffn(precision="mxfp8", use_triton=True)``): the launch reads that path's MXFP8 weight operands
+(``launch_weights``), quantizes each pulled row along H into its ring and h along I; the shared expert stays bf16.
 
 Not here: the backward (an input that requires grad raises NotImplementedError; ``[mok] kernels = "megakernel"``
-trains through ``titan_mok.moe.megakernel_autograd``, whose backward recomputes the triton path's forward), MXFP8.
+trains through ``titan_mok.moe.megakernel_autograd``, whose backward recomputes the triton path's forward).
 """
 
 from dataclasses import dataclass, replace
@@ -161,8 +165,8 @@ def _resolve(config: MegakernelConfig, ranks: int, dim_h: int, dim_i: int, num_l
         raise ValueError(f"MegakernelConfig: block_m = {config.block_m} and block_n = {config.block_n} must be "
                          "powers of two >= 16 (tl.dot tiles)")
     if mx and config.block_n < MX_BLOCK:
-        raise ValueError(f"MegakernelConfig.block_n = {config.block_n}: precision 'mxfp8' stores h in {MX_BLOCK}-column "
-                         f"MXFP8 blocks per item, so block_n must be >= {MX_BLOCK}")
+        raise ValueError(f"MegakernelConfig.block_n = {config.block_n}: precision 'mxfp8' stores h in {MX_BLOCK}-column"
+                         f" MXFP8 blocks per item, so block_n must be >= {MX_BLOCK}")
     return replace(config, comm_programs=comm, compute_programs=compute, ring_tiles=ring)
 
 

@@ -26,6 +26,11 @@ same layers), so the barriers pair up.
 
 Nothing the backward reads comes from the megakernel's ring or a buffer it left: it saves x, the combine
 weights, the bf16 expert weights it was given and the schedule, and rewrites every workspace buffer it reads.
+
+MXFP8 (``ExpertPrecision``): the forward launch reads the MXFP8 weight operands that the Triton grouped FFN keeps
+per weight version under the experts module (``grouped_ffn.forward_weight_operands``; in a training forward made
+together with the dgrad layouts), and the backward's ``grouped_swiglu_ffn(precision="mxfp8")`` finds them there:
+no weight is quantized twice, and every gradient is the ``"triton"`` path's MXFP8 gradient.
 """
 
 from dataclasses import dataclass
@@ -54,17 +59,30 @@ class TokenRouting:
     """The layer's output dtype."""
 
 
+@dataclass(frozen=True)
+class ExpertPrecision:
+    """The routed experts' GEMM precision and, under mxfp8, where their MXFP8 weight operands are kept
+    (``grouped_swiglu_ffn``'s weights_owner and weight_sources): the forward launch and the backward's
+    recomputation read the same kept operands."""
+
+    precision: str = "bf16"
+    weights_owner: object = None
+    weight_sources: tuple | None = None
+
+
 class _MegakernelRoutedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, weights_TK, shared_TH, w_gate_LIH, w_up_LIH, w_down_LHI, topk_idx_TK, group, num_experts,
-                swiglu_limit, out_dtype, config):
+                swiglu_limit, out_dtype, config, experts_precision, backward_follows):
         out_TH, handle = megakernel_rank_forward(
             x_TH, weights_TK, topk_idx_TK, shared_TH, (w_gate_LIH, w_up_LIH, w_down_LHI), num_experts=num_experts,
             group=group, swiglu_limit=swiglu_limit, out_dtype=out_dtype, config=config,
+            precision=experts_precision.precision, weights_owner=experts_precision.weights_owner,
+            weight_sources=experts_precision.weight_sources, backward_follows=backward_follows,
         )
         ctx.save_for_backward(x_TH, weights_TK, w_gate_LIH, w_up_LIH, w_down_LHI, handle.group_end, handle.row_slot_R)
         ctx.workspace = handle.workspace
-        ctx.swiglu_limit, ctx.out_dtype = swiglu_limit, out_dtype
+        ctx.swiglu_limit, ctx.out_dtype, ctx.experts_precision = swiglu_limit, out_dtype, experts_precision
         ctx.shared_dtype = None if shared_TH is None else shared_TH.dtype
         ctx.mark_non_differentiable(handle.group_end)
         return out_TH, handle.group_end
@@ -75,7 +93,7 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
         needs = ctx.needs_input_grad
         needs_dx, needs_dweights, needs_dw = needs[0], needs[1], needs[3:6]
         dshared_TH = None if ctx.shared_dtype is None else dout_TH.to(ctx.shared_dtype)  # the fused combine's
-        unused = (None,) * 6  # topk_idx, group, num_experts, swiglu_limit, out_dtype, config
+        unused = (None,) * 8  # topk_idx, group, num_experts, swiglu_limit, out_dtype, config, precision, follows
         if not (needs_dx or needs_dweights or any(needs_dw)):
             return None, None, dshared_TH, None, None, None, *unused
         num_tokens, top_k = weights_TK.shape
@@ -85,8 +103,10 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
             w_TK = weights_TK.detach().requires_grad_(needs_dweights)
             experts = [w.detach().requires_grad_(need) for w, need in zip((w_gate_LIH, w_up_LIH, w_down_LHI),
                                                                              needs_dw)]
-            y_RH = grouped_swiglu_ffn(fused_dispatch(x, handle), group_end_L, *experts,
-                                      swiglu_limit=ctx.swiglu_limit, use_triton=True)
+            mx = ctx.experts_precision
+            y_RH = grouped_swiglu_ffn(fused_dispatch(x, handle), group_end_L, *experts, precision=mx.precision,
+                                      swiglu_limit=ctx.swiglu_limit, use_triton=True, weights_owner=mx.weights_owner,
+                                      weight_sources=mx.weight_sources)
             out = fused_combine(y_RH, w_TK, None, handle, ctx.out_dtype)
         leaves = (x, w_TK, *experts)
         wanted = [t for t in leaves if t.requires_grad]
@@ -104,12 +124,16 @@ def megakernel_routed_experts_trainable(
     group: dist.ProcessGroup | None,
     swiglu_limit: float | None,
     config: MegakernelConfig,
+    experts_precision: ExpertPrecision = ExpertPrecision(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out_TH [T, H] in routing.out_dtype, group_end_L int32 [L]): this rank's routed experts combined with the
     shared output (module docstring), differentiable in x, the combine weights, the shared output and the rank's
-    expert weights (bf16, contiguous: w_gate, w_up [L, I, H], w_down [L, H, I]). Every rank of ``group`` (None: this
-    rank alone) calls it in the same order. No host sync."""
+    expert weights (bf16, contiguous: w_gate, w_up [L, I, H], w_down [L, H, I]; under mxfp8 also FSDP's
+    MXFP8-gathered weights). Every rank of ``group`` (None: this rank alone) calls it in the same order. No host
+    sync."""
+    # asked here: autograd runs the forward with grad disabled (grouped_swiglu_ffn's rule)
+    backward_follows = torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, *expert_weights))
     return _MegakernelRoutedExperts.apply(
         x_TH, routing.weights_TK, routing.shared_TH, *expert_weights, routing.topk_idx_TK, group, num_experts,
-        swiglu_limit, routing.out_dtype, config,
+        swiglu_limit, routing.out_dtype, config, experts_precision, backward_follows,
     )

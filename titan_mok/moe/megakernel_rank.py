@@ -47,11 +47,12 @@ from titan_mok.kernels.mok_megakernel import (
     megakernel_finish,
     megakernel_launch,
     read_error,
+    ring_buffers,
     shared_groups,
 )
 from titan_mok.kernels.mok_schedule import mok_schedule
 from titan_mok.moe.fused import FusedHandle
-from titan_mok.moe.megakernel import MegakernelConfig, check_call, tile_ends
+from titan_mok.moe.megakernel import MegakernelConfig, check_call, launch_weights, tile_ends
 from titan_mok.moe.workspace import MokWorkspace, get_workspace
 
 
@@ -72,7 +73,7 @@ _WORKSPACES: dict[tuple, _RankWorkspace] = {}
 
 
 def _allocate(group_ws: MokWorkspace, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg: MegakernelConfig,
-              device) -> _RankWorkspace:
+              device, mx: bool) -> _RankWorkspace:
     ring, rows = cfg.ring_tiles, cfg.block_m
     groups = shared_groups(num_tokens, rows, cfg.group_tiles) if shared_dim else 0
     slots_f = ring + groups * cfg.group_tiles  # flag slots: the ring's, then the shared expert's tiles'
@@ -80,8 +81,7 @@ def _allocate(group_ws: MokWorkspace, num_tokens, top_k, dim_h, dim_i, shared_di
     flag = lambda *shape, dtype: torch.zeros(1, *shape, dtype=dtype, device=device)  # noqa: E731
     tables = {name: group_ws.tables[name] for name in ("x_TH", "slots_NH", "arrivals_T", "x_ready")}
     bufs = MegakernelBuffers(
-        ring_VQMH=torch.zeros(1, ring, rows, dim_h, **bf16),
-        h_VQMI=torch.zeros(1, ring, rows, dim_i, **bf16),
+        **ring_buffers(1, ring, rows, dim_h, dim_i, mx, device),
         ready_VQ=flag(ring, dtype=torch.int64),
         h_ready_VF=flag(slots_f, dtype=torch.int64),
         consumed_VF=flag(slots_f, dtype=torch.int64),
@@ -154,23 +154,28 @@ def megakernel_rank_forward(
     stall_rank: int | None = None,
     shared_expert: SharedFFN | None = None,
     shared_scale_T1: torch.Tensor | None = None,
+    precision: str = "bf16",
+    weights_owner: object = None,
+    weight_sources: tuple | None = None,
+    backward_follows: bool = False,
 ) -> tuple[torch.Tensor, FusedHandle]:
     """(out_TH, this call's schedule as the ``"triton"`` path's handle: its rows, on the same workspace), for the
-    backward (``titan_mok.moe.megakernel_autograd``). Arguments: ``megakernel_rank_routed_experts``."""
+    backward (``titan_mok.moe.megakernel_autograd``). Arguments: ``megakernel_rank_routed_experts``;
+    backward_follows: under mxfp8, make the weights' dgrad layouts with the forward's (``launch_weights``)."""
     ep_degree = 1 if group is None else dist.get_world_size(group)
     caller = "megakernel_rank_routed_experts"
     call = check_call(caller, [x_TH], [weights_TK], [topk_idx_TK], [shared_TH], [shared_scale_T1], expert_weights,
                       shared_expert, num_experts=num_experts, ep_degree=ep_degree, swiglu_limit=swiglu_limit,
-                      config=config, serialized=serialized, stall_rank=stall_rank)
+                      config=config, serialized=serialized, stall_rank=stall_rank, precision=precision)
     cfg, num_tokens, top_k, dim_h = call.config, call.num_tokens, call.top_k, call.dim_h
     device = x_TH.device
     num_local = num_experts // ep_degree
     group_ws = get_workspace(group, num_tokens, top_k, dim_h, torch.bfloat16, device)
     key = (device, None if group is None else group.group_name, num_tokens, top_k, dim_h, call.dim_i, num_local, cfg,
-           call.shared_dim)
+           call.shared_dim, precision)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = _allocate(group_ws, num_tokens, top_k, dim_h, call.dim_i, call.shared_dim, num_local, cfg,
-                                     device)
+                                     device, precision == "mxfp8")
     ws = _WORKSPACES[key]
 
     group_ws.x_TH.copy_(x_TH)
@@ -181,7 +186,8 @@ def megakernel_rank_forward(
     group_end_L, row_slot_R = mok_schedule(ids_PN, group_ws.ep_rank, num_local, num_experts)
     schedule = (group_end_L[None], tile_ends(group_end_L[None], cfg.block_m), row_slot_R[None])
     epoch, arrivals = _next_call(ws)
-    megakernel_launch(ws.bufs, schedule, expert_weights, ws.shape, epoch=epoch, swiglu_limit=swiglu_limit,
+    operands = launch_weights(expert_weights, precision, weights_owner, weight_sources, backward_follows)
+    megakernel_launch(ws.bufs, schedule, operands, ws.shape, epoch=epoch, swiglu_limit=swiglu_limit,
                       serialized=call.serialized, shared=shared_expert, stall_rank=stall_rank,
                       timeout_ms=cfg.timeout_ms, phase_barrier=group_ws.barrier)
     out_1TH = torch.empty(1, num_tokens, dim_h, dtype=out_dtype or x_TH.dtype, device=device)
@@ -215,7 +221,8 @@ def megakernel_rank_routed_experts(
         group: the expert-parallel group (None: this rank alone, P = 1).
         options: ``megakernel_routed_experts``'s swiglu_limit, out_dtype, config, serialized, trap (False: then
             ``raise_on_megakernel_rank_error()`` names the wait), stall_rank (a rank whose launch publishes
-            nothing), shared_expert, shared_scale_T1 (fp32 [T, 1]).
+            nothing), shared_expert, shared_scale_T1 (fp32 [T, 1]), precision ("bf16" or "mxfp8"), weights_owner
+            and weight_sources (mxfp8: where the weight operands are kept).
     """
     out_TH, _ = megakernel_rank_forward(x_TH, weights_TK, topk_idx_TK, shared_TH, expert_weights,
                                         num_experts=num_experts, group=group, **options)

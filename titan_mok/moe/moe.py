@@ -99,9 +99,6 @@ def check_moe_args(args: MoEArgs, dim: int) -> None:
     if args.kernels in ("triton", "megakernel") and not has_cuda_capability(9, 0):
         raise ValueError(f"MoEArgs.kernels = {args.kernels!r} needs a CUDA GPU with compute capability >= 9.0; "
                          "use 'reference' or 'auto'")
-    if args.kernels == "megakernel" and args.precision != "bf16":
-        raise ValueError(f"MoEArgs.kernels = 'megakernel' runs precision 'bf16' only (the megakernel has no MXFP8 "
-                         f"yet), got precision {args.precision!r}; use kernels 'triton' or 'auto' for it")
     if args.kernels == "megakernel" and args.max_rows_per_rank is not None:
         raise ValueError(f"MoEArgs.max_rows_per_rank = {args.max_rows_per_rank} bounds the reference schedule's "
                          "receive buffer; kernels = 'megakernel' has none (a fixed ring, dropless): set it to None")
