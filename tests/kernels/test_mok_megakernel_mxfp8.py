@@ -30,9 +30,13 @@ from titan_mok.kernels import weight_cache
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
 from titan_mok.kernels.mok_megakernel import SharedFFN
 from titan_mok.kernels.mxfp8 import to_mxfp8
+from titan_mok.kernels.mxfp8_gathered import GatheredOperands, MXFP8GatheredWeight
 from titan_mok.moe import megakernel as mk
 from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch
 from titan_mok.moe.megakernel import MegakernelConfig
+
+
+NAMES = ("w_gate_EIH", "w_up_EIH", "w_down_EHI")
 
 
 def ffn_path(x, weights, ids, shared, expert_weights, swiglu_limit=None, use_triton=True) -> torch.Tensor:
@@ -114,23 +118,23 @@ def test_mxfp8_ring_holds_the_rows_quantized_along_h():
 
 
 @interpreted
-def test_mxfp8_reads_the_kept_weight_operands():
+def test_mxfp8_reads_the_kept_weight_operands_or_the_gathered_ones():
     """With an owner and sources, the launch reads the MXFP8 operands kept for the Triton FFN (made once per
-    weight version, with the dgrad layouts when a backward follows), and quantizes none again."""
+    weight version, with the dgrad layouts when a backward follows) and quantizes none again; given FSDP's
+    MXFP8-gathered weights, their operands as gathered: the same bits."""
     (x, weights, shared), expert_weights = layer_inputs(1, 64, seed=77)
     ids = routing("skewed", 1, seed=78)
-
-    class Owner:
-        pass
-
-    owner = Owner()
-    mx_megakernel(1, x, weights, ids, shared, expert_weights, weights_owner=owner, weight_sources=expert_weights)
+    owner = torch.nn.Module()
+    first = mx_megakernel(1, x, weights, ids, shared, expert_weights, weights_owner=owner,
+                          weight_sources=expert_weights)
     kept = dict(weight_cache._kept[owner])
     assert sorted(kept) == [(n, 2) for n in ("w_down_EHI", "w_gate_EIH", "w_up_EIH")]
-    mx_megakernel(1, x, weights, ids, shared, expert_weights, weights_owner=owner, weight_sources=expert_weights)
-    assert all(weight_cache._kept[owner][key][1] is operand for key, (_, operand) in kept.items())
     operands = mk.launch_weights(expert_weights, "mxfp8", owner, expert_weights, backward_follows=True)
-    assert [o is kept[(n, 2)][1] for o, n in zip(operands, ("w_gate_EIH", "w_up_EIH", "w_down_EHI"))] == [True] * 3
+    assert [o is kept[(n, 2)][1] for o, n in zip(operands, NAMES)] == [True] * 3
+    gathered = [MXFP8GatheredWeight(GatheredOperands({2: kept[(n, 2)][1]}), w.shape, w.dtype, w.device)
+                for w, n in zip(expert_weights, NAMES)]
+    assert torch.equal(mx_megakernel(1, x, weights, ids, shared, tuple(gathered)), first)
+    assert all(weight_cache._kept[owner][key][1] is operand for key, (_, operand) in kept.items())
 
 
 @interpreted

@@ -6,8 +6,8 @@ floats from the runs' metrics.jsonl):
 - the routed path (forward and backward) does no host sync;
 - training steps of the Kimi K2.7 Code debug flavor (one GPU, AMP, full activation checkpointing; on two GPUs
   under FSDP, EP degree 1, whose hooks gather the experts' weights for the megakernel; and at EP degree 2, each
-  rank's launch reaching the other through symmetric memory): every step's loss, gradient norm and loss checksum;
-  no token dropped.
+  rank's launch reaching the other through symmetric memory), in bf16 and with MXFP8 routed experts: every step's
+  loss, gradient norm and loss checksum; no token dropped.
 - on 2 (4, 8) GPUs, one launch per rank over symmetric memory (``titan_mok.moe.megakernel_rank``): the layer at EP =
   the GPU count equals ``kernels = "triton"`` at the same EP degree, output and every gradient, run to run; its
   routed path does no host sync; a stalled peer ends in the bounded wait's error on both ranks, and with ``trap``
@@ -40,6 +40,10 @@ CASES = {
     "amp_gated_clamped": dict(amp=True, args=dict(score_func="softmax", use_expert_bias=False,
                                                   load_balance_coeff=None, shared_expert_gate=True,
                                                   swiglu_limit=0.5, shared_expert_swiglu_limit=0.5)),
+    "mxfp8_amp_gated_clamped": dict(amp=True, args=dict(precision="mxfp8", score_func="softmax",
+                                                        use_expert_bias=False, load_balance_coeff=None,
+                                                        shared_expert_gate=True, swiglu_limit=0.5,
+                                                        shared_expert_swiglu_limit=0.5)),
 }
 
 
@@ -107,11 +111,11 @@ def test_routed_path_has_no_host_sync():
     run_without_host_sync(step)
 
 
-def _train(folder, kernels: str, nproc: int, ep: int = 1) -> list[dict]:
+def _train(folder, kernels: str, nproc: int, ep: int = 1, precision: str = "bf16") -> list[dict]:
     torchrun.run("titan_mok.train", "train_configs/kimi_k2_7_code/debug.toml", "--training.steps", "4",
                  "--parallelism.expert_parallel_degree", str(ep), "--training.mixed_precision_param", "bfloat16",
                  "--activation_checkpoint.mode", "full", "--metrics.log_freq", "1", "--mok.kernels", kernels,
-                 "--job.dump_folder", str(folder), nproc=nproc, timeout=600)
+                 "--mok.precision", precision, "--job.dump_folder", str(folder), nproc=nproc, timeout=600)
     (jsonl,) = folder.glob("tb/*/metrics.jsonl")
     return [json.loads(line) for line in jsonl.read_text().splitlines()[1:]]
 
@@ -129,6 +133,13 @@ def test_kimi_debug_training_steps_equal_the_triton_path(tmp_path):
     _assert_same_steps(_train(tmp_path / "megakernel", "megakernel", 1), _train(tmp_path / "triton", "triton", 1))
 
 
+def test_kimi_debug_mxfp8_training_steps_equal_the_triton_path(tmp_path):
+    """One GPU, MXFP8 routed experts: the megakernel's forward reads the weight operands the Triton FFN keeps per
+    optimizer step, its backward the triton path's MXFP8 backward."""
+    _assert_same_steps(_train(tmp_path / "megakernel", "megakernel", 1, precision="mxfp8"),
+                       _train(tmp_path / "triton", "triton", 1, precision="mxfp8"))
+
+
 @pytest.mark.two_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_kimi_debug_training_steps_under_fsdp_equal_the_triton_path(tmp_path):
@@ -143,6 +154,16 @@ def test_kimi_debug_training_steps_at_ep_2_equal_the_triton_path(tmp_path):
     backward recomputes the triton path's forward and runs its backward across the two ranks."""
     _assert_same_steps(_train(tmp_path / "megakernel", "megakernel", 2, ep=2),
                        _train(tmp_path / "triton", "triton", 2, ep=2))
+
+
+@pytest.mark.two_gpus
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("ep", [1, 2])
+def test_kimi_debug_mxfp8_training_steps_on_two_gpus_equal_the_triton_path(tmp_path, ep):
+    """Two GPUs, MXFP8 routed experts: under FSDP at EP degree 1 (the weights arrive as FSDP's MXFP8 all-gather,
+    read as gathered) and at EP degree 2 (symmetric memory between the ranks' launches)."""
+    _assert_same_steps(_train(tmp_path / "megakernel", "megakernel", 2, ep=ep, precision="mxfp8"),
+                       _train(tmp_path / "triton", "triton", 2, ep=ep, precision="mxfp8"))
 
 
 # ---------------------------------------------------------------- EP over real GPUs, one process per GPU, NCCL
