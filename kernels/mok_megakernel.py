@@ -127,7 +127,18 @@ the gated SharedExpert's fp32 output). Each output element is computed by one it
 on values), so a token's output does not depend on the tile (or M), the item order, the program, the ring size,
 the group, the lag, the batch, P or the loads.
 
-Not here: MXFP8 (bf16 only), the backward.
+MXFP8 (the MX constexpr; ``MegakernelBuffers.mx``): the routed experts' operands in the Triton grouped FFN's
+MXFP8 format. The pull quantizes each row along H (``mx_quantize_block``: ``mxfp8_quantize``'s rule) into the
+ring as E4M3 bytes ``ring_VQMH`` (uint8) and E8M0 bytes ``ring_scales_VQMB`` [V, Q, M, H/32]; the weights arrive
+as the Triton path's MXFP8 operands (E4M3 in MMA order, scales [rows, K/32]; quantized by the caller, never here);
+the A and B items dequantize their operand blocks to bf16 in registers (exact), one 32-wide K step per MMA (the
+Triton path's MXFP8 step: the interpreter's rounding follows it), and an A item stores its h columns (whole
+32-blocks: BLOCK_N and I multiples of 32) quantized along I, E4M3 ``h_VQMI`` and E8M0 ``h_scales_VQMB``
+[V, Q, M, I/32], from h's bf16 values, as the Triton path quantizes h for the down GEMM. So a row is the Triton
+grouped FFN's MXFP8 row bit for bit. The shared expert's items stay bf16. Ring memory per rank:
+Q·M·(H + I)·(1 + 1/32) bytes.
+
+Not here: the backward.
 """
 
 import functools
