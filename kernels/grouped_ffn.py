@@ -21,15 +21,13 @@ Two paths compute the same function:
   run-to-run deterministic. They equal the reference up to fp32 summation order (and the
   rounding of results to bf16): tests/kernels/test_grouped_ffn.py states the tolerances. Given a
   ``weights_owner`` and the ``weight_sources`` the weights were cast from, each MXFP8 weight layout
-  is quantized once per version of its source (``weight_cache``: once per optimizer step); a forward whose
-  backward will run makes each weight's forward and dgrad layouts from one read of it (``mxfp8_quantize_both``).
+  is quantized once per version of its source (``weight_cache``: once per optimizer step).
 
 Weights may also arrive already quantized (``MXFP8GatheredWeight``, ``kernels/mxfp8_gathered.py``: FSDP's
 MXFP8 all-gather): both paths then read their MXFP8 operands as they are (the reference dequantizes them,
 the values its quantize → dequantize would make).
 """
 
-import functools
 import os
 
 import torch
@@ -48,7 +46,6 @@ from titan_mok.kernels.grouped_gemm import (
 from titan_mok.kernels.mxfp8 import to_mxfp8
 from titan_mok.kernels.mxfp8_gathered import MXFP8GatheredWeight
 from titan_mok.kernels.mxfp8_quant import mxfp8_quantize, mxfp8_quantize_transposed
-from titan_mok.kernels.mxfp8_quant_both import mxfp8_quantize_both
 from titan_mok.kernels.row_tiles import map_row_tiles
 from titan_mok.kernels.tile_configs import PRECISIONS
 
@@ -135,36 +132,20 @@ def weight_operand(w_EXY: torch.Tensor, precision: str, along: int, name: str, r
     return w_EXY.transpose(1, 2) if along == 1 else w_EXY
 
 
-def mxfp8_weight_operands(w_EXY: torch.Tensor, name: str, reference: bool = False) -> dict:
-    """{along: weight_operand(w_EXY, "mxfp8", along, name, reference)} for along 2 and 1, the same tensors;
-    the Triton quantizer makes both from one read of w (``mxfp8_quantize_both``)."""
-    if reference:
-        return {along: weight_operand(w_EXY, "mxfp8", along, name, reference=True) for along in (2, 1)}
-    forward, dgrad = mxfp8_quantize_both(w_EXY, name, mma_order=True)
-    return {2: forward, 1: dgrad}
-
-
 class _TritonOps:
     """Triton grouped GEMMs (kernels/grouped_gemm.py); weights quantized in the layout each GEMM reads.
     Given ``weights_owner``, each MXFP8 layout is kept under it for the version of its source weight
-    (``stamps``: by weight name, from the forward; a bf16 operand is a view: nothing to keep).
-    ``backward_follows``: this forward's backward will run (it reads the dgrad layouts)."""
+    (``stamps``: by weight name, from the forward; a bf16 operand is a view: nothing to keep)."""
 
-    def __init__(self, weights_owner, stamps, backward_follows: bool):
-        self.weights_owner, self.stamps, self.backward_follows = weights_owner, stamps, backward_follows
+    def __init__(self, weights_owner, stamps):
+        self.weights_owner, self.stamps = weights_owner, stamps
 
     def _operand(self, w_EXY, precision, along, name):
         if isinstance(w_EXY, MXFP8GatheredWeight):
             return w_EXY.operand(along, name)
         owner = self.weights_owner if precision == "mxfp8" else None
-        make_both = None
-        if precision == "mxfp8" and along == 2 and self.backward_follows:
-            # the backward reads the dgrad layout of these same bits: both layouts from one read of the weight.
-            # Without a backward (inference, RL rollouts) the forward's only: a dgrad layout would hold
-            # 0.52x the bf16 weights for nothing
-            make_both = functools.partial(mxfp8_weight_operands, w_EXY, name)
         return weight_cache.operand(owner, name, along, self.stamps.get(name),
-                                    lambda: weight_operand(w_EXY, precision, along, name), make_both)
+                                    lambda: weight_operand(w_EXY, precision, along, name))
 
     def forward(self, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit):
         gate_RI, up_RI, h_RI = grouped_gate_up_swiglu(
@@ -222,9 +203,8 @@ def wgrad_operands(x_RH, h_RI, dy_RH, dgate_RI, dup_RI) -> dict:
 
 class _GroupedSwiGLUFFN(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit, use_triton, owner, stamps,
-                backward_follows):
-        ops = _TritonOps(owner, stamps, backward_follows) if use_triton else _ReferenceOps
+    def forward(ctx, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit, use_triton, owner, stamps):
+        ops = _TritonOps(owner, stamps) if use_triton else _ReferenceOps
         y_RH, gate_RI, up_RI, h_RI = ops.forward(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit)
         ctx.save_for_backward(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, gate_RI, up_RI, h_RI)
         ctx.ops, ctx.precision, ctx.limit = ops, precision, limit
@@ -238,7 +218,7 @@ class _GroupedSwiGLUFFN(torch.autograd.Function):
             ctx.precision, ctx.limit,
         )
         dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI = grads
-        return dx_RH, None, dw_gate_EIH, dw_up_EIH, dw_down_EHI, None, None, None, None, None, None
+        return dx_RH, None, dw_gate_EIH, dw_up_EIH, dw_down_EHI, None, None, None, None, None
 
 
 def _check_inputs(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, use_triton):
@@ -316,26 +296,22 @@ def grouped_swiglu_ffn(
     # the reference quantizes inside its GEMMs; bf16: views; gathered MXFP8 weights: nothing to quantize
     keeps = use_triton and precision == "mxfp8" and not gathered
     stamps = _source_stamps(weights_owner, weight_sources, (w_gate_EIH, w_up_EIH, w_down_EHI)) if keeps else {}
-    # asked here: autograd runs the forward below with grad disabled
-    backward_follows = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x_RH, w_gate_EIH, w_up_EIH, w_down_EHI))
     return _GroupedSwiGLUFFN.apply(
         x_RH.contiguous(), group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, swiglu_limit, use_triton,
-        weights_owner if keeps else None, stamps, backward_follows,
+        weights_owner if keeps else None, stamps,
     )
 
 
 def forward_weight_operands(weights: tuple, precision: str, *, weights_owner: object = None,
-                            weight_sources: tuple | None = None, backward_follows: bool = False) -> tuple:
+                            weight_sources: tuple | None = None) -> tuple:
     """(w_gate, w_up, w_down) as the Triton path's forward GEMMs read them (``weight_operand(w, precision, 2,
-    name)``): bf16 as given; MXFP8 kept under ``weights_owner`` per version of ``weight_sources`` and made with the
-    dgrad layouts when ``backward_follows``, exactly as ``grouped_swiglu_ffn(use_triton=True)`` keeps them (so a
+    name)``): bf16 as given; MXFP8 kept under ``weights_owner`` per version of ``weight_sources``, exactly as ``grouped_swiglu_ffn(use_triton=True)`` keeps them (so a
     later call of it finds them); MXFP8-gathered weights as gathered. For other kernels that read the FFN's
     operands (the MoK megakernel)."""
     gathered = _gathered_as_mxfp8(weights, precision)
     keeps = precision == "mxfp8" and not gathered
     stamps = _source_stamps(weights_owner, weight_sources, weights) if keeps else {}
-    ops = _TritonOps(weights_owner if keeps else None, stamps, backward_follows)
+    ops = _TritonOps(weights_owner if keeps else None, stamps)
     return tuple(ops._operand(w, precision, 2, name) for w, name in zip(weights, ("w_gate_EIH", "w_up_EIH",
                                                                                    "w_down_EHI")))
 

@@ -13,9 +13,7 @@ after a load or resume the first use quantizes again, same bits.
 
 Memory: an MXFP8 copy of the local expert weights per layout kept, 1 byte per element plus one E8M0
 scale per 32 (~1.03 bytes per element, 0.52x the bf16 weights per layout), held from the first use
-on; a training forward makes the dgrad layout with the forward's (one read of the weight for both), so
-both are held from the first forward of a step on, and a forward without a backward makes the forward's only.
-Under FSDP (and so under EP) the same holds for each rank's shard instead: each rank keeps the
+on. Under FSDP (and so under EP) the same holds for each rank's shard instead: each rank keeps the
 MXFP8 layouts of its own shard, made from the shard cast to FSDP's ``param_dtype``, and FSDP
 all-gathers those (``titan_mok/moe/mxfp8_fsdp.py``), so the FFN, reference and Triton kernels alike,
 receives MXFP8 operands and quantizes nothing (~1.03 bytes per shard element per layout kept; the
@@ -43,24 +41,15 @@ def stamp(source) -> tuple:
     return (_writes, source._version, source.data_ptr(), source.dtype, tuple(source.shape))
 
 
-def operand(owner, name: str, layout, source_stamp: tuple, make, make_with_others=None):
+def operand(owner, name: str, layout, source_stamp: tuple, make):
     """``make()``'s operand for (owner, name, layout), made again only when ``source_stamp`` differs
     from the one it was made at. ``layout``: which quantization of the weight (e.g. the ``along`` of
-    ``grouped_ffn.weight_operand``). ``owner`` None: ``make()`` every time (nothing kept).
-    ``make_with_others``: None, or what makes this layout together with others of the same weight in one
-    pass, as {layout: operand}; when given, it makes this layout (with an owner) and every layout it returns
-    is kept at ``source_stamp``."""
+    ``grouped_ffn.weight_operand``). ``owner`` None: ``make()`` every time (nothing kept)."""
     if owner is None:
         return make()
     kept = _kept.setdefault(owner, {})
     entry = kept.get((name, layout))
     if entry is None or entry[0] != source_stamp:
-        if make_with_others is not None:  # free the stale layouts it replaces before it allocates the new ones
-            for key in [k for k, (s, _) in kept.items() if k[0] == name and s != source_stamp]:
-                del kept[key]
-        made = {layout: make()} if make_with_others is None else make_with_others()
-        for made_layout, made_operand in made.items():
-            kept[(name, made_layout)] = (source_stamp, made_operand)
-        entry = kept[(name, layout)]
+        kept[(name, layout)] = entry = (source_stamp, make())
     return entry[1]
 

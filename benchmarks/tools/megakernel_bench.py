@@ -73,9 +73,10 @@ def main() -> None:
     parser.add_argument("--lag", type=int, default=MegakernelConfig.lag, help="groups A items run ahead of B items")
     parser.add_argument("--num-stages", type=int, nargs="+", default=[MegakernelConfig.num_stages],
                         help="GEMM pipeline depths")
-    parser.add_argument("--block-m", type=int, nargs="+", default=[MegakernelConfig.block_m], help="rows per tile")
-    parser.add_argument("--gemm", nargs="+", default=[MegakernelConfig.gemm], choices=GEMM_LOADS,
-                        help="the item GEMMs' loads")
+    parser.add_argument("--block-m", type=int, nargs="+", default=[None], help="rows per tile (default: the config's"
+                        " choice by rows per expert)")
+    parser.add_argument("--gemm", nargs="+", default=[None], choices=GEMM_LOADS,
+                        help="the item GEMMs' loads (default: the config's choice)")
     parser.add_argument("--shared-dim", type=int, default=0, help="I_S of a shared expert (0: none)")
     parser.add_argument("--precision", default="bf16", choices=PRECISIONS, help="the routed experts' GEMMs")
     opts = parser.parse_args()
@@ -160,7 +161,7 @@ class WeightsOwner:
 
 
 def variant_name(config: MegakernelConfig) -> str:
-    return f"{config.gemm} M{config.block_m} S{config.num_stages}"
+    return f"{config.gemm or 'auto'} M{config.block_m or 'auto'} S{config.num_stages}"
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the interpreter's serialized mode; on a GPU see test_mok_megakernel_gpu.py")
 T, K, E, I = 16, 2, 8, 64
 SMALL = MegakernelConfig(comm_programs=1, compute_programs=2, group_tiles=2, lag=1, ring_tiles=4, block_m=16,
-                         block_n=32)
+                         block_n=32, gemm="ptr")
 
 
 def routing(kind: str, ranks: int, tokens: int = T, experts: int = E, seed: int = 0) -> torch.Tensor:
@@ -539,7 +539,7 @@ def test_programs_per_sm_counts_registers_shared_memory_and_threads():
                                                     "nvidia", "bin", "cuobjdump")),
                     reason="Triton's wheel has no ptxas/cuobjdump here")
 def test_compiles_for_sm90_with_wgmma_and_no_spills():
-    """The concurrent launch's kernel at Kimi K2.7's sizes and the default config, without and with the shared
+    """The concurrent launch's kernel at Kimi K2.7's sizes and 64-row tiles, without and with the shared
     expert (I_S 2048) in the launch, and with MXFP8 routed experts (pointer and TMA loads), compiled for sm_90 on the
     CPU (benchmarks/tools/sass.py's stand-in driver; the
     interpreter cannot compile, hence a subprocess): wgmmas, no spill stack, one program per SM at least (the
@@ -548,7 +548,7 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills():
         "import json; from benchmarks.tools import sass; from titan_mok.kernels import mok_megakernel as m\n"
         "from titan_mok.moe.megakernel import MegakernelConfig as C\n"
         "for shared, mx, gemm in ((0, False, 'ptr'), (2048, False, 'ptr'), (0, True, 'ptr'), (2048, True, 'tma')):\n"
-        "    v = m.KernelVariant(7168, 2048, shared, 48, C.block_m, C.block_n, C.num_warps, C.num_stages, False,\n"
+        "    v = m.KernelVariant(7168, 2048, shared, 48, 64, C.block_n, C.num_warps, C.num_stages, False,\n"
         "                        gemm=gemm, mx=mx)\n"
         "    with sass.compiling_for_sm90():\n"
         "        k = m.compile_megakernel(v)\n"

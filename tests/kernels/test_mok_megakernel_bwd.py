@@ -251,7 +251,7 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills():
         "from titan_mok.kernels.mok_megakernel import KernelVariant\n"
         "from titan_mok.moe.megakernel import MegakernelConfig as C\n"
         "with sass.compiling_for_sm90():\n"
-        "    k = m.compile_megakernel_bwd(KernelVariant(7168, 2048, 0, 48, C.block_m, C.block_n, C.num_warps,"
+        "    k = m.compile_megakernel_bwd(KernelVariant(7168, 2048, 0, 48, 64, C.block_n, C.num_warps,"
         " C.num_stages, False))\n"
         "r = sass.kernel_report('_megakernel_bwd', k)\n"
         "print(json.dumps(dict(hgmma=r['opcodes'].get('HGMMA', 0), stack=r['stack_bytes'],"

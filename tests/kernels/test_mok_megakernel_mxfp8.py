@@ -120,7 +120,7 @@ def test_mxfp8_ring_holds_the_rows_quantized_along_h():
 @interpreted
 def test_mxfp8_reads_the_kept_weight_operands_or_the_gathered_ones():
     """With an owner and sources, the launch reads the MXFP8 operands kept for the Triton FFN (made once per
-    weight version, with the dgrad layouts when a backward follows) and quantizes none again; given FSDP's
+    weight version) and quantizes none again; given FSDP's
     MXFP8-gathered weights, their operands as gathered: the same bits."""
     (x, weights, shared), expert_weights = layer_inputs(1, 64, seed=77)
     ids = routing("skewed", 1, seed=78)
@@ -129,7 +129,7 @@ def test_mxfp8_reads_the_kept_weight_operands_or_the_gathered_ones():
                           weight_sources=expert_weights)
     kept = dict(weight_cache._kept[owner])
     assert sorted(kept) == [(n, 2) for n in ("w_down_EHI", "w_gate_EIH", "w_up_EIH")]
-    operands = mk.launch_weights(expert_weights, "mxfp8", owner, expert_weights, backward_follows=True)
+    operands = mk.launch_weights(expert_weights, "mxfp8", owner, expert_weights)
     assert [o is kept[(n, 2)][1] for o, n in zip(operands, NAMES)] == [True] * 3
     gathered = [MXFP8GatheredWeight(GatheredOperands({2: kept[(n, 2)][1]}), w.shape, w.dtype, w.device)
                 for w, n in zip(expert_weights, NAMES)]

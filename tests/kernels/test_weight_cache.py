@@ -1,6 +1,5 @@
 """precision = "mxfp8": each MXFP8 expert weight layout quantized once per version of its source weight
-(titan_mok.kernels.weight_cache), a training forward's two layouts of a weight from one read of it, same
-bits as quantizing each layout on every call. CPU: Triton's interpreter."""
+(titan_mok.kernels.weight_cache), same bits as quantizing it on every call. CPU: Triton's interpreter."""
 
 import pytest
 import torch
@@ -10,29 +9,7 @@ from titan_mok.moe.args import MoEArgs
 from titan_mok.moe.experts import RoutedExperts
 from tests.kernels.test_grouped_ffn import CPU_CASE, make_case, run
 
-WEIGHTS = ("w_gate_EIH", "w_up_EIH", "w_down_EHI")
-BOTH = sorted((n, (2, 1)) for n in WEIGHTS)
-"""A training forward's quantizer passes at a new weight version: one per weight, both layouts."""
-
-
-def _counted_passes(monkeypatch) -> list:
-    """(weight name, the layouts made) of each quantizer pass over an expert weight that grouped_ffn launches:
-    one read of the weight each. The Triton quantizers, wrapped where grouped_ffn calls them."""
-    passes = []
-
-    def wrap(function_name, layouts_of, name_of):
-        quantize = getattr(grouped_ffn, function_name)
-
-        def counted(*args, **kw):
-            passes.append((name_of(args), layouts_of(args)))
-            return quantize(*args, **kw)
-
-        monkeypatch.setattr(grouped_ffn, function_name, counted)
-
-    wrap("mxfp8_quantize", lambda a: (a[1],), lambda a: a[2])  # (w, along, name)
-    wrap("mxfp8_quantize_transposed", lambda a: (1,), lambda a: a[1])  # (w, name)
-    wrap("mxfp8_quantize_both", lambda a: (2, 1), lambda a: a[1])  # (w, name)
-    return passes
+LAYOUTS = sorted((n, a) for n in ("w_gate_EIH", "w_up_EIH", "w_down_EHI") for a in (1, 2))
 
 
 def _counted_weight_operand(monkeypatch) -> list:
@@ -63,64 +40,31 @@ def _assert_same_bits(expected, got):
 
 
 def test_each_layout_is_quantized_once_per_weight_version(monkeypatch):
-    """Six layouts (3 weights x forward/dgrad) quantized once for both microbatches, in three passes (the
-    first forward makes each weight's two layouts from one read of it), forward, dX and weight gradients
-    bitwise equal to quantizing each layout on every call (twelve single-layout passes); an in-place write
-    to a source (an optimizer update, a checkpoint load) quantizes that weight again, and nothing else."""
+    """Six layouts (3 weights x forward/dgrad) quantized once for both microbatches, forward, dX and weight
+    gradients bitwise equal to quantizing on every call; an in-place write to a source (an optimizer
+    update, a checkpoint load) quantizes that weight's layouts again, and nothing else."""
     tensors, group_end = make_case(**CPU_CASE)
     owner = torch.nn.Module()
-    passes = _counted_passes(monkeypatch)
+    calls = _counted_weight_operand(monkeypatch)
     each_call = _microbatches(tensors, group_end, None)
-    assert sorted(passes) == sorted([(n, (a,)) for n in WEIGHTS for a in (1, 2)] * 2)
-    passes.clear()
+    assert len(calls) == 12
+    calls.clear()
     _assert_same_bits(each_call, _microbatches(tensors, group_end, owner))
-    assert sorted(passes) == BOTH
-    passes.clear()
+    assert sorted(calls) == LAYOUTS
+    calls.clear()
     _assert_same_bits(each_call, _microbatches(tensors, group_end, owner))  # the next step, same weights
-    assert passes == []
+    assert calls == []
 
     w_up = tensors[2]
     with torch.no_grad():
         w_up.mul_(1.5)  # an optimizer update's in-place write
     _assert_same_bits(_microbatches(tensors, group_end, None), _microbatches(tensors, group_end, owner))
-    assert passes[12:] == [("w_up_EIH", (2, 1))]
-    passes.clear()
+    assert sorted(calls[12:]) == [("w_up_EIH", 1), ("w_up_EIH", 2)]
+    calls.clear()
     with torch.no_grad():
         w_up.copy_(tensors[1])  # a checkpoint load's copy into the parameter
     _assert_same_bits(_microbatches(tensors, group_end, None), _microbatches(tensors, group_end, owner))
-    assert passes[12:] == [("w_up_EIH", (2, 1))]
-
-
-def _forward(tensors, group_end, owner, requires_grad=False):
-    x, w_gate, w_up, w_down, _ = (t.detach().clone().requires_grad_(requires_grad) for t in tensors)
-    return grouped_ffn.grouped_swiglu_ffn(x, group_end, w_gate, w_up, w_down, precision="mxfp8", swiglu_limit=0.5,
-                                          use_triton=True, weights_owner=owner, weight_sources=tensors[1:4])
-
-
-def test_a_forward_without_backward_makes_the_forward_layouts_only(monkeypatch):
-    """No backward to follow (no grad, as RL rollouts and inference run; or nothing requiring grad): only the
-    forward's layout of each weight is made and kept (a dgrad layout would hold 0.52x the bf16 weights for
-    nothing), the same bits. A training step on those weights then reads them and makes the dgrad layouts
-    one at a time in its backward."""
-    tensors, group_end = make_case(**CPU_CASE)
-    y_each_call, *grads_each_call = run(tensors, group_end, precision="mxfp8", swiglu_limit=0.5, use_triton=True)
-    owner = torch.nn.Module()
-    passes = _counted_passes(monkeypatch)
-    forward_only = sorted((n, (2,)) for n in WEIGHTS)
-    with torch.inference_mode():
-        assert torch.equal(_forward(tensors, group_end, owner), y_each_call)
-    assert sorted(passes) == forward_only
-    passes.clear()
-    with torch.no_grad():
-        assert torch.equal(_forward(tensors, group_end, torch.nn.Module(), requires_grad=True), y_each_call)
-    assert torch.equal(_forward(tensors, group_end, torch.nn.Module()), y_each_call)
-    assert sorted(passes) == sorted(forward_only * 2)
-    passes.clear()
-
-    trained = run(tensors, group_end, precision="mxfp8", swiglu_limit=0.5, use_triton=True, weights_owner=owner,
-                  weight_sources=tensors[1:4])
-    _assert_same_bits([y_each_call, *grads_each_call], trained)
-    assert sorted(passes) == sorted((n, (1,)) for n in WEIGHTS)
+    assert sorted(calls[12:]) == [("w_up_EIH", 1), ("w_up_EIH", 2)]
 
 
 def test_nothing_is_kept_without_an_owner_or_in_bf16(monkeypatch):
@@ -187,19 +131,19 @@ def test_training_quantizes_once_per_step_and_resumes_bitwise(monkeypatch):
     once per microbatch when quantized every pass), every microbatch's output bitwise
     the same; a load into a fresh module (a resume) makes its operands again from the loaded weights
     and continues with the uninterrupted run's bits."""
-    passes = _counted_passes(monkeypatch)
+    calls = _counted_weight_operand(monkeypatch)
     each_pass, _ = _train(_experts(kept=False), steps=3, microbatches=2)
-    assert len(passes) == 3 * 2 * 6
-    passes.clear()
+    assert len(calls) == 3 * 2 * 6
+    calls.clear()
     kept, _ = _train(_experts(kept=True), steps=3, microbatches=2)
-    assert sorted(passes) == sorted(BOTH * 3)  # one read of each weight per step
+    assert len(calls) == 3 * 6 and sorted(calls[:6]) == LAYOUTS
     _assert_same_bits(each_pass, kept)
 
-    passes.clear()
+    calls.clear()
     first, state = _train(_experts(kept=True), steps=2, microbatches=2)
     resumed_module = _experts(kept=True)
     resumed, _ = _train(resumed_module, steps=1, microbatches=2, state=state, first_step=2)
-    assert sorted(passes) == sorted(BOTH * 3)  # 2 steps, then 1 after the load: quantized from the loaded weights
+    assert len(calls) == 3 * 6  # 2 steps, then 1 after the load: quantized from the loaded weights
     _assert_same_bits(kept, first + resumed)
 
 

@@ -205,16 +205,15 @@ def test_auto_on_cpu_tensors_is_the_reference_and_checks_router_logits():
 @interpreted
 def test_mxfp8_weights_are_quantized_once_per_version(monkeypatch):
     """Under mxfp8 the forward launch and the backward's recomputation read the MXFP8 weight operands kept under
-    the experts module: a training step quantizes each routed weight once (both layouts from one read), the next
-    step with the same weights not at all."""
+    the experts module: a training step quantizes each routed weight once per layout it reads (the forward's, the
+    dgrad's), the next step with the same weights not at all."""
     made = []
-    both = grouped_ffn.mxfp8_quantize_both
-    monkeypatch.setattr(grouped_ffn, "mxfp8_quantize_both", lambda w, name, **kw: made.append(name) or both(w, name,
-                                                                                                           **kw))
-    monkeypatch.setattr(grouped_ffn, "weight_operand", lambda *a, **kw: pytest.fail(f"a single layout made: {a[3]}"))
+    quantize = grouped_ffn.weight_operand
+    monkeypatch.setattr(grouped_ffn, "weight_operand", lambda w, p, along, name, **kw: made.append((name, along))
+                        or quantize(w, p, along, name, **kw))
     x, dy = _inputs("mxfp8_amp_gated_clamped", seed=7)
     layer = _layer("megakernel", "mxfp8_amp_gated_clamped")
     first = run_layers([layer], x, dy, amp=True)
-    assert sorted(made) == ["w_down_EHI", "w_gate_EIH", "w_up_EIH"]
+    assert sorted(made) == [(n, along) for n in ("w_down_EHI", "w_gate_EIH", "w_up_EIH") for along in (1, 2)]
     _assert_bitwise(run_layers([layer], x, dy, amp=True), first)
-    assert len(made) == 3
+    assert len(made) == 6

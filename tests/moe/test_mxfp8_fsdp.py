@@ -34,7 +34,6 @@ from titan_mok.kernels.mxfp8_gathered import MXFP8GatheredWeight
 from titan_mok.moe import mxfp8_fsdp
 from titan_mok.moe.args import MoEArgs
 from titan_mok.moe.experts import RoutedExperts
-from tests.kernels.test_weight_cache import _counted_passes
 
 WORLD = 2
 E, H, I = 4, 64, 96
@@ -337,16 +336,3 @@ def test_bad_setups_raise_clear_errors(results):
             "ranks" in uneven, uneven
         assert no_regather.startswith("RuntimeError") and "w_down_EHI: the dgrad GEMMs need the MXFP8 layout " \
             "along dim 1, but this all-gather brought only: forward" in no_regather, no_regather
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_both_layouts_pack_from_one_read_gpu(monkeypatch):
-    """On CUDA a shard's two layouts come from one quantizer pass over it (a Kimi w_gate shard of 2 experts),
-    packed with the bits of the layouts made one at a time."""
-    w = (torch.randn(2, 2048, 7168, device="cuda") * 0.02).to(torch.bfloat16)
-    one_at_a_time = torch.cat([mxfp8_fsdp._packed_operands(w, (along,), "w_gate") for along in BOTH_LAYOUTS["forward"]])
-    passes = _counted_passes(monkeypatch)
-    packed = mxfp8_fsdp._packed_operands(w, BOTH_LAYOUTS["forward"], "w_gate")
-    assert passes == [("w_gate", (2, 1))], passes
-    assert torch.equal(packed, one_at_a_time)

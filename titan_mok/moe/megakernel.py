@@ -76,9 +76,11 @@ class MegakernelConfig:
     ring_tiles: int | None = None
     """Ring tiles per rank (each block_m rows of H, and their block_m rows of I). None: group_tiles x (lag + 3).
     Any size >= (lag + 1) x group_tiles takes any routing (tiles are recycled)."""
-    block_m: int = 64
+    block_m: int | None = None
     """Rows per tile (the GEMMs' M): 64, or 128 (the ring's bytes double; at Kimi K2.7's sizes and the default 32
-    tiles 75.5 MB per rank)."""
+    tiles 75.5 MB per rank). None: 128 where the rank's local experts average at least 128 rows per call
+    (T·K / L >= 128), else 64. Measured at Kimi K2.7's sizes on an H100 (docs/performance.md): at 341 rows per
+    expert 128-row tiles took 35.3 ms against 43.3, at 43 rows 15.7 against 13.9 (mostly padding rows)."""
     block_n: int = 128
     """Output columns per work item (the GEMMs' N)."""
     num_warps: int = 8
@@ -90,10 +92,11 @@ class MegakernelConfig:
     lists every variant's)."""
     timeout_ms: float = 10_000.0
     """Bound of every wait on another program; then a device error naming the wait."""
-    gemm: str = "ptr"
+    gemm: str | None = None
     """How the forward launch's item GEMMs read their operands: "ptr" (masked pointer loads) or "tma" (TMA loads
     through tensor descriptors each compute program makes once; H, I and I_S multiples of 8, the weights' data
-    16-byte aligned). The same bits. The dgrad launch reads by pointer only."""
+    16-byte aligned). The same bits. None: "tma" where H, I and I_S allow it (as fast at 64-row tiles, faster at
+    128: docs/performance.md), else "ptr". The dgrad launch reads by pointer only."""
 
 
 @dataclass
@@ -126,11 +129,17 @@ _WORKSPACES: dict[tuple, _Workspace] = {}
 
 def _resolve(config: MegakernelConfig, ranks: int, dim_h: int, dim_i: int, num_local: int, has_limit: bool,
              shared: SharedFFN | None, device: torch.device, serialized: bool,
-             co_resident=co_resident_programs, mx: bool = False) -> MegakernelConfig:
+             co_resident=co_resident_programs, mx: bool = False, rows_per_expert: float = 0.0,
+             tma_dims: tuple[int, ...] | None = None) -> MegakernelConfig:
     """Fill the config's None sizes (module docstring of MegakernelConfig); a concurrent launch the device cannot
     hold at once is refused here, before anything is allocated (the launcher checks it again). co_resident: the
     launch's kernel's count of programs the device runs at once (the forward's, or the backward's). mx: the
-    forward's routed experts in MXFP8."""
+    forward's routed experts in MXFP8. rows_per_expert: T·K / L, for block_m None. tma_dims: the dims TMA would read
+    rows of (None: a launch that reads by pointer only), for gemm None."""
+    if config.block_m is None:
+        config = replace(config, block_m=128 if rows_per_expert >= 128 else 64)
+    if config.gemm is None:
+        config = replace(config, gemm="tma" if tma_dims is not None and all(d % 8 == 0 for d in tma_dims) else "ptr")
     if config.gemm not in GEMM_LOADS:
         raise ValueError(f"MegakernelConfig.gemm = {config.gemm!r} must be one of {GEMM_LOADS}")
     comm, compute = config.comm_programs, config.compute_programs
@@ -220,15 +229,15 @@ def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg
 
 
 def launch_weights(expert_weights: tuple, precision: str, weights_owner: object = None,
-                   weight_sources: tuple | None = None, backward_follows: bool = False) -> tuple:
+                   weight_sources: tuple | None = None) -> tuple:
     """The routed weights as the launch reads them: bf16 as given, or under mxfp8 the very operands the Triton
     grouped FFN's forward reads (``grouped_ffn.forward_weight_operands``: MXFP8 along K in MMA order, kept under
-    ``weights_owner`` per weight version, the dgrad layouts made with them when ``backward_follows``). The launch
+    ``weights_owner`` per weight version). The launch
     quantizes no weight."""
     if precision == "bf16":
         return tuple(expert_weights)
     return forward_weight_operands(tuple(expert_weights), precision, weights_owner=weights_owner,
-                                   weight_sources=weight_sources, backward_follows=backward_follows)
+                                   weight_sources=weight_sources)
 
 
 def raise_on_megakernel_error() -> None:
@@ -376,8 +385,10 @@ def check_call(caller: str, xs, weights, ids, shared, scales, expert_weights, sh
     if precision == "mxfp8" and (dim_h % MX_BLOCK or dim_i % MX_BLOCK):
         raise ValueError(f"{caller}: precision 'mxfp8' needs H ({dim_h}) and I ({dim_i}) to be multiples of "
                          f"{MX_BLOCK} (the MXFP8 block)")
-    cfg = _resolve(config, len(xs), dim_h, dim_i, num_experts // ep_degree, swiglu_limit is not None, shared_expert,
-                   xs[0].device, serialized, mx=precision == "mxfp8")
+    num_local = num_experts // ep_degree
+    cfg = _resolve(config, len(xs), dim_h, dim_i, num_local, swiglu_limit is not None, shared_expert,
+                   xs[0].device, serialized, mx=precision == "mxfp8", rows_per_expert=num_tokens * top_k / num_local,
+                   tma_dims=(dim_h, dim_i, shared_dim))
     return CheckedCall(num_tokens, top_k, dim_h, dim_i, shared_dim, serialized, cfg, precision)
 
 

@@ -73,12 +73,12 @@ class ExpertPrecision:
 class _MegakernelRoutedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, weights_TK, shared_TH, w_gate_LIH, w_up_LIH, w_down_LHI, topk_idx_TK, group, num_experts,
-                swiglu_limit, out_dtype, config, experts_precision, backward_follows):
+                swiglu_limit, out_dtype, config, experts_precision):
         out_TH, handle = megakernel_rank_forward(
             x_TH, weights_TK, topk_idx_TK, shared_TH, (w_gate_LIH, w_up_LIH, w_down_LHI), num_experts=num_experts,
             group=group, swiglu_limit=swiglu_limit, out_dtype=out_dtype, config=config,
             precision=experts_precision.precision, weights_owner=experts_precision.weights_owner,
-            weight_sources=experts_precision.weight_sources, backward_follows=backward_follows,
+            weight_sources=experts_precision.weight_sources,
         )
         ctx.save_for_backward(x_TH, weights_TK, w_gate_LIH, w_up_LIH, w_down_LHI, handle.group_end, handle.row_slot_R)
         ctx.workspace = handle.workspace
@@ -93,7 +93,7 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
         needs = ctx.needs_input_grad
         needs_dx, needs_dweights, needs_dw = needs[0], needs[1], needs[3:6]
         dshared_TH = None if ctx.shared_dtype is None else dout_TH.to(ctx.shared_dtype)  # the fused combine's
-        unused = (None,) * 8  # topk_idx, group, num_experts, swiglu_limit, out_dtype, config, precision, follows
+        unused = (None,) * 7  # topk_idx, group, num_experts, swiglu_limit, out_dtype, config, precision
         if not (needs_dx or needs_dweights or any(needs_dw)):
             return None, None, dshared_TH, None, None, None, *unused
         num_tokens, top_k = weights_TK.shape
@@ -131,9 +131,7 @@ def megakernel_routed_experts_trainable(
     expert weights (bf16, contiguous: w_gate, w_up [L, I, H], w_down [L, H, I]; under mxfp8 also FSDP's
     MXFP8-gathered weights). Every rank of ``group`` (None: this rank alone) calls it in the same order. No host
     sync."""
-    # asked here: autograd runs the forward with grad disabled (grouped_swiglu_ffn's rule)
-    backward_follows = torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, *expert_weights))
     return _MegakernelRoutedExperts.apply(
         x_TH, routing.weights_TK, routing.shared_TH, *expert_weights, routing.topk_idx_TK, group, num_experts,
-        swiglu_limit, routing.out_dtype, config, experts_precision, backward_follows,
+        swiglu_limit, routing.out_dtype, config, experts_precision,
     )

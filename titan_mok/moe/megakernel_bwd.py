@@ -186,7 +186,7 @@ def megakernel_routed_dgrad(
                          "concurrent launch would spin forever; use serialized=True (or None)")
     if stall_rank is not None and not 0 <= stall_rank < ranks:
         raise ValueError(f"megakernel_routed_dgrad: stall_rank = {stall_rank} is not a rank of {ranks}")
-    if config.gemm != "ptr":
+    if config.gemm not in (None, "ptr"):
         raise ValueError(f"megakernel_routed_dgrad: MegakernelConfig.gemm = {config.gemm!r}: the dgrad launch's GEMMs "
                          "read by pointer only (gemm = 'ptr')")
     device = douts[0].device

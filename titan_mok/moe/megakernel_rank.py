@@ -157,11 +157,9 @@ def megakernel_rank_forward(
     precision: str = "bf16",
     weights_owner: object = None,
     weight_sources: tuple | None = None,
-    backward_follows: bool = False,
 ) -> tuple[torch.Tensor, FusedHandle]:
     """(out_TH, this call's schedule as the ``"triton"`` path's handle: its rows, on the same workspace), for the
-    backward (``titan_mok.moe.megakernel_autograd``). Arguments: ``megakernel_rank_routed_experts``;
-    backward_follows: under mxfp8, make the weights' dgrad layouts with the forward's (``launch_weights``)."""
+    backward (``titan_mok.moe.megakernel_autograd``). Arguments: ``megakernel_rank_routed_experts``."""
     ep_degree = 1 if group is None else dist.get_world_size(group)
     caller = "megakernel_rank_routed_experts"
     call = check_call(caller, [x_TH], [weights_TK], [topk_idx_TK], [shared_TH], [shared_scale_T1], expert_weights,
@@ -186,7 +184,7 @@ def megakernel_rank_forward(
     group_end_L, row_slot_R = mok_schedule(ids_PN, group_ws.ep_rank, num_local, num_experts)
     schedule = (group_end_L[None], tile_ends(group_end_L[None], cfg.block_m), row_slot_R[None])
     epoch, arrivals = _next_call(ws)
-    operands = launch_weights(expert_weights, precision, weights_owner, weight_sources, backward_follows)
+    operands = launch_weights(expert_weights, precision, weights_owner, weight_sources)
     megakernel_launch(ws.bufs, schedule, operands, ws.shape, epoch=epoch, swiglu_limit=swiglu_limit,
                       serialized=call.serialized, shared=shared_expert, stall_rank=stall_rank,
                       timeout_ms=cfg.timeout_ms, phase_barrier=group_ws.barrier)

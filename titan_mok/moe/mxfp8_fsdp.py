@@ -21,9 +21,9 @@ last dim (``along`` 2), the dgrad's blocked along dim 1 (``along`` 1). When FSDP
 the layer's forward is not recomputed in the backward, the forward's all-gather brings the forward layout
 and the backward's all-gather the dgrad layout: each moves (1 + 1/32) / 2 of the bf16 bytes. Otherwise one
 all-gather serves both (no reshard: the forward's gather is kept for the backward; activation
-checkpointing: the backward's gather also serves the recomputed forward) and carries both layouts (made from
-one read of the shard), (1 + 1/32) of the bf16 bytes: FSDP2 sizes each parameter's all-gather buffers at its
-first gather, so every gather of a parameter moves the same number of bytes.
+checkpointing: the backward's gather also serves the recomputed forward) and carries both layouts,
+(1 + 1/32) of the bf16 bytes: FSDP2 sizes each parameter's all-gather buffers at its first gather, so every
+gather of a parameter moves the same number of bytes.
 
 What FSDP2's extension points cannot express: sharding along a dim other than 0 (FSDP copies each gathered
 tensor out through views of the parameter's shard shape, which the 1/32-size scales do not have) and uneven
@@ -43,7 +43,7 @@ from torch.autograd.graph import increment_version
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from titan_mok.kernels import weight_cache
-from titan_mok.kernels.grouped_ffn import mxfp8_weight_operands, weight_operand
+from titan_mok.kernels.grouped_ffn import weight_operand
 from titan_mok.kernels.mxfp8 import BLOCK, SCALE_DTYPE, MXTensor
 from titan_mok.kernels.mxfp8_gathered import GatheredOperands, MXFP8GatheredWeight
 from titan_mok.moe.experts import RoutedExperts
@@ -168,16 +168,10 @@ class MXFP8ShardWeight(torch.Tensor):
 
 def _packed_operands(w_SXY: torch.Tensor, layouts: tuple[int, ...], name: str) -> torch.Tensor:
     """The MXFP8 data and scales (uint8) of each layout of ``w_SXY``, one after another in one buffer.
-    The Triton quantizer on CUDA, the reference elsewhere: the same bits (tests/kernels/test_mxfp8_quant.py);
-    both layouts: from one read of the shard."""
-    reference = not w_SXY.is_cuda
-    if set(layouts) == {FORWARD, DGRAD}:
-        operands = mxfp8_weight_operands(w_SXY, name, reference=reference)
-    else:
-        operands = {along: weight_operand(w_SXY, "mxfp8", along, name, reference=reference) for along in layouts}
+    The Triton quantizer on CUDA, the reference elsewhere: the same bits (tests/kernels/test_mxfp8_quant.py)."""
     parts = []
     for along in layouts:
-        op = operands[along]
+        op = weight_operand(w_SXY, "mxfp8", along, name, reference=not w_SXY.is_cuda)
         parts += [op.data.view(torch.uint8).reshape(-1), op.scale.view(torch.uint8).reshape(-1)]
     return torch.cat(parts)
 
