@@ -60,7 +60,8 @@ class MegakernelConfig:
     (8 x 72 items): one step's A items (128) alone outnumber the compute programs, and at P = 8 (~6 tiles per
     expert) an expert's tiles read each weight block side by side. Lag 1: a group's B items come after the next
     group's A items, by when their own A items have long finished. The ring holds 32 tiles per rank (8 x (1 + 3): the
-    groups from B to A, and two pulled ahead), 37.7 MB per rank (kernels/mok_megakernel.py: Q·M·(H + I)·2 bytes)."""
+    groups from B to A, and two pulled ahead), 37.7 MB per rank on 64-row tiles, 75.5 MB on 128-row ones (the default
+    at P = 8: 341 rows per expert) (kernels/mok_megakernel.py: Q·M·(H + I)·2 bytes)."""
 
     comm_programs: int | None = None
     """Communication programs per rank. None: an eighth of the rank's share of the programs the device runs
