@@ -57,7 +57,7 @@ class MegakernelConfig:
 
     Defaults at Kimi K2.7's sizes (H 7168, I 2048, 384 experts, K 8) on an H100 (132 SMs, one program per SM):
     P = 1 runs 16 communication + 116 compute programs, P = 8 2 + 14 per rank. A step of the item order is 8 tiles
-    (8 x 72 items): one step's A items (128) alone outnumber the compute programs, and at P = 8 (~6 tiles per
+    (8 x 72 items): one step's A items (128) alone outnumber the compute programs, and at P = 8 (3 to 6 tiles per
     expert) an expert's tiles read each weight block side by side. Lag 1: a group's B items come after the next
     group's A items, by when their own A items have long finished. The ring holds 32 tiles per rank (8 x (1 + 3): the
     groups from B to A, and two pulled ahead), 37.7 MB per rank on 64-row tiles, 75.5 MB on 128-row ones (the default
