@@ -21,8 +21,8 @@ from titan_mok.moe.megakernel import MegakernelConfig, megakernel_routed_experts
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 H, TOKENS = 256, 64
-VARIANTS = {"ptr M64": {}, "tma M64": dict(gemm="tma"), "ptr M128": dict(block_m=128),
-            "tma M128": dict(gemm="tma", block_m=128)}
+VARIANTS = {"ptr M64": dict(gemm="ptr", block_m=64), "tma M64": dict(gemm="tma", block_m=64),
+            "ptr M128": dict(gemm="ptr", block_m=128), "tma M128": dict(gemm="tma", block_m=128)}
 
 
 def _inputs(ranks: int, kind: str, seed: int = 0, dim_h: int = H, tokens: int = TOKENS, dim_i: int = 64):
