@@ -327,6 +327,17 @@ def _mx_operand_tile(src, scales, row, col, row_ok, width, BR: tl.constexpr, TMA
 
 
 @triton.jit
+def _k_step_tile(src, scales, row, col, row_ok, width, BR: tl.constexpr, BC: tl.constexpr, TMA: tl.constexpr,
+                 CACHE: tl.constexpr, MMA_ORDER: tl.constexpr, MX: tl.constexpr):
+    """One K step's [BR, BC] operand block as the MMA's bf16: under MX (BC = 32) _mx_operand_tile's dequantized
+    MXFP8 block, else _operand_tile's."""
+    if MX:
+        return _mx_operand_tile(src, scales, row, col, row_ok, width, BR, TMA, CACHE, MMA_ORDER)
+    else:
+        return _operand_tile(src, row, col, row_ok, width, BR, BC, TMA, CACHE)
+
+
+@triton.jit
 def _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, limit, a_scales, wg_scales, wu_scales,
                    h_scale_ptr, HAS_LIMIT: tl.constexpr, MX: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
@@ -350,17 +361,10 @@ def _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, l
     for k0 in range(0, H, STEP_K):  # software-pipelined by the launch's num_stages
         # .cg: another SM wrote the tile; read it from L2, never from a line this SM cached in an earlier round (TMA
         # reads bypass L1)
-        if MX:
-            a = _mx_operand_tile(a_src, a_scales, a_row, k0, a_ok, H, BLOCK_M, TMA, ".cg", False)
-            wg = _mx_operand_tile(wg_src, wg_scales, w_row + n0, k0, n_ok, H, BLOCK_N, TMA, "", True)
-        else:
-            a = _operand_tile(a_src, a_row, k0, a_ok, H, BLOCK_M, BLOCK_K, TMA, ".cg")
-            wg = _operand_tile(wg_src, w_row + n0, k0, n_ok, H, BLOCK_N, BLOCK_K, TMA, "")
+        a = _k_step_tile(a_src, a_scales, a_row, k0, a_ok, H, BLOCK_M, STEP_K, TMA, ".cg", False, MX)
+        wg = _k_step_tile(wg_src, wg_scales, w_row + n0, k0, n_ok, H, BLOCK_N, STEP_K, TMA, "", True, MX)
         acc1 = _dot(a, tl.trans(wg), acc1, DOT_F32)
-        if MX:
-            wu = _mx_operand_tile(wu_src, wu_scales, w_row + n0, k0, n_ok, H, BLOCK_N, TMA, "", True)
-        else:
-            wu = _operand_tile(wu_src, w_row + n0, k0, n_ok, H, BLOCK_N, BLOCK_K, TMA, "")
+        wu = _k_step_tile(wu_src, wu_scales, w_row + n0, k0, n_ok, H, BLOCK_N, STEP_K, TMA, "", True, MX)
         acc2 = _dot(a, tl.trans(wu), acc2, DOT_F32)
     _, _, h = _swiglu_out(acc1, acc2, limit, HAS_LIMIT)
     if MX:  # BLOCK_N and I are multiples of 32: the item's blocks along I are whole
@@ -385,12 +389,8 @@ def _down_block(h_src, h_row, wd_src, w_row, dst_ptrs, ok, n0, H, I, h_scales, w
     STEP_K: tl.constexpr = 32 if MX else BLOCK_K
     for k0 in range(0, I, STEP_K):  # software-pipelined by the launch's num_stages
         # .cg: other SMs wrote h, and a ring slot's h is rewritten every round
-        if MX:
-            a = _mx_operand_tile(h_src, h_scales, h_row, k0, every_row, I, BLOCK_M, TMA, ".cg", False)
-            b = _mx_operand_tile(wd_src, wd_scales, w_row + n0, k0, n_ok, I, BLOCK_N, TMA, "", True)
-        else:
-            a = _operand_tile(h_src, h_row, k0, every_row, I, BLOCK_M, BLOCK_K, TMA, ".cg")
-            b = _operand_tile(wd_src, w_row + n0, k0, n_ok, I, BLOCK_N, BLOCK_K, TMA, "")
+        a = _k_step_tile(h_src, h_scales, h_row, k0, every_row, I, BLOCK_M, STEP_K, TMA, ".cg", False, MX)
+        b = _k_step_tile(wd_src, wd_scales, w_row + n0, k0, n_ok, I, BLOCK_N, STEP_K, TMA, "", True, MX)
         acc = _dot(a, tl.trans(b), acc, DOT_F32)
     tl.store(dst_ptrs[:, None] + offs_n[None, :], _bf16_rne(acc), mask=ok[:, None] & n_ok[None, :])
 
@@ -931,15 +931,19 @@ def programs_per_sm(n_regs: int, shared_bytes: int, num_warps: int, props: dict)
     return max(0, min(by_regs, by_shared, 2048 // (32 * num_warps), 32))
 
 
-@functools.cache
-def co_resident_programs(device_index: int, variant: KernelVariant) -> int:
-    """How many programs of a concurrent launch the device runs at once: the variant's compiled kernel, its
-    programs per SM times the SMs."""
-    compiled = compile_megakernel(variant)
+def resident_programs(compiled, device_index: int) -> int:
+    """How many programs of a compiled persistent kernel the device runs at once: its programs per SM times the
+    SMs (the forward's and the dgrad launch's)."""
     compiled._init_handles()
     props = triton.runtime.driver.active.utils.get_device_properties(device_index)
     per_sm = programs_per_sm(compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps, props)
     return per_sm * props["multiprocessor_count"]
+
+
+@functools.cache
+def co_resident_programs(device_index: int, variant: KernelVariant) -> int:
+    """How many programs of a concurrent launch of this variant the device runs at once."""
+    return resident_programs(compile_megakernel(variant), device_index)
 
 
 def megakernel_phase(bufs: MegakernelBuffers, schedule, weights, shape: LaunchShape, phase: int, *, epoch: int,

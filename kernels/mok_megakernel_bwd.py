@@ -83,7 +83,7 @@ from titan_mok.kernels.mok_megakernel import (
     _stamp,
     _tile_rows,
     _wait,
-    programs_per_sm,
+    resident_programs,
 )
 
 # Launch phases: the forward's (the kernels compare PHASE with literals: 0 all, 1 publish, 2 pull, 3 D1, 4 D2).
@@ -428,13 +428,8 @@ def compile_megakernel_bwd(variant: KernelVariant):
 
 @functools.cache
 def co_resident_programs_bwd(device_index: int, variant: KernelVariant) -> int:
-    """How many programs of a concurrent dgrad launch the device runs at once: the variant's compiled kernel, its
-    programs per SM times the SMs."""
-    compiled = compile_megakernel_bwd(variant)
-    compiled._init_handles()
-    props = triton.runtime.driver.active.utils.get_device_properties(device_index)
-    per_sm = programs_per_sm(compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps, props)
-    return per_sm * props["multiprocessor_count"]
+    """How many programs of a concurrent dgrad launch of this variant the device runs at once."""
+    return resident_programs(compile_megakernel_bwd(variant), device_index)
 
 
 def megakernel_bwd_phase(bufs: BackwardBuffers, schedule, weights, rows: GroupedRows, shape: LaunchShape,
