@@ -137,15 +137,25 @@ class _TritonOps:
     Given ``weights_owner``, each MXFP8 layout is kept under it for the version of its source weight
     (``stamps``: by weight name, from the forward; a bf16 operand is a view: nothing to keep)."""
 
-    def __init__(self, weights_owner, stamps):
+    def __init__(self, weights_owner, stamps, sources=None):
         self.weights_owner, self.stamps = weights_owner, stamps
+        self.sources = dict(zip(("w_gate_EIH", "w_up_EIH", "w_down_EHI"), sources or ()))
 
     def _operand(self, w_EXY, precision, along, name):
         if isinstance(w_EXY, MXFP8GatheredWeight):
             return w_EXY.operand(along, name)
         owner = self.weights_owner if precision == "mxfp8" else None
         return weight_cache.operand(owner, name, along, self.stamps.get(name),
-                                    lambda: weight_operand(w_EXY, precision, along, name))
+                                    lambda: weight_operand(w_EXY, precision, along, name),
+                                    self._remake(name, w_EXY.dtype, precision, along))
+
+    def _remake(self, name, dtype, precision, along):
+        """The optimizer step's remake of a kept layout: from the source weight cast as the caller cast it (the
+        weights given are ``source.to(dtype)``, the stamps' premise), never from the stale cast itself."""
+        source = self.sources.get(name)
+        if source is None:
+            return None
+        return lambda: ((weight_cache.stamp(source), dtype), weight_operand(source.to(dtype), precision, along, name))
 
     def forward(self, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit):
         gate_RI, up_RI, h_RI = grouped_gate_up_swiglu(
@@ -203,8 +213,9 @@ def wgrad_operands(x_RH, h_RI, dy_RH, dgate_RI, dup_RI) -> dict:
 
 class _GroupedSwiGLUFFN(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit, use_triton, owner, stamps):
-        ops = _TritonOps(owner, stamps) if use_triton else _ReferenceOps
+    def forward(ctx, x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit, use_triton, owner, stamps,
+                sources):
+        ops = _TritonOps(owner, stamps, sources) if use_triton else _ReferenceOps
         y_RH, gate_RI, up_RI, h_RI = ops.forward(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, limit)
         ctx.save_for_backward(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, gate_RI, up_RI, h_RI)
         ctx.ops, ctx.precision, ctx.limit = ops, precision, limit
@@ -218,7 +229,7 @@ class _GroupedSwiGLUFFN(torch.autograd.Function):
             ctx.precision, ctx.limit,
         )
         dx_RH, dw_gate_EIH, dw_up_EIH, dw_down_EHI = grads
-        return dx_RH, None, dw_gate_EIH, dw_up_EIH, dw_down_EHI, None, None, None, None, None
+        return dx_RH, None, dw_gate_EIH, dw_up_EIH, dw_down_EHI, None, None, None, None, None, None
 
 
 def _check_inputs(x_RH, group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, use_triton):
@@ -298,7 +309,7 @@ def grouped_swiglu_ffn(
     stamps = _source_stamps(weights_owner, weight_sources, (w_gate_EIH, w_up_EIH, w_down_EHI)) if keeps else {}
     return _GroupedSwiGLUFFN.apply(
         x_RH.contiguous(), group_end_E, w_gate_EIH, w_up_EIH, w_down_EHI, precision, swiglu_limit, use_triton,
-        weights_owner if keeps else None, stamps,
+        weights_owner if keeps else None, stamps, weight_sources if keeps else None,
     )
 
 
@@ -311,7 +322,7 @@ def forward_weight_operands(weights: tuple, precision: str, *, weights_owner: ob
     gathered = _gathered_as_mxfp8(weights, precision)
     keeps = precision == "mxfp8" and not gathered
     stamps = _source_stamps(weights_owner, weight_sources, weights) if keeps else {}
-    ops = _TritonOps(weights_owner if keeps else None, stamps)
+    ops = _TritonOps(weights_owner if keeps else None, stamps, weight_sources if keeps else None)
     return tuple(ops._operand(w, precision, 2, name) for w, name in zip(weights, ("w_gate_EIH", "w_up_EIH",
                                                                                    "w_down_EHI")))
 

@@ -19,7 +19,7 @@ class MokTrainer(Trainer):
     def __init__(self, job_config):
         super().__init__(job_config)
         self.checkpointer = MokCheckpointManager.replacing(self)
-        self.optimizers.register_step_post_hook(weight_cache.weights_written)
+        self.optimizers.register_step_post_hook(weight_cache.step_post_hook(self.model_parts))
         injection = faults.NonfiniteInjection.from_config(job_config, self.model_parts[0])
         self.nonfinite_guard = faults.NonfiniteGuard(self, job_config.training.nonfinite, injection)
 

@@ -12,12 +12,17 @@ from tests.kernels.test_grouped_ffn import CPU_CASE, make_case, run
 LAYOUTS = sorted((n, a) for n in ("w_gate_EIH", "w_up_EIH", "w_down_EHI") for a in (1, 2))
 
 
-def _counted_weight_operand(monkeypatch) -> list:
+phase = ["pass"]  # where a quantization runs: "pass" (a forward or backward) or "step" (the optimizer's)
+
+
+def _counted_weight_operand(monkeypatch, phases: list | None = None) -> list:
     calls = []
     quantize = grouped_ffn.weight_operand
 
     def counted(w, precision, along, name, **kw):
         calls.append((name, along))
+        if phases is not None:
+            phases.append(phase[0])
         return quantize(w, precision, along, name, **kw)
 
     monkeypatch.setattr(grouped_ffn, "weight_operand", counted)
@@ -109,7 +114,7 @@ def _train(experts, steps: int, microbatches: int, state=None, first_step: int =
     accumulation over microbatches, the trainers' post-hook registered; the bf16 outputs of every microbatch."""
     optimizer = torch.optim.AdamW(experts.parameters(), lr=1e-2, fused=True)
     if hook:
-        optimizer.register_step_post_hook(weight_cache.weights_written)
+        optimizer.register_step_post_hook(weight_cache.step_post_hook(experts))
     if state is not None:
         experts.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
@@ -121,34 +126,40 @@ def _train(experts, steps: int, microbatches: int, state=None, first_step: int =
             y = experts(x, group_end)
             y.float().square().sum().backward()
             outputs.append(y.detach())
+        phase[0] = "step"
         optimizer.step()
+        phase[0] = "pass"
         optimizer.zero_grad()
     return outputs, {"model": experts.state_dict(), "optim": optimizer.state_dict()}
 
 
 def test_training_quantizes_once_per_step_and_resumes_bitwise(monkeypatch):
-    """RoutedExperts with gradient accumulation: each layout quantized once per optimizer step (against
-    once per microbatch when quantized every pass), every microbatch's output bitwise
-    the same; a load into a fresh module (a resume) makes its operands again from the loaded weights
-    and continues with the uninterrupted run's bits."""
-    calls = _counted_weight_operand(monkeypatch)
+    """RoutedExperts with gradient accumulation: each layout quantized once per optimizer step, inside the step
+    (against once per microbatch when quantized every pass), every microbatch's output bitwise the same; a
+    load into a fresh module (a resume) makes its operands again from the loaded weights and continues with
+    the uninterrupted run's bits."""
+    phases = []
+    calls = _counted_weight_operand(monkeypatch, phases)
     each_pass, _ = _train(_experts(kept=False), steps=3, microbatches=2)
     assert len(calls) == 3 * 2 * 6
-    calls.clear()
+    calls.clear(), phases.clear()
     kept, _ = _train(_experts(kept=True), steps=3, microbatches=2)
-    assert len(calls) == 3 * 6 and sorted(calls[:6]) == LAYOUTS
+    # the first step's forward and backward make the six layouts; then each optimizer step makes them anew
+    assert sorted(calls[:6]) == LAYOUTS and phases == ["pass"] * 6 + ["step"] * 3 * 6
+    assert all(sorted(calls[i:i + 6]) == LAYOUTS for i in range(6, len(calls), 6))
     _assert_same_bits(each_pass, kept)
 
     calls.clear()
     first, state = _train(_experts(kept=True), steps=2, microbatches=2)
     resumed_module = _experts(kept=True)
     resumed, _ = _train(resumed_module, steps=1, microbatches=2, state=state, first_step=2)
-    assert len(calls) == 3 * 6  # 2 steps, then 1 after the load: quantized from the loaded weights
+    # 6 made in the first pass and 2 * 6 in the steps; after the load 6 from the loaded weights, then 6 in the step
+    assert len(calls) == 6 + 2 * 6 + 6 + 6
     _assert_same_bits(kept, first + resumed)
 
 
 def test_without_the_optimizer_hook_a_fused_update_would_be_missed():
-    """Why the trainers register ``weights_written``: the fused AdamW update writes the parameters without
+    """Why the trainers register ``step_post_hook``: the fused AdamW update writes the parameters without
     bumping ``_version``, so without the hook the second step reads the first step's operands."""
     each_pass, _ = _train(_experts(kept=False), steps=2, microbatches=1)
     unhooked, _ = _train(_experts(kept=True), steps=2, microbatches=1, hook=False)

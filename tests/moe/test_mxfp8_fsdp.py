@@ -152,10 +152,13 @@ def _step_results(layer) -> dict:
             "weights": {n: getattr(layer.experts, n).full_tensor() for n in NAMES}}
 
 
+_PHASE = ["pass"]  # where a quantization runs: "pass" (a forward or backward) or "step" (the optimizer's)
+
+
 def _train(layer) -> dict:
     """STEPS fused AdamW steps of MICROBATCHES microbatches, the trainers' post-hook registered."""
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True)
-    optimizer.register_step_post_hook(weight_cache.weights_written)
+    optimizer.register_step_post_hook(weight_cache.step_post_hook(layer))
     outputs = []
     for step in range(STEPS):
         for micro in range(MICROBATCHES):
@@ -163,7 +166,9 @@ def _train(layer) -> dict:
             y = layer(x, group_end)
             y.backward(dy)
             outputs.append(y.detach())
+        _PHASE[0] = "step"
         optimizer.step()
+        _PHASE[0] = "pass"
         optimizer.zero_grad()
     full = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for n, p in layer.named_parameters()}
     return {"outputs": outputs, "weights": full}
@@ -197,7 +202,8 @@ def _worker(rank: int, out_dir: str) -> None:
 
     made = []
     packed = mxfp8_fsdp._packed_operands
-    mxfp8_fsdp._packed_operands = lambda w, layouts, name: made.append((name, layouts)) or packed(w, layouts, name)
+    mxfp8_fsdp._packed_operands = lambda w, layouts, name: (made.append((name, layouts, _PHASE[0]))
+                                                             or packed(w, layouts, name))
     results["train"] = _train(_sharded("reference", True, WORLD))
     mxfp8_fsdp._packed_operands = packed
     results["quantized"] = made
@@ -297,7 +303,7 @@ def test_outputs_and_gradients_equal_the_unsharded_module(results, scenario):
             assert torch.equal(got["grads"][name], want["grads"][name]), f"rank {rank}: {name} gradient"
 
 
-def test_training_quantizes_each_shard_once_per_step_and_ends_on_the_unsharded_weights(results):
+def test_training_quantizes_each_shard_in_each_step_and_ends_on_the_unsharded_weights(results):
     layer = unsharded()
     want = _train(layer)
     for rank in range(WORLD):
@@ -306,9 +312,11 @@ def test_training_quantizes_each_shard_once_per_step_and_ends_on_the_unsharded_w
             assert torch.equal(a, b), f"rank {rank}: microbatch {i} output"
         for name in want["weights"]:
             assert torch.equal(got["weights"][name], want["weights"][name]), f"rank {rank}: {name} after training"
-        # per step: each weight's forward layout once (the first microbatch's forward), its dgrad layout once
-        per_step = sorted((n, layouts) for n in NAMES for layouts in ((2,), (1,)))
-        assert sorted(results[rank]["quantized"]) == sorted(per_step * STEPS), results[rank]["quantized"]
+        # each weight's forward and dgrad layouts: at their first gathers, then once in each optimizer step and
+        # never again in a forward or backward
+        layouts = [(n, layouts) for n in NAMES for layouts in ((2,), (1,))]
+        want_made = [(*nl, "pass") for nl in layouts] + [(*nl, "step") for nl in layouts] * STEPS
+        assert sorted(results[rank]["quantized"]) == sorted(want_made), results[rank]["quantized"]
 
 
 def test_all_gather_moves_mxfp8_bytes(results):

@@ -1,14 +1,16 @@
 """FSDP2 all-gathers the routed-expert weights as MXFP8 (``precision = "mxfp8"`` under FSDP, and so under EP).
 
 Each rank quantizes its own shard of each expert weight, from the bits the bf16 path would gather
-(the parameter cast to FSDP's ``param_dtype``), once per optimizer step per layout (``kernels/weight_cache.py``
-keeps them), and the all-gather moves E4M3 data and E8M0 scales as uint8: (1 + 1/32) bytes per element
-against bf16's 2. The kept copies are stale after ``weight_cache.weights_written()`` (the trainers' optimizer
-step post-hook, the checkpointer's load, the RL reference policy's swaps) and after an in-place write
-through the parameter (its ``_version``); a write through another alias of the shard's storage (the state
-dict's tensors) must call ``weights_written``: in-place ops on a DTensor leave its local tensor's version
-as it was. The expert FFN reads the gathered operands as they are (``kernels/mxfp8_gathered.py``), the
-reference kernels included; the weight gradients and their reduce-scatter stay in bf16/fp32.
+(the parameter cast to FSDP's ``param_dtype``), once per optimizer step per layout, inside the step
+(``kernels/weight_cache.py`` keeps them and ``weight_cache.step_post_hook``, the trainers' optimizer step
+post-hook, makes them again), and the all-gather moves E4M3 data and E8M0 scales as uint8: (1 + 1/32)
+bytes per element against bf16's 2. The kept copies are stale after ``weight_cache.weights_written()``
+(the checkpointer's load, the RL reference policy's swaps: made again at their next gather) and after an
+in-place write through the parameter (its ``_version``); a write through another alias of the shard's
+storage (the state dict's tensors) must call ``weights_written``: in-place ops on a DTensor leave its
+local tensor's version as it was. The expert FFN reads the gathered operands as they are
+(``kernels/mxfp8_gathered.py``), the reference kernels included; the weight gradients and their
+reduce-scatter stay in bf16/fp32.
 
 The hook is FSDP2's all-gather extension: the shard's local tensor is an ``MXFP8ShardWeight`` (a tensor
 subclass over the plain fp32 shard) with ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``; everything else
@@ -145,9 +147,11 @@ class MXFP8ShardWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         layouts = self.layouts["backward" if _in_backward() else "forward"]
         dtype = mp_policy.param_dtype or self.plain.dtype
-        stamp = (weight_cache.stamp(self.plain), dtype)
-        packed = weight_cache.operand(module, self.weight_name, layouts, stamp,  # kept under the experts module
-                                      lambda: _packed_operands(self.plain.to(dtype), layouts, self.weight_name))
+        plain, name = self.plain, self.weight_name
+        packed = weight_cache.operand(  # kept under the experts module, made again in each optimizer step
+            module, name, layouts, (weight_cache.stamp(plain), dtype),
+            lambda: _packed_operands(plain.to(dtype), layouts, name),
+            lambda: ((weight_cache.stamp(plain), dtype), _packed_operands(plain.to(dtype), layouts, name)))
         inputs = (packed,) if mesh.size() == 1 else _unpacked(packed, self.shape, layouts)
         return inputs, (layouts, mesh.size() == 1)
 

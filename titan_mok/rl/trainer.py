@@ -114,7 +114,7 @@ class RlTrainer(Trainer):
     def __init__(self, job_config):
         super().__init__(job_config)
         self.checkpointer = MokCheckpointManager.replacing(self)  # docs/faults.md: partial saves, checked loads
-        self.optimizers.register_step_post_hook(weight_cache.weights_written)  # kept MXFP8 weights are stale
+        self.optimizers.register_step_post_hook(weight_cache.step_post_hook(self.model_parts))
         self.model = self.model_parts[0]
         cached = has_kv_cache_step(self.model)
         logger.info("RL rollouts: " + ("KV-cache decoding" if cached else "recomputation (no KV-cache step yet)"))
