@@ -11,11 +11,13 @@ Buffers, carved from one ``torch.distributed._symmetric_memory`` allocation:
 - ``x_TH`` [T, H]: this rank's token rows; the expert ranks pull them (forward dispatch).
 - ``ids_N`` int32 [N]: this rank's top-k ids; every rank gathers them (the schedule).
 - ``slots_NH`` [N, H]: one row per (token, slot); the expert ranks push expert outputs here
-  (forward combine) and row gradients (backward dispatch).
+  (forward combine) and row gradients (backward dispatch; the megakernel's dgrad launch too).
 - ``dy_NH`` [N, H]: w·dY per (token, slot); the expert ranks pull it (backward combine).
-- ``arrivals_T`` int32 [T], ``x_ready`` int64 [1]: the forward megakernel's per-token arrival counters and
-  its x_TH-published flag (``kernels/mok_megakernel.py``; the fused path leaves them alone). Zeroed at
-  allocation, then only ever raised (epochs), by the megakernel calls whose count ``megakernel_calls`` keeps.
+- ``arrivals_T`` int32 [T], ``x_ready`` int64 [1], ``dy_ready`` int64 [1]: the megakernel launches' per-token
+  arrival counters (the forward's and the dgrad launch's, one running total) and their x_TH- and
+  dy_NH-published flags (``kernels/mok_megakernel.py``, ``kernels/mok_megakernel_bwd.py``; the fused path leaves
+  them alone). Zeroed at allocation, then only ever raised (epochs), by the megakernel calls whose count
+  ``megakernel_calls`` keeps.
 ``tables[name]`` is the int64 [P] device tensor of every rank's address of that buffer (the peer
 pointers the Triton kernels dereference).
 
@@ -29,7 +31,7 @@ With P = 1 (no group) the buffers are plain device memory and ``barrier()`` does
 The megakernel shares these buffers with the fused path (its own ordering, by epochs instead of barriers,
 keeps the same rule: kernels/mok_megakernel.py, "Across calls"; a fused call starts with a barrier that every
 rank passes after its last megakernel finish, and a megakernel call's pushes into a rank wait for that rank's
-x_ready, which it stores after its last fused call's reads).
+x_ready (the dgrad launch's: dy_ready), which it stores after its last fused call's reads).
 
 Where the symmetric allocation comes from: ``SYMMETRIC_ALLOCATORS`` by device type; CUDA's is torch's
 symmetric memory. Nothing else provides one in the product; tests register a CPU stand-in (shared-memory
@@ -52,11 +54,12 @@ _WORKSPACES: dict[tuple, "MokWorkspace"] = {}
 
 @dataclass
 class MegakernelCalls:
-    """The forward megakernel's calls on a workspace's flags: every rank of the group makes the same calls in the
-    same order (the layers of a step, forward and recomputation alike), so each rank's count is the same epoch."""
+    """The megakernel launches' calls on a workspace's flags, forward and dgrad counted together: every rank of the
+    group makes the same calls in the same order (the layers of a step: forward, recomputation and backward alike),
+    so each rank's count is the same epoch."""
 
     epoch: int = 0
-    """The last call's epoch (x_ready's value)."""
+    """The last call's epoch (the value it published in x_ready, or a dgrad launch's in dy_ready)."""
     arrivals: int = 0
     """What every arrival counter holds after the last call: each call's rows per token, summed."""
 
@@ -79,6 +82,7 @@ class MokWorkspace:
     """[P] views of every rank's ``ids_N`` (peer memory)."""
     arrivals_T: torch.Tensor
     x_ready: torch.Tensor
+    dy_ready: torch.Tensor
     handle: object = field(default=None, repr=False)
     """The symmetric-memory handle (None when P = 1): its ``barrier(channel, timeout_ms)``."""
     megakernel_calls: MegakernelCalls = field(default_factory=MegakernelCalls)
@@ -99,7 +103,8 @@ def _layout(num_tokens: int, top_k: int, dim: int, dtype: torch.dtype) -> dict[s
     slots = num_tokens * top_k
     shapes = {"x_TH": ((num_tokens, dim), dtype), "ids_N": ((slots,), torch.int32),
               "slots_NH": ((slots, dim), dtype), "dy_NH": ((slots, dim), dtype),
-              "arrivals_T": ((num_tokens,), torch.int32), "x_ready": ((1,), torch.int64)}
+              "arrivals_T": ((num_tokens,), torch.int32), "x_ready": ((1,), torch.int64),
+              "dy_ready": ((1,), torch.int64)}
     layout, offset = {}, 0
     for name, (shape, buf_dtype) in shapes.items():
         layout[name] = (offset, shape, buf_dtype)
@@ -155,9 +160,11 @@ def _allocate(group, num_tokens, top_k, dim, dtype, device) -> MokWorkspace:
     off, shape, _ = layout["ids_N"]
     peer_ids = [_carve(peer_B, off, shape, torch.int32) for peer_B in peer_bases]
     ws = MokWorkspace(num_tokens, top_k, dim, dtype, ep_degree, ep_rank, bufs["x_TH"], bufs["ids_N"],
-                      bufs["slots_NH"], bufs["dy_NH"], tables, peer_ids, bufs["arrivals_T"], bufs["x_ready"], handle)
+                      bufs["slots_NH"], bufs["dy_NH"], tables, peer_ids, bufs["arrivals_T"], bufs["x_ready"],
+                      bufs["dy_ready"], handle)
     ws.arrivals_T.zero_()
     ws.x_ready.zero_()
+    ws.dy_ready.zero_()
     ws.barrier()  # no peer reads this rank's flags before they are zero
     return ws
 
