@@ -30,11 +30,14 @@ expert's end):
   grouped_mm_sum's order), rounded to bf16, each real row's stored into its source rank's ``dx_slots_NH`` at its
   slot. Then old = d2_done[q]++ (acq_rel); the last arriver rearms it, stores consumed[q] = stamp(e, n) (release:
   the ring tile's reads are done) and adds 1 to arrivals[token] on each real row's source rank (release).
-- finish (``megakernel_bwd_finish``): token t waits until arrivals[t] = e·K (acquire), then
+- finish (``megakernel_bwd_finish``): token t waits until arrivals[t] = the host's running total (acquire: e·K
+  when one workspace's calls own the counters; a rank of a real EP group shares them with its forward calls), then
   dx[t] = cast(Σ_j dx_slots[t, j]) in fp32, ascending j (``mok_combine.slot_reduce``'s arithmetic, no FMA).
 Deadlock freedom, the epochs and the reset are the forward's argument word for word (D1 for A, D2 for B).
 Across calls: a rank rewrites dy_NH for call e + 1 only after its finish of call e saw every one of its slots'
-rows pushed (so pulled), and peers push into its dx slots only after acquiring its dy_ready = e + 1.
+rows pushed (so pulled), and peers push into its dx slots only after acquiring its dy_ready >= e + 1 (at least,
+as the forward's x_ready: on real EP a fast rank may already have published a later call, and then a slow
+program of call e has none of its rows left to pull).
 
 Buffers. Symmetric (int64 [P] address tables): ``dy_NH`` (w·dY per (token, slot), written by the owner before the
 launch: ``mok_combine.slot_scale``), ``dx_slots_NH``, ``arrivals_T`` int32, ``dy_ready`` int64 [1]. Local to a
@@ -55,6 +58,7 @@ the combine weights' gradient.
 """
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -457,8 +461,9 @@ def megakernel_bwd_phase(bufs: BackwardBuffers, schedule, weights, rows: Grouped
 
 def megakernel_bwd_launch(bufs: BackwardBuffers, schedule, weights, rows: GroupedRows, shape: LaunchShape, *,
                           epoch: int, swiglu_limit: float | None, serialized: bool, stall_rank: int | None = None,
-                          timeout_ms: float = 10_000.0) -> None:
-    """The dgrad's one launch (``serialized``: its phases one after another, as the forward's).
+                          timeout_ms: float = 10_000.0, phase_barrier: Callable[[], None] | None = None) -> None:
+    """The dgrad's one launch (``serialized``: its phases one after another, as the forward's; ``phase_barrier``:
+    the group's barrier after the publish and after the last round, as the forward's ``megakernel_launch``).
 
     schedule: (group_end_VL, tile_end_VL, row_slot_VR) int32 of the hosted ranks; weights: (w_gate [V·L, I, H],
     w_up [V·L, I, H], w_down [V·L, H, I]) bf16 contiguous; rows: [V, R, ·] bf16 contiguous. ``stall_rank``: a rank
@@ -474,7 +479,9 @@ def megakernel_bwd_launch(bufs: BackwardBuffers, schedule, weights, rows: Groupe
     if not serialized:
         run(PHASE_ALL)
         return
+    sync_peers = phase_barrier if phase_barrier is not None else (lambda: None)
     run(PHASE_PUBLISH)
+    sync_peers()
     # the host knows an upper bound of the tiles (no sync): every row in its own expert's tiles
     max_tiles = triton.cdiv(shape.ep_degree * shape.num_tokens * shape.top_k, bufs.block_m) + shape.num_local
     first_item = functools.partial(shape.first_item, dim_h=weights[0].shape[2], dim_i=weights[0].shape[1],
@@ -485,18 +492,20 @@ def megakernel_bwd_launch(bufs: BackwardBuffers, schedule, weights, rows: Groupe
         run(PHASE_COMM, tiles=(lo, hi))
         run(PHASE_D1, tiles=(lo, hi), items=(first_item(steps[0]), first_item(steps[1])))
         run(PHASE_D2, tiles=(lo, hi), items=(first_item(steps[0] + shape.lag), first_item(steps[1] + shape.lag)))
+    sync_peers()
 
 
-def megakernel_bwd_finish(bufs: BackwardBuffers, dx_VTH: torch.Tensor, shape: LaunchShape, *, epoch: int,
+def megakernel_bwd_finish(bufs: BackwardBuffers, dx_VTH: torch.Tensor, shape: LaunchShape, *, arrivals: int,
                           serialized: bool, trap: bool, timeout_ms: float = 10_000.0) -> None:
-    """dx[v, t] = cast(Σ_j dx_slots_v[t, j]) in fp32, ascending j, once token t's K rows have arrived (``trap``: a
-    recorded error stops the device with an assertion naming the wait)."""
+    """dx[v, t] = cast(Σ_j dx_slots_v[t, j]) in fp32, ascending j, once token t's K rows have arrived: its arrival
+    counter holds ``arrivals`` (every call so far's rows per token, summed; ``trap``: a recorded error stops the
+    device with an assertion naming the wait)."""
     num_tokens, dim_h = dx_VTH.shape[1:]
     if num_tokens == 0:
         return
     block_h = 1024
     grid = (shape.hosted_ranks * num_tokens, triton.cdiv(dim_h, block_h))
     _finish_bwd_kernel[grid](bufs.tables["dx_slots_NH"], bufs.tables["arrivals_T"], dx_VTH, bufs.errors,
-                             shape.first_rank, epoch * shape.top_k, int(timeout_ms * 1000), num_tokens, dim_h,
+                             shape.first_rank, arrivals, int(timeout_ms * 1000), num_tokens, dim_h,
                              K=shape.top_k, SERIAL=serialized, TRAP=trap, BLOCK_H=block_h, enable_fp_fusion=False)
 

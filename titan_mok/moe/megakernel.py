@@ -191,12 +191,14 @@ def virtual_symmetric(ranks: int, specs: dict[str, tuple[tuple[int, ...], torch.
     return symmetric, tables
 
 
-def launch_shape(cfg: MegakernelConfig, ranks: int, num_tokens: int, top_k: int, num_local: int,
-                 shared_groups: int = 0) -> LaunchShape:
-    """The fixed sizes of a launch hosting all ``ranks`` virtual ranks of this device, from a resolved config
-    (``_resolve``): the forward's and the dgrad launch's."""
-    return LaunchShape(ranks, 0, ranks, num_tokens, top_k, num_local, cfg.comm_programs, cfg.compute_programs,
-                       cfg.group_tiles, cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages, shared_groups, cfg.gemm)
+def launch_shape(cfg: MegakernelConfig, ep_degree: int, num_tokens: int, top_k: int, num_local: int,
+                 shared_groups: int = 0, *, rank: int | None = None) -> LaunchShape:
+    """The fixed sizes of a launch, from a resolved config (``_resolve``): the forward's and the dgrad launch's. It
+    hosts all ``ep_degree`` virtual ranks of this device, or with ``rank`` that rank of a real group only."""
+    first_rank, hosted = (0, ep_degree) if rank is None else (rank, 1)
+    return LaunchShape(ep_degree, first_rank, hosted, num_tokens, top_k, num_local, cfg.comm_programs,
+                       cfg.compute_programs, cfg.group_tiles, cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                       shared_groups, cfg.gemm)
 
 
 def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg: MegakernelConfig, device,

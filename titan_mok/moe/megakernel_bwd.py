@@ -1,5 +1,7 @@
 """The routed experts' input gradient (dgrad) through the MoK megakernel's backward launch
-(``kernels/mok_megakernel_bwd.py``), for one rank or for P virtual ranks on one device (virtual EP).
+(``kernels/mok_megakernel_bwd.py``) for P virtual ranks on one device (virtual EP), and what every host of the dgrad
+launch shares: its checks and buffers. A rank of a real EP group (or one rank alone; training's path):
+``titan_mok.moe.megakernel_rank.megakernel_rank_dgrad``.
 
 Legend: P ep degree (virtual ranks on this device), T tokens per rank, K top-k, N = T·K, R = P·N grouped rows
 per rank (the most its schedule holds), H hidden, I expert FFN size, E experts, L = E / P local experts per rank.
@@ -18,7 +20,7 @@ fp32 sum). The workspace of a (device, P, T, K, H, I, config) is allocated at it
 epochs, as the forward's). The grouped rows dy, dgate, dup come back for the weight gradients
 (``grouped_gemm.grouped_wgrads``); rows past a rank's last expert's end are not written.
 
-Not here: MXFP8, the weight gradients, the combine weights' gradient, real multi-GPU ranks.
+Not here: MXFP8, the weight gradients, the combine weights' gradient.
 """
 
 from dataclasses import dataclass
@@ -64,26 +66,31 @@ class RoutedDgrad:
 _WORKSPACES: dict[tuple, _Workspace] = {}
 
 
-def _allocate(ranks, num_tokens, top_k, dim_h, num_local, cfg: MegakernelConfig, device) -> _Workspace:
-    slots = num_tokens * top_k
-    bf16 = dict(dtype=torch.bfloat16, device=device)
-    symmetric, tables = virtual_symmetric(ranks, {
-        "dy_NH": ((slots, dim_h), torch.bfloat16), "dx_slots_NH": ((slots, dim_h), torch.bfloat16),
-        "arrivals_T": ((num_tokens,), torch.int32), "dy_ready": ((1,), torch.int64)}, device)
-    ring = cfg.ring_tiles
-    flag = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-    bufs = BackwardBuffers(
-        ring_VQMH=torch.zeros(ranks, ring, cfg.block_m, dim_h, **bf16),
-        ready_VQ=flag(ranks, ring, dtype=torch.int64),
-        dgrad_ready_VQ=flag(ranks, ring, dtype=torch.int64),
-        consumed_VQ=flag(ranks, ring, dtype=torch.int64),
-        d1_done_VQ=flag(ranks, ring, dtype=torch.int32),
-        d2_done_VQ=flag(ranks, ring, dtype=torch.int32),
-        next_item_V=flag(ranks, dtype=torch.int32),
-        programs_done_V=flag(ranks, dtype=torch.int32),
+def backward_buffers(ranks: int, ring_tiles: int, block_m: int, dim_h: int, tables: dict[str, torch.Tensor],
+                     device) -> BackwardBuffers:
+    """The dgrad launch's buffers of ``ranks`` hosted ranks, zeroed, on the given symmetric buffers' address
+    tables ("dy_NH", "dx_slots_NH", "arrivals_T", "dy_ready")."""
+    flag = lambda *shape, dtype: torch.zeros(ranks, *shape, dtype=dtype, device=device)  # noqa: E731
+    return BackwardBuffers(
+        ring_VQMH=torch.zeros(ranks, ring_tiles, block_m, dim_h, dtype=torch.bfloat16, device=device),
+        ready_VQ=flag(ring_tiles, dtype=torch.int64),
+        dgrad_ready_VQ=flag(ring_tiles, dtype=torch.int64),
+        consumed_VQ=flag(ring_tiles, dtype=torch.int64),
+        d1_done_VQ=flag(ring_tiles, dtype=torch.int32),
+        d2_done_VQ=flag(ring_tiles, dtype=torch.int32),
+        next_item_V=flag(dtype=torch.int32),
+        programs_done_V=flag(dtype=torch.int32),
         tables=tables,
         errors=torch.zeros(6, dtype=torch.int64, device=device),
     )
+
+
+def _allocate(ranks, num_tokens, top_k, dim_h, num_local, cfg: MegakernelConfig, device) -> _Workspace:
+    slots = num_tokens * top_k
+    symmetric, tables = virtual_symmetric(ranks, {
+        "dy_NH": ((slots, dim_h), torch.bfloat16), "dx_slots_NH": ((slots, dim_h), torch.bfloat16),
+        "arrivals_T": ((num_tokens,), torch.int32), "dy_ready": ((1,), torch.int64)}, device)
+    bufs = backward_buffers(ranks, cfg.ring_tiles, cfg.block_m, dim_h, tables, device)
     shape = launch_shape(cfg, ranks, num_tokens, top_k, num_local)
     return _Workspace(shape, bufs, symmetric, [*bufs.flags, *symmetric["arrivals_T"], *symmetric["dy_ready"]],
                       cfg.timeout_ms)
@@ -109,38 +116,68 @@ def _listed(name: str, t, ranks: int | None, virtual: bool) -> list:
     return items
 
 
-def _check(douts, weights, ids, gates, ups, expert_weights, num_experts):
-    ranks = len(douts)
-    num_tokens, dim_h = douts[0].shape
-    top_k = ids[0].shape[1] if ids[0].dim() == 2 else -1
+@dataclass(frozen=True)
+class CheckedDgrad:
+    """A dgrad call's sizes, after its inputs were checked (``check_dgrad_call``)."""
+
+    num_tokens: int
+    top_k: int
+    dim_h: int
+    dim_i: int
+    serialized: bool
+    config: MegakernelConfig
+    """Its None sizes filled (``_resolve``, for the dgrad launch's kernel)."""
+
+
+def check_dgrad_call(caller: str, douts, weights, gates, ups, expert_weights, *, num_experts: int, ep_degree: int,
+                     swiglu_limit: float | None, config: MegakernelConfig, serialized: bool | None,
+                     stall_rank: int | None) -> CheckedDgrad:
+    """Every check of a dgrad call, of one rank (douts etc. one entry) or of every virtual rank (P entries); the
+    expert weights: all E experts when every rank is given, else the L = E / ep_degree of the rank."""
+    num_tokens, dim_h = douts[0].shape if douts[0].dim() == 2 else (-1, -1)
+    top_k = weights[0].shape[1] if weights[0].dim() == 2 else -1
     device = douts[0].device
     if not 1 <= top_k <= 64:
-        raise ValueError(f"megakernel_routed_dgrad: top_k = {top_k} must be in [1, 64] (arrival counts in int32)")
+        raise ValueError(f"{caller}: top_k = {top_k} (weights_TK's second dim) must be in [1, 64] (arrival counts in "
+                         "int32)")
     w_gate_EIH, w_up_EIH, w_down_EHI = expert_weights
-    if num_experts % ranks or w_gate_EIH.dim() != 3 or w_gate_EIH.shape[0] != num_experts:
-        raise ValueError(f"megakernel_routed_dgrad: num_experts = {num_experts} must be a multiple of the {ranks} "
-                         f"virtual ranks and the weights' first dim (w_gate_EIH {tuple(w_gate_EIH.shape)})")
+    held = num_experts if len(douts) == ep_degree else num_experts // ep_degree  # all experts, or the rank's
+    if num_experts % ep_degree or w_gate_EIH.dim() != 3 or w_gate_EIH.shape[0] != held:
+        raise ValueError(f"{caller}: num_experts = {num_experts} must be a multiple of the {ep_degree} ranks, and the "
+                         f"weights' first dim (w_gate_EIH {tuple(w_gate_EIH.shape)}) {held}: "
+                         f"{'all experts' if held == num_experts else 'the experts of the rank'}")
     dim_i = w_gate_EIH.shape[1]
-    for name, w, shape in (("w_gate_EIH", w_gate_EIH, (num_experts, dim_i, dim_h)),
-                           ("w_up_EIH", w_up_EIH, (num_experts, dim_i, dim_h)),
-                           ("w_down_EHI", w_down_EHI, (num_experts, dim_h, dim_i))):
+    for name, w, shape in (("w_gate_EIH", w_gate_EIH, (held, dim_i, dim_h)),
+                           ("w_up_EIH", w_up_EIH, (held, dim_i, dim_h)),
+                           ("w_down_EHI", w_down_EHI, (held, dim_h, dim_i))):
         if tuple(w.shape) != shape or w.dtype != torch.bfloat16 or not w.is_contiguous() or w.device != device:
-            raise ValueError(f"megakernel_routed_dgrad: {name} must be a contiguous bfloat16 {shape} on {device}, "
+            raise ValueError(f"{caller}: {name} must be a contiguous bfloat16 {shape} on {device}, "
                              f"got {w.dtype} {tuple(w.shape)} on {w.device} (contiguous: {w.is_contiguous()})")
-    rows = ranks * num_tokens * top_k
-    for p in range(ranks):
-        for name, t, shape, dtypes in (("dout_TH", douts[p], (num_tokens, dim_h), (torch.bfloat16,)),
+    rows = ep_degree * num_tokens * top_k
+    for p in range(len(douts)):
+        # dout: the layer's output dtype (fp32 under AMP with a gated shared expert); w·dY is rounded to bf16
+        for name, t, shape, dtypes in (("dout_TH", douts[p], (num_tokens, dim_h), (torch.bfloat16, torch.float32)),
                                        ("weights_TK", weights[p], (num_tokens, top_k), (torch.float32,)),
-                                       ("topk_idx_TK", ids[p], (num_tokens, top_k), (torch.int32, torch.int64)),
                                        ("gate_RI", gates[p], (rows, dim_i), (torch.bfloat16,)),
                                        ("up_RI", ups[p], (rows, dim_i), (torch.bfloat16,))):
             if tuple(t.shape) != shape or t.dtype not in dtypes or t.device != device:
-                raise ValueError(f"megakernel_routed_dgrad: {name} of rank {p} must be {shape} of "
+                raise ValueError(f"{caller}: {name} of rank {p} must be {shape} of "
                                  f"{' or '.join(map(str, dtypes))} on {device}, got {tuple(t.shape)} {t.dtype} on "
                                  f"{t.device}")
     if device.type != "cuda" and not interpreting():
-        raise ValueError("megakernel_routed_dgrad needs CUDA tensors (or TRITON_INTERPRET=1)")
-    return ranks, num_tokens, top_k, dim_h, dim_i
+        raise ValueError(f"{caller} needs CUDA tensors (or TRITON_INTERPRET=1)")
+    serialized = interpreting() if serialized is None else serialized
+    if interpreting() and not serialized:
+        raise ValueError(f"{caller}: Triton's interpreter runs programs one at a time, so the concurrent launch "
+                         "would spin forever; use serialized=True (or None)")
+    if stall_rank is not None and not 0 <= stall_rank < ep_degree:
+        raise ValueError(f"{caller}: stall_rank = {stall_rank} is not a rank of {ep_degree}")
+    if config.gemm not in (None, "ptr"):
+        raise ValueError(f"{caller}: MegakernelConfig.gemm = {config.gemm!r}: the dgrad launch's GEMMs read by pointer "
+                         "only (gemm = 'ptr')")
+    cfg = _resolve(config, len(douts), dim_h, dim_i, num_experts // ep_degree, swiglu_limit is not None, None, device,
+                   serialized, co_resident=co_resident_programs_bwd)
+    return CheckedDgrad(num_tokens, top_k, dim_h, dim_i, serialized, cfg)
 
 
 def megakernel_routed_dgrad(
@@ -162,8 +199,8 @@ def megakernel_routed_dgrad(
 
     Args:
         dout_TH, weights_TK, topk_idx_TK, gate_RI, up_RI: one rank's tensors, or lists of P (virtual EP: entry p is
-            rank p's): dout bf16 [T, H], combine weights fp32 [T, K], ids int [T, K] in [0, E), the forward's g and
-            u rows bf16 [R, I] in the rank's schedule's row order (rows past its end: any values).
+            rank p's): dout bf16 or fp32 [T, H], combine weights fp32 [T, K], ids int [T, K] in [0, E), the
+            forward's g and u rows bf16 [R, I] in the rank's schedule's row order (rows past its end: any values).
         expert_weights: (w_gate [E, I, H], w_up [E, I, H], w_down [E, H, I]) bf16 contiguous, all E experts.
         serialized: the interpreter's phase-by-phase launches (None: under TRITON_INTERPRET=1 only).
         trap: a wait that ran out stops the device with an assertion naming it; False: the launch ends and
@@ -179,20 +216,20 @@ def megakernel_routed_dgrad(
     ids = _listed("topk_idx_TK", topk_idx_TK, len(douts), virtual)
     gates = _listed("gate_RI", gate_RI, len(douts), virtual)
     ups = _listed("up_RI", up_RI, len(douts), virtual)
-    ranks, num_tokens, top_k, dim_h, dim_i = _check(douts, weights, ids, gates, ups, expert_weights, num_experts)
-    serialized = interpreting() if serialized is None else serialized
-    if interpreting() and not serialized:
-        raise ValueError("megakernel_routed_dgrad: Triton's interpreter runs programs one at a time, so the "
-                         "concurrent launch would spin forever; use serialized=True (or None)")
-    if stall_rank is not None and not 0 <= stall_rank < ranks:
-        raise ValueError(f"megakernel_routed_dgrad: stall_rank = {stall_rank} is not a rank of {ranks}")
-    if config.gemm not in (None, "ptr"):
-        raise ValueError(f"megakernel_routed_dgrad: MegakernelConfig.gemm = {config.gemm!r}: the dgrad launch's GEMMs "
-                         "read by pointer only (gemm = 'ptr')")
+    ranks = len(douts)
+    call = check_dgrad_call("megakernel_routed_dgrad", douts, weights, gates, ups, expert_weights,
+                            num_experts=num_experts, ep_degree=ranks, swiglu_limit=swiglu_limit, config=config,
+                            serialized=serialized, stall_rank=stall_rank)
+    num_tokens, top_k, dim_h, dim_i, serialized, cfg = (call.num_tokens, call.top_k, call.dim_h, call.dim_i,
+                                                        call.serialized, call.config)
+    for p, t in enumerate(ids):
+        if tuple(t.shape) != (num_tokens, top_k) or t.dtype not in (torch.int32, torch.int64) or (
+                t.device != douts[0].device):
+            raise ValueError(f"megakernel_routed_dgrad: topk_idx_TK of rank {p} must be {(num_tokens, top_k)} of "
+                             f"torch.int32 or torch.int64 on {douts[0].device}, got {tuple(t.shape)} {t.dtype} on "
+                             f"{t.device}")
     device = douts[0].device
     num_local = num_experts // ranks
-    cfg = _resolve(config, ranks, dim_h, dim_i, num_local, swiglu_limit is not None, None, device, serialized,
-                   co_resident=co_resident_programs_bwd)
     key = (device, ranks, num_tokens, top_k, dim_h, dim_i, num_local, cfg)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = _allocate(ranks, num_tokens, top_k, dim_h, num_local, cfg, device)
@@ -209,7 +246,7 @@ def megakernel_routed_dgrad(
     megakernel_bwd_launch(ws.bufs, schedule, expert_weights, rows, ws.shape, epoch=epoch, swiglu_limit=swiglu_limit,
                           serialized=serialized, stall_rank=stall_rank, timeout_ms=cfg.timeout_ms)
     dx_PTH = torch.empty(ranks, num_tokens, dim_h, dtype=torch.bfloat16, device=device)
-    megakernel_bwd_finish(ws.bufs, dx_PTH, ws.shape, epoch=epoch, serialized=serialized, trap=trap,
+    megakernel_bwd_finish(ws.bufs, dx_PTH, ws.shape, arrivals=epoch * top_k, serialized=serialized, trap=trap,
                           timeout_ms=cfg.timeout_ms)
     out = [RoutedDgrad(dx_PTH[p], rows.dy_VRH[p], rows.dgate_VRI[p], rows.dup_VRI[p], schedule[0][p])
            for p in range(ranks)]
