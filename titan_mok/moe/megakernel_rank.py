@@ -1,44 +1,56 @@
-"""The routed experts' forward through the MoK megakernel (``kernels/mok_megakernel.py``) on one rank of an
-expert-parallel group, one GPU each (or on one rank alone): each rank's launch hosts only itself
-(``first_rank = rank``, ``hosted_ranks = 1``) and reaches its peers through symmetric memory.
+"""The routed experts' forward through the MoK megakernel (``kernels/mok_megakernel.py``), and their input gradient
+through its dgrad launch (``kernels/mok_megakernel_bwd.py``), on one rank of an expert-parallel group, one GPU each
+(or on one rank alone): each rank's launches host only itself (``first_rank = rank``, ``hosted_ranks = 1``) and
+reach its peers through symmetric memory.
 
 Legend: P ep degree, T tokens per rank, K top-k, N = T·K slots per rank, H hidden, I expert FFN size, E experts,
 L = E / P local experts, R = P·N grouped rows per rank (the most its schedule holds).
 
 Contract: ``megakernel_routed_experts``'s (``titan_mok.moe.megakernel``), per rank: out[t] = cast(shared[t] +
 Σ_j w[t,j]·expert_{e[t,j]}(x[t])), the sum in fp32 in ascending slot order j; bitwise the ``"triton"`` path's at the
-same EP degree, and a token's output does not depend on P.
+same EP degree, and a token's output does not depend on P. The dgrad: ``megakernel_routed_dgrad``'s
+(``titan_mok.moe.megakernel_bwd``), on the forward call's schedule.
 
-Buffers. The peers touch this rank's x_TH, slots_NH, arrivals_T, x_ready (and ids_N): they are the group's mok
-workspace (``titan_mok.moe.workspace``: one symmetric allocation per (group, T, K, H, dtype), made collectively at
-its first call and shared with the ``"triton"`` path, which the backward reuses), its int64 [P] address tables the
-launch's peer tables. Local to the rank, allocated at the first call of a (group, T, K, H, I, L, config, shared
-expert size) and reused by every layer of that shape: the ring, h, flags and counters of one hosted rank.
+Buffers. The peers touch this rank's x_TH, slots_NH, arrivals_T, x_ready (and ids_N), and for the dgrad dy_NH,
+dy_ready: they are the group's mok workspace (``titan_mok.moe.workspace``: one symmetric allocation per (group, T,
+K, H, dtype), made collectively at its first call and shared with the ``"triton"`` path, which the backward's row
+pull reuses), its int64 [P] address tables the launches' peer tables. The dgrad launch pushes its input-gradient
+rows into slots_NH (its ``dx_slots_NH``) and counts them in arrivals_T, as the forward its expert rows. Local to the
+rank, allocated at the first call of a (launch, group, T, K, H, I, L, config, shared expert size) and reused by
+every layer of that shape: the ring, h, flags and counters of one hosted rank.
 
-Per call, all on the current stream, no host sync: x → own x_TH, ids → own ids_N | group barrier | every rank's
-ids gathered (peer loads), this rank's schedule (``kernels/mok_schedule.py``, as the ``"triton"`` path's); the
-megakernel (pull from the source ranks' x_TH, FFN, push into their slots and arrival counters); the finish (per
+Per forward call, all on the current stream, no host sync: x → own x_TH, ids → own ids_N | group barrier | every
+rank's ids gathered (peer loads), this rank's schedule (``kernels/mok_schedule.py``, as the ``"triton"`` path's);
+the megakernel (pull from the source ranks' x_TH, FFN, push into their slots and arrival counters); the finish (per
 token, wait for its K rows, then the ordered fp32 reduction). The one barrier orders the ids: a rank rewrites ids_N
 for the next call only after its finish, which waited for a row that a peer pulled after every rank had published
 x_ready for this call, so after every rank gathered (kernels/mok_megakernel.py, "Across calls", for x_TH and the
 slots).
 
-Epochs: every rank of the group makes the same megakernel calls in the same order (the same layers, forward and
-recomputation, on the same batch shape: the workspace's requirement), so a count kept per workspace
-(``MokWorkspace.megakernel_calls``) is the same epoch on every rank, with no exchange; it also keeps the arrival
-counters' running total, which the finish waits for. Before the epoch would leave ``MAX_EPOCH``, every rank zeroes
-its flags between two group barriers and the count starts over.
+Dgrad. Per call, on the forward call's schedule (no ids gathered again): w·dY → own dy_NH (``slot_scale``); the
+launch (pull w·dY rows from the source ranks' dy_NH, down dgrad through the SwiGLU backward, gate/up dgrad, push
+each row's dx into its source's slots_NH and arrival counter); the finish (per token, its K rows summed in fp32,
+ascending slot). No barrier: the epochs order it against the forward calls and the fused path's barriers as the
+forward's (kernels/mok_megakernel_bwd.py, "Across calls").
 
-Serialized mode (Triton's interpreter): the launch's phases one after another, with the group's barrier after the
-publish and after the last round (``megakernel_launch``'s phase_barrier), so that the pull and the finish find
-their peers' flags already set.
+Epochs: every rank of the group makes the same megakernel calls, forward and dgrad, in the same order (the same
+layers, forward, recomputation and backward, on the same batch shape: the workspace's requirement), so a count kept
+per workspace (``MokWorkspace.megakernel_calls``) is the same epoch on every rank, with no exchange; it also keeps
+the arrival counters' running total, which both finishes wait for. Before the epoch would leave ``MAX_EPOCH``,
+every rank zeroes its flags (both launches') between two group barriers and the count starts over.
+
+Serialized mode (Triton's interpreter): each launch's phases one after another, with the group's barrier after the
+publish and after the last round (``megakernel_launch``'s and ``megakernel_bwd_launch``'s phase_barrier), so that
+the pull and the finish find their peers' flags already set.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from titan_mok.kernels.mok_combine import slot_scale
 from titan_mok.kernels.mok_megakernel import (
     MAX_EPOCH,
     LaunchShape,
@@ -50,18 +62,28 @@ from titan_mok.kernels.mok_megakernel import (
     ring_buffers,
     shared_groups,
 )
+from titan_mok.kernels.mok_megakernel_bwd import (
+    BackwardBuffers,
+    GroupedRows,
+    megakernel_bwd_finish,
+    megakernel_bwd_launch,
+)
+from titan_mok.kernels.mok_megakernel_bwd import read_error as read_dgrad_error
 from titan_mok.kernels.mok_schedule import mok_schedule
 from titan_mok.moe.fused import FusedHandle
-from titan_mok.moe.megakernel import MegakernelConfig, check_call, launch_weights, tile_ends
+from titan_mok.moe.megakernel import MegakernelConfig, check_call, launch_shape, launch_weights, tile_ends
+from titan_mok.moe.megakernel_bwd import RoutedDgrad, backward_buffers, check_dgrad_call
 from titan_mok.moe.workspace import MokWorkspace, get_workspace
 
 
 @dataclass
 class _RankWorkspace:
     shape: LaunchShape
-    bufs: MegakernelBuffers
-    """The hosted rank's (V = 1) ring, flags and counters; its tables are the group workspace's."""
+    bufs: MegakernelBuffers | BackwardBuffers
+    """The hosted rank's (V = 1) ring, flags and counters of one launch kind; its tables are the group workspace's."""
     group_ws: MokWorkspace
+    read_error: Callable[[torch.Tensor], str | None]
+    """The launch kind's words for its error record."""
 
     def zero_flags(self) -> None:
         for flag in self.bufs.flags:
@@ -70,10 +92,17 @@ class _RankWorkspace:
 
 
 _WORKSPACES: dict[tuple, _RankWorkspace] = {}
+"""The rank workspaces of this process, forward and dgrad, by (launch kind, device, group, sizes, config)."""
 
 
-def _allocate(group_ws: MokWorkspace, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg: MegakernelConfig,
-              device, mx: bool) -> _RankWorkspace:
+def _rank_workspace(key: tuple, allocate: Callable[[], _RankWorkspace]) -> _RankWorkspace:
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = allocate()
+    return _WORKSPACES[key]
+
+
+def _allocate_forward(group_ws: MokWorkspace, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local,
+                      cfg: MegakernelConfig, device, mx: bool) -> _RankWorkspace:
     ring, rows = cfg.ring_tiles, cfg.block_m
     groups = shared_groups(num_tokens, rows, cfg.group_tiles) if shared_dim else 0
     slots_f = ring + groups * cfg.group_tiles  # flag slots: the ring's, then the shared expert's tiles'
@@ -94,10 +123,19 @@ def _allocate(group_ws: MokWorkspace, num_tokens, top_k, dim_h, dim_i, shared_di
         shared_h_VRI=torch.zeros(1, groups * cfg.group_tiles * rows, shared_dim, **bf16) if groups else None,
         shared_out_VTH=torch.zeros(1, num_tokens, dim_h, **bf16) if groups else None,
     )
-    shape = LaunchShape(group_ws.ep_degree, group_ws.ep_rank, 1, num_tokens, top_k, num_local, cfg.comm_programs,
-                        cfg.compute_programs, cfg.group_tiles, cfg.lag, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                        groups, cfg.gemm)
-    return _RankWorkspace(shape, bufs, group_ws)
+    shape = launch_shape(cfg, group_ws.ep_degree, num_tokens, top_k, num_local, groups, rank=group_ws.ep_rank)
+    return _RankWorkspace(shape, bufs, group_ws, read_error)
+
+
+def _allocate_dgrad(group_ws: MokWorkspace, num_tokens, top_k, dim_h, num_local, cfg: MegakernelConfig,
+                    device) -> _RankWorkspace:
+    # the input-gradient rows go where the forward's expert rows went (slots_NH), counted by the same arrival
+    # counters: the calls' epochs and running total are the workspace's, whichever launch makes them
+    tables = {"dy_NH": group_ws.tables["dy_NH"], "dx_slots_NH": group_ws.tables["slots_NH"],
+              "arrivals_T": group_ws.tables["arrivals_T"], "dy_ready": group_ws.tables["dy_ready"]}
+    bufs = backward_buffers(1, cfg.ring_tiles, cfg.block_m, dim_h, tables, device)
+    shape = launch_shape(cfg, group_ws.ep_degree, num_tokens, top_k, num_local, rank=group_ws.ep_rank)
+    return _RankWorkspace(shape, bufs, group_ws, read_dgrad_error)
 
 
 def _restart_epochs(group_ws: MokWorkspace, *, synchronized: bool) -> None:
@@ -108,6 +146,7 @@ def _restart_epochs(group_ws: MokWorkspace, *, synchronized: bool) -> None:
         group_ws.barrier()
     group_ws.arrivals_T.zero_()
     group_ws.x_ready.zero_()
+    group_ws.dy_ready.zero_()
     for ws in _WORKSPACES.values():
         if ws.group_ws is group_ws:
             ws.zero_flags()
@@ -127,11 +166,12 @@ def _next_call(ws: _RankWorkspace) -> tuple[int, int]:
 
 
 def raise_on_megakernel_rank_error() -> None:
-    """Raise RuntimeError naming the wait that ran out in any rank workspace of this process (then zero its flags and
-    restart its epochs, without barriers: at EP > 1 a peer's call is left unfinished too, so the group cannot go on
-    unless every rank restarts at the same point). For calls made with ``trap=False``. NOTE: host sync."""
+    """Raise RuntimeError naming the wait that ran out in any rank workspace of this process, forward or dgrad (then
+    zero its flags and restart its epochs, without barriers: at EP > 1 a peer's call is left unfinished too, so the
+    group cannot go on unless every rank restarts at the same point). For calls made with ``trap=False``. NOTE: host
+    sync."""
     for ws in _WORKSPACES.values():
-        message = read_error(ws.bufs.errors)
+        message = ws.read_error(ws.bufs.errors)
         if message is not None:
             _restart_epochs(ws.group_ws, synchronized=False)
             raise RuntimeError(message)
@@ -169,12 +209,10 @@ def megakernel_rank_forward(
     device = x_TH.device
     num_local = num_experts // ep_degree
     group_ws = get_workspace(group, num_tokens, top_k, dim_h, torch.bfloat16, device)
-    key = (device, None if group is None else group.group_name, num_tokens, top_k, dim_h, call.dim_i, num_local, cfg,
-           call.shared_dim, precision)
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = _allocate(group_ws, num_tokens, top_k, dim_h, call.dim_i, call.shared_dim, num_local, cfg,
-                                     device, precision == "mxfp8")
-    ws = _WORKSPACES[key]
+    key = ("forward", device, None if group is None else group.group_name, num_tokens, top_k, dim_h, call.dim_i,
+           num_local, cfg, call.shared_dim, precision)
+    ws = _rank_workspace(key, lambda: _allocate_forward(group_ws, num_tokens, top_k, dim_h, call.dim_i,
+                                                        call.shared_dim, num_local, cfg, device, precision == "mxfp8"))
 
     group_ws.x_TH.copy_(x_TH)
     group_ws.ids_N.copy_(topk_idx_TK.reshape(-1))  # int64 → int32, slot t·K + j
@@ -226,3 +264,69 @@ def megakernel_rank_routed_experts(
                                         num_experts=num_experts, group=group, **options)
     return out_TH
 
+
+
+def megakernel_rank_dgrad(
+    dout_TH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    gate_RI: torch.Tensor,
+    up_RI: torch.Tensor,
+    expert_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    schedule: FusedHandle,
+    *,
+    num_experts: int,
+    group: dist.ProcessGroup | None,
+    swiglu_limit: float | None = None,
+    config: MegakernelConfig = MegakernelConfig(),
+    serialized: bool | None = None,
+    trap: bool = True,
+    stall_rank: int | None = None,
+) -> RoutedDgrad:
+    """This rank's input gradient through the dgrad launch (module docstring, Dgrad; ``megakernel_bwd``'s contract:
+    bitwise the ``"triton"`` path's) and the grouped rows its weight gradients read. Not differentiable (a backward's
+    piece). Every rank of ``group`` calls it in the same order as its other megakernel calls (they are collective).
+
+    Args:
+        dout_TH, weights_TK: this rank's output gradient bf16 or fp32 [T, H] and combine weights fp32 [T, K].
+        gate_RI, up_RI: the forward's g and u rows bf16 [R, I] (R = P·T·K) in the order of its schedule (rows past
+            its end: any values).
+        expert_weights: (w_gate [L, I, H], w_up [L, I, H], w_down [L, H, I]) bf16 contiguous: this rank's experts.
+        schedule: the forward call's (``megakernel_rank_forward``'s handle): its rows, on the group's workspace.
+        group: the expert-parallel group (None: this rank alone, P = 1).
+        config: the launch's sizes; its ``gemm`` must be None or "ptr" (the dgrad launch reads by pointer).
+        serialized, trap, stall_rank: as ``megakernel_rank_routed_experts``'s (``raise_on_megakernel_rank_error()``
+            names a wait of either launch).
+    """
+    ep_degree = 1 if group is None else dist.get_world_size(group)
+    call = check_dgrad_call("megakernel_rank_dgrad", [dout_TH], [weights_TK], [gate_RI], [up_RI], expert_weights,
+                            num_experts=num_experts, ep_degree=ep_degree, swiglu_limit=swiglu_limit, config=config,
+                            serialized=serialized, stall_rank=stall_rank)
+    cfg, num_tokens, top_k, dim_h, dim_i = call.config, call.num_tokens, call.top_k, call.dim_h, call.dim_i
+    device = dout_TH.device
+    num_local, rows = num_experts // ep_degree, ep_degree * num_tokens * top_k
+    group_ws = get_workspace(group, num_tokens, top_k, dim_h, torch.bfloat16, device)
+    if schedule.workspace is not group_ws or schedule.group_end.shape != (num_local,) or (
+            schedule.row_slot_R.shape != (rows,)):
+        raise ValueError(f"megakernel_rank_dgrad: schedule must be the forward call's on this group's workspace, "
+                         f"with group_end [{num_local}] and row_slot_R [{rows}], got "
+                         f"{tuple(schedule.group_end.shape)} and {tuple(schedule.row_slot_R.shape)}"
+                         f"{'' if schedule.workspace is group_ws else ' on another workspace'}")
+    key = ("dgrad", device, None if group is None else group.group_name, num_tokens, top_k, dim_h, dim_i, num_local,
+           cfg)
+    ws = _rank_workspace(key, lambda: _allocate_dgrad(group_ws, num_tokens, top_k, dim_h, num_local, cfg, device))
+
+    slot_scale(weights_TK.contiguous(), dout_TH.contiguous(), group_ws.dy_NH.view(num_tokens, top_k, dim_h))
+    group_end_1L = schedule.group_end[None]
+    tiles = (group_end_1L, tile_ends(group_end_1L, cfg.block_m), schedule.row_slot_R[None])
+    grouped = lambda n: torch.empty(1, rows, n, dtype=torch.bfloat16, device=device)  # noqa: E731
+    grouped_rows = GroupedRows(gate_RI.contiguous()[None], up_RI.contiguous()[None], grouped(dim_i), grouped(dim_i),
+                               grouped(dim_h))
+    epoch, arrivals = _next_call(ws)
+    megakernel_bwd_launch(ws.bufs, tiles, expert_weights, grouped_rows, ws.shape, epoch=epoch,
+                          swiglu_limit=swiglu_limit, serialized=call.serialized, stall_rank=stall_rank,
+                          timeout_ms=cfg.timeout_ms, phase_barrier=group_ws.barrier)
+    dx_1TH = torch.empty(1, num_tokens, dim_h, dtype=torch.bfloat16, device=device)
+    megakernel_bwd_finish(ws.bufs, dx_1TH, ws.shape, arrivals=arrivals, serialized=call.serialized, trap=trap,
+                          timeout_ms=cfg.timeout_ms)
+    return RoutedDgrad(dx_1TH[0], grouped_rows.dy_VRH[0], grouped_rows.dgate_VRI[0], grouped_rows.dup_VRI[0],
+                       schedule.group_end)
