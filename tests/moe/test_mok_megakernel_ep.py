@@ -6,12 +6,16 @@ mapped shared into both processes, its peer tables hold this process's mappings'
 and the workspace's barrier is a gloo barrier. So the kernels really load and store the other process's memory
 (pulled rows, pushed rows, the arrival counters' atomics, the gathered ids) through peer tables, and the host
 wiring runs as on GPUs: the collective workspace allocation and its address tables, the ids gather, each rank's
-own schedule, the per-workspace epoch that both ranks count alike with no exchange, the finish's running total
-of arrivals, the epoch restart between barriers, the ``"triton"`` path's backward across the two ranks. Compared
-bit for bit (torch.equal):
+own schedule, the per-workspace epoch that both ranks count alike with no exchange (forward and dgrad launches),
+the finishes' running total of arrivals, the epoch restart between barriers, the backward's dgrad launch across
+the two ranks. Compared bit for bit (torch.equal):
 - the routed output at EP = 2 equals the ``"triton"`` path's at EP = 1 on both ranks' tokens (so it does not depend
   on P), for balanced, skewed, single-expert and all-remote routing, run to run, across the epoch restart; a stalled
   peer is a named error on both ranks, after which both restart and compute the same bits again;
+- every gradient of the routed experts and combine (x, the combine weights, the shared output, the rank's expert
+  weights) equals the ``"triton"`` path's at EP = 2, with every row remote and with every row on rank 0's experts
+  (rank 1's dgrad launch has no tile), through one dgrad launch per backward, also right after the epochs'
+  restart;
 - the MoE layer with ``kernels = "megakernel"`` at EP = 2 equals ``kernels = "triton"`` at EP = 2 (the fused path
   over the same stand-in): output, input gradient and every parameter's gradient, run to run; its output and input
   gradient equal the megakernel layer's at EP = 1 on the concatenated batch.
@@ -78,6 +82,67 @@ def _routed_calls(rank: int) -> dict:
     return results
 
 
+GRADIENT_CASES = {  # routing, with the shared output, SwiGLU clamp
+    "all_remote_shared_clamped": ("all_remote", True, 0.5),  # every row crosses to the other rank and back
+    "rank_0_only": ("one_expert", False, None),  # all rows to rank 0's experts: rank 1's launch has no tile
+}
+
+
+def _routed_gradient_runs(rank: int) -> dict:
+    """Every gradient of this rank's routed experts and combine at EP = 2, the ``"triton"`` path's and the
+    megakernel's (test_mok_megakernel_autograd.py's inputs, at H = I = 32), and the megakernel calls each made."""
+    from tests.moe.test_mok_megakernel_autograd import H, routed_gradients
+    from titan_mok.kernels.mok_megakernel import MAX_EPOCH
+    from titan_mok.moe.workspace import get_workspace
+
+    (x, weights, shared), expert_weights = layer_inputs(WORLD, H, seed=3, dim_i=32)
+    local = tuple(_rank_slice(w, rank).contiguous() for w in expert_weights)
+    dout = _rank_slice(torch.randn(WORLD * T, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16), rank)
+    calls = get_workspace(dist.group.WORLD, T, K, H, torch.bfloat16, x.device).megakernel_calls
+    results, case_args = {}, {}
+    for case, (kind, with_shared, limit) in GRADIENT_CASES.items():
+        ids = _rank_slice(routing(kind, WORLD, seed=5), rank)
+        args = case_args[case] = (_rank_slice(x, rank), _rank_slice(weights, rank), ids,
+                                  _rank_slice(shared, rank) if with_shared else None, local, dout)
+        for kernels in ("triton", "megakernel"):
+            if (case, kernels) == ("rank_0_only", "megakernel"):
+                calls.epoch = MAX_EPOCH  # every rank: the forward restarts the epochs (both launches' flags zeroed)
+            epoch = calls.epoch
+            results[case, kernels] = routed_gradients(kernels, *args, group=dist.group.WORLD, swiglu_limit=limit)
+            results[case, kernels, "epochs"] = epoch, calls.epoch
+    # every row remote: each rank's launch has tiles (rank 1's pulled from rank 0, which publishes)
+    remote = "all_remote_shared_clamped"
+    results["stall"] = _stalled_dgrad(case_args[remote])
+    results["after_stall"] = routed_gradients("megakernel", *case_args[remote], group=dist.group.WORLD,
+                                              swiglu_limit=GRADIENT_CASES[remote][2])
+    return results
+
+
+def _stalled_dgrad(args) -> str:
+    """The dgrad launch with rank 1 publishing nothing, on a forward call's schedule: the wait's words (each rank
+    names its own; both restart their epochs there)."""
+    from titan_mok.kernels.grouped_gemm import grouped_gate_up_swiglu
+    from titan_mok.moe.fused import fused_dispatch
+    from titan_mok.moe.megakernel_rank import (
+        megakernel_rank_dgrad,
+        megakernel_rank_forward,
+        raise_on_megakernel_rank_error,
+    )
+
+    x, weights, ids, shared, local, dout = args
+    with torch.no_grad():
+        _, handle = megakernel_rank_forward(x, weights, ids, shared, local, num_experts=E, group=dist.group.WORLD,
+                                            config=SMALL)
+        gate, up, _ = grouped_gate_up_swiglu(fused_dispatch(x, handle), handle.group_end, *local[:2], None)
+        megakernel_rank_dgrad(dout, weights, gate, up, local, handle, num_experts=E, group=dist.group.WORLD,
+                              config=SMALL, trap=False, stall_rank=1)
+    try:
+        raise_on_megakernel_rank_error()
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+
+
 def _layer_runs(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -112,7 +177,7 @@ def _worker(rank: int, out_dir: str) -> None:
                             timeout=datetime.timedelta(seconds=300))
     workspace.SYMMETRIC_ALLOCATORS["cpu"] = shared_file_allocator(out_dir)  # the stand-in (module docstring)
     moe_module.has_cuda_capability = lambda major, minor: True  # the interpreter runs the Hopper kernels here
-    results = {"routed": _routed_calls(rank), "layer": _layer_runs(rank)}
+    results = {"routed": _routed_calls(rank), "layer": _layer_runs(rank), "gradients": _routed_gradient_runs(rank)}
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -150,6 +215,37 @@ def test_epochs_restart_together_and_a_stalled_peer_is_named_on_both_ranks(ep_re
     # rank 0 waited for rank 1's x_ready; rank 1 published nothing, so its own ring tiles were never pulled
     assert "x_ready: rank 0's communication program waited for rank 1 " in ep_results[0]["routed"]["stall"]
     assert "ring ready: rank 1's compute program waited for ring tile" in ep_results[1]["routed"]["stall"]
+
+
+@pytest.mark.parametrize("case", list(GRADIENT_CASES))
+@interpreted
+def test_every_gradient_equals_the_triton_path_at_ep_2(ep_results, case):
+    """Each rank's gradients of x, the combine weights, the shared output and its experts' weights through the
+    dgrad launch (two megakernel calls: the forward's and the dgrad's, no recomputed forward), also right after
+    the epochs' restart."""
+    from tests.moe.test_mok_megakernel_autograd import assert_same_gradients
+
+    for rank, results in enumerate(ep_results):
+        got, want = results["gradients"][case, "megakernel"], results["gradients"][case, "triton"]
+        assert_same_gradients(got, want, (case, rank))
+        before, after = results["gradients"][case, "megakernel", "epochs"]
+        # one forward and one dgrad launch; the second case after the epochs' restart (the count starts over at 1)
+        assert after == (2 if case == "rank_0_only" else before + 2), (case, rank)
+        assert len(set(results["gradients"][case, "triton", "epochs"])) == 1, (case, rank)
+
+
+@interpreted
+def test_a_stalled_peer_in_the_dgrad_launch_is_named_on_both_ranks_then_both_recover(ep_results):
+    from tests.moe.test_mok_megakernel_autograd import assert_same_gradients
+
+    # rank 0 waited for rank 1's dy_ready; rank 1's communication programs (stalled) pulled none of its ring tiles
+    assert "backward: timed out: dy_ready: rank 0's communication program waited for rank 1 " in (
+        ep_results[0]["gradients"]["stall"])
+    assert "backward: timed out: ring ready: rank 1's compute program waited for ring tile" in (
+        ep_results[1]["gradients"]["stall"])
+    for rank, results in enumerate(ep_results):
+        want = results["gradients"]["all_remote_shared_clamped", "triton"]
+        assert_same_gradients(results["gradients"]["after_stall"], want, rank)
 
 
 @interpreted

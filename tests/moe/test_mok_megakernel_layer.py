@@ -1,9 +1,10 @@
 """``[mok] kernels = "megakernel"`` in the MoE layer, on CPU (Triton's interpreter, the megakernel's serialized
 mode), against ``kernels = "triton"`` (the fused path, which runs on CPU at one rank): the layer's output, its input
 gradient and every parameter's gradient, bit for bit (torch.equal); with activation checkpointing, with layers
-sharing the megakernel's workspace, run to run, in bf16 and with MXFP8 routed experts (each weight quantized once
-per version for both); the errors for what the megakernel does not run; and which path ``kernels = "auto"``
-takes. On a GPU: test_mok_megakernel_layer_gpu.py.
+sharing the megakernel's workspace, run to run, in bf16 (the backward through the dgrad launch) and with MXFP8
+routed experts (the backward through the recomputed triton forward; each weight quantized once per version for
+both); the errors for what the megakernel does not run; and which path ``kernels = "auto"`` takes. On a GPU:
+test_mok_megakernel_layer_gpu.py.
 
 Hopper is required by both kernels' build-time check; these tests lift it (``has_cuda_capability``) since the
 interpreter runs the same kernels here.
@@ -20,6 +21,7 @@ from titan_mok.moe import MoE, MoEArgs
 from titan_mok.moe import megakernel_rank as mk_rank
 from titan_mok.moe import moe as moe_module
 from titan_mok.moe.moe import routed_schedule
+from titan_mok.moe.workspace import get_workspace
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's serialized "
                                  "megakernel on CPU tensors; on a GPU see test_mok_megakernel_layer_gpu.py")
@@ -96,7 +98,11 @@ def test_forward_and_every_gradient_equal_the_triton_path(case):
     x, dy = _inputs(case)
     triton_layer, mega_layer = _layer("triton", case), _layer("megakernel", case)
     want = run_layers([triton_layer], x, dy, CASES[case]["amp"])
+    calls = get_workspace(None, T, K, H, torch.bfloat16, torch.device("cpu")).megakernel_calls
+    epoch = calls.epoch
     got = run_layers([mega_layer], x, dy, CASES[case]["amp"])
+    # the forward launch, and in bf16 the dgrad launch (MXFP8: the triton path's forward again and its backward)
+    assert calls.epoch - epoch == (1 if "mxfp8" in case else 2)
     _assert_bitwise(got, want)
     assert got[0].dtype == CASES[case]["dtype"]
     # the metrics' dropless check: the experts computed every routed slot (T·K rows), as on the fused path
@@ -140,19 +146,22 @@ def test_activation_checkpointing_and_layers_sharing_the_workspace():
 
 @interpreted
 def test_backward_reads_nothing_from_the_workspace():
-    """The workspaces are every same-shaped layer's (the megakernel's ring and h, the mok workspace's symmetric
-    buffers, which the backward's recomputed "triton" forward rewrites before it reads them): overwritten with NaN
-    between the forward and the backward, the gradients are still the triton path's."""
+    """The workspaces are every same-shaped layer's (the forward launch's ring and h, the dgrad launch's ring, the
+    mok workspace's symmetric buffers, which the backward rewrites before it reads them: the x rows' pull, w·dY, the
+    dgrad launch's pushed rows; the combine slots' expert rows are kept as a copy): overwritten with NaN between the
+    forward and the backward, the gradients are still the triton path's."""
     x, dy = _inputs(seed=5)
     want = run_layers([_layer("triton")], x, dy)
     layer = _layer("megakernel")
+    run_layers([layer], x, dy)  # both launches' workspaces made
     xs = x.clone().requires_grad_()
     y = layer(xs)
-    assert mk_rank._WORKSPACES
+    assert {key[0] for key in mk_rank._WORKSPACES} == {"forward", "dgrad"}
     with torch.no_grad():
         for ws in mk_rank._WORKSPACES.values():
-            for buf in (ws.bufs.ring_VQMH, ws.bufs.h_VQMI, ws.bufs.ring_scales_VQMB, ws.bufs.h_scales_VQMB,
-                        ws.group_ws.x_TH, ws.group_ws.slots_NH, ws.group_ws.dy_NH):
+            named = ("ring_VQMH", "h_VQMI", "ring_scales_VQMB", "h_scales_VQMB")  # the dgrad launch's: a ring only
+            for buf in (*(getattr(ws.bufs, name, None) for name in named), ws.group_ws.x_TH, ws.group_ws.slots_NH,
+                        ws.group_ws.dy_NH):
                 if buf is not None:  # an MXFP8 workspace's bytes: 0xFF, the NaN scale and a NaN E4M3
                     buf.fill_(float("nan") if buf.is_floating_point() else 0xFF)
     y.backward(dy)

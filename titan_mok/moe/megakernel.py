@@ -24,7 +24,8 @@ MXFP8 (``precision="mxfp8"``): every expert row is the Triton grouped FFN's MXFP
 (``launch_weights``), quantizes each pulled row along H into its ring and h along I; the shared expert stays bf16.
 
 Not here: the backward (an input that requires grad raises NotImplementedError; ``[mok] kernels = "megakernel"``
-trains through ``titan_mok.moe.megakernel_autograd``, whose backward recomputes the triton path's forward).
+trains through ``titan_mok.moe.megakernel_autograd``, whose backward runs the dgrad launch of
+``titan_mok.moe.megakernel_rank``).
 """
 
 from dataclasses import dataclass, replace

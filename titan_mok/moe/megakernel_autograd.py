@@ -9,39 +9,48 @@ Forward: ``out[t] = cast(shared[t] + Σ_j w[t,j]·expert_{e[t,j]}(x[t]))``, the 
 launch plus its finish, bitwise the ``"triton"`` path's (``titan_mok.moe.fused``) output at the same EP degree.
 It returns this rank's schedule (the ``"triton"`` path's: rows grouped by local expert, in (source rank, token,
 slot) order, from every rank's gathered ids) as the ``"triton"`` path's handle on the same symmetric workspace;
-the backward keeps it.
+the backward keeps it. When the combine weights need a gradient it also keeps a copy of the expert rows y[t, j]
+that the launch pushed into this rank's combine slots (the workspace is every layer's): the ``"triton"`` path's
+y_TKH, bit for bit, T·K·H·2 bytes.
 
-Backward: the megakernel keeps nothing of its forward: its gate/up/SwiGLU values live in a ring that every
-layer of the same shape reuses, and it writes no per-row output (rows go straight into the combine slots). So
-the backward runs the ``"triton"`` path's forward again on the saved input and schedule — ``fused_dispatch``
-(x → own buffer | barrier | pull the rows from their source ranks), the Triton grouped FFN
-(``kernels/grouped_ffn.py``: its rows are the megakernel's bits), ``fused_combine`` (push | barrier | ordered
-reduction) — and differentiates it: the ``"triton"`` path's own backward (``combine_weight_grads``; w·dY to
-own buffer | barrier | pull; the FFN's backward; push each row's gradient to its source | barrier | ascending
-slot fp32 sum), across the EP group through the symmetric workspace's barriers. So every gradient is the
-``"triton"`` path's, bit for bit, at any EP degree; the shared output's gradient is dY in its dtype. The
-recomputation costs one dispatch, FFN forward and combine per backward, and saves the row activations the
-``"triton"`` path keeps from forward to backward. Every rank of the group runs the same backward sequence (the
-same layers), so the barriers pair up.
+Backward (bf16): the megakernel keeps nothing else of its forward (its gate/up/SwiGLU values live in a ring that
+every layer of the same shape reuses). So the backward recomputes only what the dgrad launch and the weight
+gradients read: the grouped x rows (``fused_dispatch``'s pull from the source ranks' x_TH, through the symmetric
+workspace's barrier) and g, u, h (``grouped_gate_up_swiglu``, the Triton grouped FFN's first launch, so the bits
+the ``"triton"`` path's forward saved); then the megakernel's dgrad launch (``megakernel_rank_dgrad``: w·dY
+pulled from the source ranks, the down projection's dgrad through the SwiGLU backward, the gate/up dgrad, each
+row's dx pushed to its source, the ordered fp32 sum per token) gives dx and the grouped dy, dgate, dup rows; and
+``grouped_wgrads`` on (dgate, x), (dup, x), (dy, h) gives the weight gradients, as the Triton grouped FFN's
+backward. The combine weights' gradient is ``combine_weight_grads(dout, y)`` on the kept rows, as
+``fused_combine``'s backward; the shared output's gradient is dY in its dtype. So every gradient is the
+``"triton"`` path's, bit for bit, at any EP degree. The recomputation costs the x pull and the gate/up GEMMs per
+backward (not the down GEMM, the combine or the dispatch's backward), and saves the R·(H + 2·I)·2 bytes of x, g, u
+rows (and h) the ``"triton"`` path keeps from forward to backward. Every rank of the group runs the same backward
+sequence (the same layers), so the barriers pair up and the epochs agree.
 
-Nothing the backward reads comes from the megakernel's ring or a buffer it left: it saves x, the combine
-weights, the bf16 expert weights it was given and the schedule, and rewrites every workspace buffer it reads.
+Backward (MXFP8, ``ExpertPrecision``): the dgrad launch runs bf16 operands only, so the backward runs the
+``"triton"`` path's forward again on the saved input and schedule (``fused_dispatch``, the Triton grouped FFN in
+MXFP8, ``fused_combine``) and differentiates it: the ``"triton"`` path's own MXFP8 backward. The forward launch
+reads the MXFP8 weight operands that the Triton grouped FFN keeps per weight version under the experts module
+(``grouped_ffn.forward_weight_operands``; in a training forward made together with the dgrad layouts), and the
+recomputation's ``grouped_swiglu_ffn(precision="mxfp8")`` finds them there: no weight is quantized twice.
 
-MXFP8 (``ExpertPrecision``): the forward launch reads the MXFP8 weight operands that the Triton grouped FFN keeps
-per weight version under the experts module (``grouped_ffn.forward_weight_operands``; in a training forward made
-together with the dgrad layouts), and the backward's ``grouped_swiglu_ffn(precision="mxfp8")`` finds them there:
-no weight is quantized twice, and every gradient is the ``"triton"`` path's MXFP8 gradient.
+Nothing the backward reads comes from the megakernel's ring or a workspace buffer it left: it saves x, the combine
+weights, the expert weights it was given, the schedule and (bf16) the expert rows' copy, and rewrites every
+workspace buffer it reads.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
+from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, wgrad_operands
+from titan_mok.kernels.grouped_gemm import grouped_gate_up_swiglu, grouped_wgrads
+from titan_mok.moe.dispatch import combine_weight_grads
 from titan_mok.moe.fused import FusedHandle, fused_combine, fused_dispatch
 from titan_mok.moe.megakernel import MegakernelConfig
-from titan_mok.moe.megakernel_rank import megakernel_rank_forward
+from titan_mok.moe.megakernel_rank import megakernel_rank_dgrad, megakernel_rank_forward
 
 
 @dataclass(frozen=True)
@@ -80,8 +89,13 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
             precision=experts_precision.precision, weights_owner=experts_precision.weights_owner,
             weight_sources=experts_precision.weight_sources,
         )
-        ctx.save_for_backward(x_TH, weights_TK, w_gate_LIH, w_up_LIH, w_down_LHI, handle.group_end, handle.row_slot_R)
-        ctx.workspace = handle.workspace
+        y_TKH = None
+        if experts_precision.precision == "bf16" and ctx.needs_input_grad[1]:
+            # the expert rows the finish summed, for the combine weights' gradient (module docstring)
+            y_TKH = handle.workspace.slots_NH.view(handle.num_tokens, handle.top_k, -1).clone()
+        ctx.save_for_backward(x_TH, weights_TK, w_gate_LIH, w_up_LIH, w_down_LHI, handle.group_end, handle.row_slot_R,
+                              y_TKH)
+        ctx.workspace, ctx.group, ctx.num_experts, ctx.config = handle.workspace, group, num_experts, config
         ctx.swiglu_limit, ctx.out_dtype, ctx.experts_precision = swiglu_limit, out_dtype, experts_precision
         ctx.shared_dtype = None if shared_TH is None else shared_TH.dtype
         ctx.mark_non_differentiable(handle.group_end)
@@ -89,7 +103,7 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout_TH, _dgroup_end):
-        x_TH, weights_TK, w_gate_LIH, w_up_LIH, w_down_LHI, group_end_L, row_slot_R = ctx.saved_tensors
+        x_TH, weights_TK, w_gate_LIH, w_up_LIH, w_down_LHI, group_end_L, row_slot_R, y_TKH = ctx.saved_tensors
         needs = ctx.needs_input_grad
         needs_dx, needs_dweights, needs_dw = needs[0], needs[1], needs[3:6]
         dshared_TH = None if ctx.shared_dtype is None else dout_TH.to(ctx.shared_dtype)  # the fused combine's
@@ -98,21 +112,55 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
             return None, None, dshared_TH, None, None, None, *unused
         num_tokens, top_k = weights_TK.shape
         handle = FusedHandle(num_tokens, top_k, row_slot_R, group_end_L, ctx.workspace)
-        with torch.enable_grad():  # the "triton" path's forward, on the saved rows and schedule
-            x = x_TH.detach().requires_grad_(needs_dx)
-            w_TK = weights_TK.detach().requires_grad_(needs_dweights)
-            experts = [w.detach().requires_grad_(need) for w, need in zip((w_gate_LIH, w_up_LIH, w_down_LHI),
-                                                                             needs_dw)]
-            mx = ctx.experts_precision
-            y_RH = grouped_swiglu_ffn(fused_dispatch(x, handle), group_end_L, *experts, precision=mx.precision,
-                                      swiglu_limit=ctx.swiglu_limit, use_triton=True, weights_owner=mx.weights_owner,
-                                      weight_sources=mx.weight_sources)
-            out = fused_combine(y_RH, w_TK, None, handle, ctx.out_dtype)
-        leaves = (x, w_TK, *experts)
-        wanted = [t for t in leaves if t.requires_grad]
-        computed = iter(torch.autograd.grad(out, wanted, dout_TH))
-        dx_TH, dweights_TK, *dw = [next(computed) if t.requires_grad else None for t in leaves]
+        expert_weights = (w_gate_LIH, w_up_LIH, w_down_LHI)
+        if ctx.experts_precision.precision != "bf16":
+            # the dgrad launch runs bf16 operands only: MXFP8 differentiates the recomputed "triton" forward
+            grads = _recomputed_triton_backward(ctx, dout_TH, x_TH, weights_TK, expert_weights, handle)
+        else:
+            grads = _dgrad_launch_backward(ctx, dout_TH.contiguous(), x_TH, weights_TK, expert_weights, handle,
+                                           y_TKH)
+        dx_TH, dweights_TK, *dw = grads
         return dx_TH, dweights_TK, dshared_TH, *dw, *unused
+
+
+def _dgrad_launch_backward(ctx, dout_TH, x_TH, weights_TK, expert_weights, handle: FusedHandle, y_TKH):
+    """(dx, dweights, dw_gate, dw_up, dw_down), each None where not needed: bf16, through the dgrad launch (module
+    docstring)."""
+    needs_dx, needs_dweights, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3:6]
+    # <dY[t], y[t, j]> in fp32, as the fused combine's backward
+    dweights_TK = combine_weight_grads(dout_TH.float(), y_TKH) if needs_dweights else None
+    if not (needs_dx or any(needs_dw)):
+        return None, dweights_TK, None, None, None
+    x_RH = fused_dispatch(x_TH, handle)  # the forward's rows in the schedule's order (grad mode is off here)
+    gate_RI, up_RI, h_RI = grouped_gate_up_swiglu(x_RH, handle.group_end, *expert_weights[:2], ctx.swiglu_limit)
+    # MegakernelConfig.gemm is the forward launch's: the dgrad launch reads by pointer
+    dgrad = megakernel_rank_dgrad(dout_TH, weights_TK, gate_RI, up_RI, expert_weights, handle,
+                                  num_experts=ctx.num_experts, group=ctx.group, swiglu_limit=ctx.swiglu_limit,
+                                  config=replace(ctx.config, gemm=None))
+    del gate_RI, up_RI
+    pairs = wgrad_operands(x_RH, h_RI, dgrad.dy_RH, dgrad.dgate_RI, dgrad.dup_RI).values()
+    computed = grouped_wgrads([pair for pair, need in zip(pairs, needs_dw) if need], handle.group_end, "bf16")
+    dw = [next(computed) if need else None for need in needs_dw]
+    return dgrad.dx_TH if needs_dx else None, dweights_TK, *dw
+
+
+def _recomputed_triton_backward(ctx, dout_TH, x_TH, weights_TK, expert_weights, handle: FusedHandle):
+    """(dx, dweights, dw_gate, dw_up, dw_down), each None where not needed: the ``"triton"`` path's forward run again
+    on the saved input and schedule, differentiated (module docstring, MXFP8)."""
+    needs_dx, needs_dweights, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3:6]
+    with torch.enable_grad():
+        x = x_TH.detach().requires_grad_(needs_dx)
+        w_TK = weights_TK.detach().requires_grad_(needs_dweights)
+        experts = [w.detach().requires_grad_(need) for w, need in zip(expert_weights, needs_dw)]
+        mx = ctx.experts_precision
+        y_RH = grouped_swiglu_ffn(fused_dispatch(x, handle), handle.group_end, *experts, precision=mx.precision,
+                                  swiglu_limit=ctx.swiglu_limit, use_triton=True, weights_owner=mx.weights_owner,
+                                  weight_sources=mx.weight_sources)
+        out = fused_combine(y_RH, w_TK, None, handle, ctx.out_dtype)
+    leaves = (x, w_TK, *experts)
+    wanted = [t for t in leaves if t.requires_grad]
+    computed = iter(torch.autograd.grad(out, wanted, dout_TH))
+    return tuple(next(computed) if t.requires_grad else None for t in leaves)
 
 
 def megakernel_routed_experts_trainable(
