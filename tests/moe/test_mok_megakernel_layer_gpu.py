@@ -3,6 +3,8 @@ floats from the runs' metrics.jsonl):
 - the MoE layer's output, input gradient and every parameter gradient (bf16 activations from fp32 master weights;
   and under autocast with a gated shared expert and the SwiGLU clamp), run to run, with activation checkpointing and
   two layers sharing the megakernel's workspace; ``kernels = "auto"`` takes the fused path and equals "triton";
+- the routed experts and combine at Kimi K2.7's sizes with the default config: every gradient (through the dgrad
+  launch) on one GPU, and at EP = 2 (4, 8) GPUs;
 - the routed path (forward and backward) does no host sync;
 - training steps of the Kimi K2.7 Code debug flavor (one GPU, AMP, full activation checkpointing; on two GPUs
   under FSDP, EP degree 1, whose hooks gather the experts' weights for the megakernel; and at EP degree 2, each
@@ -111,6 +113,49 @@ def test_routed_path_has_no_host_sync():
     run_without_host_sync(step)
 
 
+KIMI_H, KIMI_I, KIMI_K = 7168, 2048, 8
+
+
+def _kimi_routed_inputs(tokens: int, experts: int, held: int, kind: str, seed: int):
+    """Routed inputs at Kimi K2.7's sizes, on the GPU: x bf16 [T, H], combine weights fp32 [T, K], ids [T, K] of
+    ``experts`` ("balanced": uniform; "skewed": expert e drawn with weight 2^-e, so a few low experts take nearly
+    every row), a bf16 shared output, dout bf16 [T, H], and ``held`` experts' (w_gate, w_up [held, I, H], w_down
+    [held, H, I]) bf16."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "balanced":
+        ids = torch.rand(tokens, experts, generator=g).argsort(dim=1)[:, :KIMI_K]
+    else:
+        ids = torch.multinomial(0.5 ** torch.arange(experts, dtype=torch.float).expand(tokens, -1), KIMI_K,
+                                generator=g)
+    x = torch.randn(tokens, KIMI_H, generator=g).to(torch.bfloat16)
+    weights = torch.rand(tokens, KIMI_K, generator=g)
+    shared = (torch.randn(tokens, KIMI_H, generator=g) * 0.1).to(torch.bfloat16)
+    dout = (torch.randn(tokens, KIMI_H, generator=g) * 0.01).to(torch.bfloat16)
+    expert_weights = tuple((torch.randn(held, *shape, generator=g) * 0.02).to(torch.bfloat16).cuda()
+                           for shape in ((KIMI_I, KIMI_H), (KIMI_I, KIMI_H), (KIMI_H, KIMI_I)))
+    return (*(t.cuda() for t in (x, weights, ids, shared, dout)), expert_weights)
+
+
+@pytest.mark.parametrize("kind", ["balanced", "skewed"])
+def test_routed_gradients_at_kimi_sizes_equal_the_triton_path(kind):
+    """The routed experts and combine at Kimi K2.7's sizes (H 7168, I 2048, K 8; 4096 tokens over 48 experts: a
+    rank's share at EP 8), the default MegakernelConfig: the output and every gradient (x, the combine weights, the
+    shared output, w_gate, w_up, w_down) through the dgrad launch bitwise the triton path's, run to run."""
+    from tests.moe.test_mok_megakernel_autograd import assert_same_gradients, routed_gradients
+    from titan_mok.moe.megakernel import MegakernelConfig
+
+    x, weights, ids, shared, dout, expert_weights = _kimi_routed_inputs(4096, 48, 48, kind, seed=11)
+
+    def call(kernels):
+        return routed_gradients(kernels, x, weights, ids, shared, expert_weights, dout, num_experts=48,
+                                config=MegakernelConfig())
+
+    want = call("triton")
+    got = call("megakernel")
+    assert_same_gradients(got, want, kind)
+    assert_same_gradients(call("megakernel"), got, f"{kind}: run to run")
+
+
 def _train(folder, kernels: str, nproc: int, ep: int = 1, precision: str = "bf16") -> list[dict]:
     torchrun.run("titan_mok.train", "train_configs/kimi_k2_7_code/debug.toml", "--training.steps", "4",
                  "--parallelism.expert_parallel_degree", str(ep), "--training.mixed_precision_param", "bfloat16",
@@ -150,8 +195,8 @@ def test_kimi_debug_training_steps_under_fsdp_equal_the_triton_path(tmp_path):
 @pytest.mark.two_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_kimi_debug_training_steps_at_ep_2_equal_the_triton_path(tmp_path):
-    """Two GPUs, EP degree 2: each rank's megakernel pulls and pushes the other's rows through symmetric memory; the
-    backward recomputes the triton path's forward and runs its backward across the two ranks."""
+    """Two GPUs, EP degree 2: each rank's megakernel pulls and pushes the other's rows through symmetric memory, in
+    the forward launch and in the backward's dgrad launch."""
     _assert_same_steps(_train(tmp_path / "megakernel", "megakernel", 2, ep=2),
                        _train(tmp_path / "triton", "triton", 2, ep=2))
 
@@ -238,6 +283,45 @@ def test_layer_at_ep_equals_the_triton_path_at_the_same_ep(world):
     init_file = Path(f"/tmp/mok_megakernel_ep{world}_{os.getpid()}")
     init_file.unlink(missing_ok=True)
     mp.spawn(_layer_worker, args=(world, str(init_file)), nprocs=world, join=True)
+
+
+def _routed_gradients_worker(rank: int, world: int, init_file: str) -> None:
+    from tests.moe.test_mok_megakernel_autograd import assert_same_gradients, routed_gradients
+    from titan_mok.moe.megakernel import MegakernelConfig
+
+    mesh = _init(rank, world, init_file)
+    experts = 64
+    try:
+        for kind in ("balanced", "skewed"):  # skewed: nearly every row to rank 0's first experts
+            x, weights, ids, shared, dout, local = _kimi_routed_inputs(2048, experts, experts // world, kind,
+                                                                       seed=30 + rank)
+
+            def call(kernels):
+                return routed_gradients(kernels, x, weights, ids, shared, local, dout, num_experts=experts,
+                                        group=mesh.get_group(), config=MegakernelConfig())
+
+            want = call("triton")
+            got = call("megakernel")
+            assert_same_gradients(got, want, f"rank {rank} of {world}, {kind}")
+            assert_same_gradients(call("megakernel"), got, f"rank {rank} of {world}, {kind}: run to run")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.two_gpus
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_routed_gradients_at_kimi_sizes_at_ep_equal_the_triton_path(world):
+    """Each rank's routed experts and combine at Kimi K2.7's sizes (H 7168, I 2048, K 8, 2048 tokens per rank, 64
+    experts), the default MegakernelConfig, EP = the GPU count: every gradient through the dgrad launches reaching
+    each other over symmetric memory, bitwise the triton path's at the same EP degree, run to run."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    for var, value in _SYMMETRIC_MEMORY_ENV:
+        os.environ[var] = value
+    init_file = Path(f"/tmp/mok_megakernel_grads_ep{world}_{os.getpid()}")
+    init_file.unlink(missing_ok=True)
+    mp.spawn(_routed_gradients_worker, args=(world, str(init_file)), nprocs=world, join=True)
 
 
 def _stall_worker(rank: int, init_file: str, out_dir: str) -> None:
