@@ -82,7 +82,7 @@ class ExpertPrecision:
 class _MegakernelRoutedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, weights_TK, shared_TH, w_gate_LIH, w_up_LIH, w_down_LHI, topk_idx_TK, group, num_experts,
-                swiglu_limit, out_dtype, config, experts_precision):
+                swiglu_limit, out_dtype, config, experts_precision, keep_expert_rows):
         out_TH, handle = megakernel_rank_forward(
             x_TH, weights_TK, topk_idx_TK, shared_TH, (w_gate_LIH, w_up_LIH, w_down_LHI), num_experts=num_experts,
             group=group, swiglu_limit=swiglu_limit, out_dtype=out_dtype, config=config,
@@ -90,7 +90,7 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
             weight_sources=experts_precision.weight_sources,
         )
         y_TKH = None
-        if experts_precision.precision == "bf16" and ctx.needs_input_grad[1]:
+        if keep_expert_rows and experts_precision.precision == "bf16":
             # the expert rows the finish summed, for the combine weights' gradient (module docstring)
             y_TKH = handle.workspace.slots_NH.view(handle.num_tokens, handle.top_k, -1).clone()
         ctx.save_for_backward(x_TH, weights_TK, w_gate_LIH, w_up_LIH, w_down_LHI, handle.group_end, handle.row_slot_R,
@@ -107,7 +107,7 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
         needs = ctx.needs_input_grad
         needs_dx, needs_dweights, needs_dw = needs[0], needs[1], needs[3:6]
         dshared_TH = None if ctx.shared_dtype is None else dout_TH.to(ctx.shared_dtype)  # the fused combine's
-        unused = (None,) * 7  # topk_idx, group, num_experts, swiglu_limit, out_dtype, config, precision
+        unused = (None,) * 8  # topk_idx, group, num_experts, swiglu_limit, out_dtype, config, precision, keep
         if not (needs_dx or needs_dweights or any(needs_dw)):
             return None, None, dshared_TH, None, None, None, *unused
         num_tokens, top_k = weights_TK.shape
@@ -179,7 +179,9 @@ def megakernel_routed_experts_trainable(
     expert weights (bf16, contiguous: w_gate, w_up [L, I, H], w_down [L, H, I]; under mxfp8 also FSDP's
     MXFP8-gathered weights). Every rank of ``group`` (None: this rank alone) calls it in the same order. No host
     sync."""
+    # inside the Function's forward grad mode is off and needs_input_grad holds under no_grad too
+    keep_expert_rows = torch.is_grad_enabled() and routing.weights_TK.requires_grad
     return _MegakernelRoutedExperts.apply(
         x_TH, routing.weights_TK, routing.shared_TH, *expert_weights, routing.topk_idx_TK, group, num_experts,
-        swiglu_limit, routing.out_dtype, config, experts_precision,
+        swiglu_limit, routing.out_dtype, config, experts_precision, keep_expert_rows,
     )
