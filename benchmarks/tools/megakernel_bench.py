@@ -145,8 +145,7 @@ def main() -> None:
                 continue
             row += row[-1:] * (2 - len(row))  # P = 1: one megakernel run
             ws = [w for key, w in _WORKSPACES.items() if key[1:3] == (ranks, opts.tokens)][-1]
-            ring_bufs = (ws.bufs.ring_VQMH, ws.bufs.h_VQMI, ws.bufs.ring_scales_VQMB, ws.bufs.h_scales_VQMB)
-            ring_mb = sum(b[0].numel() * b.element_size() for b in ring_bufs if b is not None) / 1e6
+            ring_mb = sum(b[0].numel() * b.element_size() for b in (ws.bufs.ring_VQMH, ws.bufs.h_VQMI)) / 1e6
             print(f"{ranks:2} {tokens:7} {variant_name(config):>14} {triton_ms:8.3f} {row[0]:9.3f} {row[1]:9.3f} "
                   f"{row[0] / triton_ms:10.3f} {row[1] / triton_ms:10.3f} {row[1] / row[0]:8.3f} "
                   f"{ffn_flops / row[1] / 1e9:7.0f}  "

@@ -73,7 +73,7 @@ _WORKSPACES: dict[tuple, _RankWorkspace] = {}
 
 
 def _allocate(group_ws: MokWorkspace, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg: MegakernelConfig,
-              device, mx: bool) -> _RankWorkspace:
+              device) -> _RankWorkspace:
     ring, rows = cfg.ring_tiles, cfg.block_m
     groups = shared_groups(num_tokens, rows, cfg.group_tiles) if shared_dim else 0
     slots_f = ring + groups * cfg.group_tiles  # flag slots: the ring's, then the shared expert's tiles'
@@ -81,7 +81,7 @@ def _allocate(group_ws: MokWorkspace, num_tokens, top_k, dim_h, dim_i, shared_di
     flag = lambda *shape, dtype: torch.zeros(1, *shape, dtype=dtype, device=device)  # noqa: E731
     tables = {name: group_ws.tables[name] for name in ("x_TH", "slots_NH", "arrivals_T", "x_ready")}
     bufs = MegakernelBuffers(
-        **ring_buffers(1, ring, rows, dim_h, dim_i, mx, device),
+        **ring_buffers(1, ring, rows, dim_h, dim_i, device),
         ready_VQ=flag(ring, dtype=torch.int64),
         h_ready_VF=flag(slots_f, dtype=torch.int64),
         consumed_VF=flag(slots_f, dtype=torch.int64),
@@ -173,7 +173,7 @@ def megakernel_rank_forward(
            call.shared_dim, precision)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = _allocate(group_ws, num_tokens, top_k, dim_h, call.dim_i, call.shared_dim, num_local, cfg,
-                                     device, precision == "mxfp8")
+                                     device)
     ws = _WORKSPACES[key]
 
     group_ws.x_TH.copy_(x_TH)
