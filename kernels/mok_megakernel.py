@@ -134,8 +134,11 @@ the ring, an A item its h columns along I (whole 32-blocks: BLOCK_N and I multip
 the items read ring and h as the bf16 path does, and nothing dequantizes them. The weights arrive as the Triton
 path's MXFP8 operands (E4M3 in MMA order, E8M0 scales [rows, K/32]; quantized by the caller, never here), and the
 items dequantize their blocks to bf16 in registers (exact), one 32-wide K step per MMA (the Triton path's MXFP8
-step: the interpreter's rounding follows it), each step's scales loaded one step ahead. So a row is the Triton
-grouped FFN's MXFP8 row bit for bit. The shared expert's items stay bf16. Ring memory per rank: the bf16 ring's,
+step: the interpreter's rounding follows it), each step's scales loaded one step ahead. They compute the product
+transposed, acc^T = w @ a^T, as the Triton path's warp-specialized kernel does: the dequantized weights are the
+MMA's register operand (no trip through shared memory, no barrier), so a step's MMAs run while the next block is
+dequantized; each output element is the same sum of the same products. So a row is the Triton grouped FFN's MXFP8
+row bit for bit. The shared expert's items stay bf16. Ring memory per rank: the bf16 ring's,
 Q·M·(H + I)·2 bytes, twice what E4M3 rows with their scales take (Q·M·(H + I)·(1 + 1/32): 37.7 MB against 19.5 MB
 at Kimi K2.7's sizes, Q = 32, M = 64), the price of A operands that need no dequantization.
 
@@ -315,8 +318,8 @@ def _mx_weight_tile(src, row, col, row_ok, width, bits, BR: tl.constexpr, TMA: t
     each 32-block's elements in MMA order, ``MXTensor.mma_order``) as the MMA's bf16 values in index order (exact:
     E4M3 · 2^e), its E8M0 bits [BR] given (_scale_bits, loaded a step ahead); the E4M3 bits as _operand_tile reads
     them."""
-    q = _operand_tile(src, row, col, row_ok, width, BR, 32, TMA, "").to(tl.float8e4nv, bitcast=True)
-    return mx_from_mma_order(mx_dequantize_bits(q, bits, 1), BR)
+    q = mx_from_mma_order(_operand_tile(src, row, col, row_ok, width, BR, 32, TMA, ""), BR)
+    return mx_dequantize_bits(q.to(tl.float8e4nv, bitcast=True), bits, 1)
 
 
 @triton.jit
@@ -337,35 +340,39 @@ def _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, l
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # .cg (the row tile): another SM wrote the tile; read it from L2, never from a line this SM cached in an earlier
     # round (TMA reads bypass L1)
     if MX:
+        # transposed, acc^T [N, M] = w @ a^T (the same sums of the same products as a @ w^T): the dequantized weights
+        # are the MMA's register operand, never stored to shared memory, so the MMAs run while the next block is
+        # dequantized
+        acc1t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc2t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         scale_off = (w_row + offs_n).to(tl.int64) * (H // 32)
         sg_rows, su_rows = wg_scales + scale_off, wu_scales + scale_off
         sg_next = _scale_bits(sg_rows, 0, n_ok, H)
         su_next = _scale_bits(su_rows, 0, n_ok, H)
         for k0 in range(0, H, 32):  # software-pipelined by the launch's num_stages
-            a = _operand_tile(a_src, a_row, k0, a_ok, H, BLOCK_M, 32, TMA, ".cg")
+            at = tl.trans(_operand_tile(a_src, a_row, k0, a_ok, H, BLOCK_M, 32, TMA, ".cg"))
             sg = sg_next
             sg_next = _scale_bits(sg_rows, k0 + 32, n_ok, H)
-            acc1 = _dot(a, tl.trans(_mx_weight_tile(wg_src, w_row + n0, k0, n_ok, H, sg, BLOCK_N, TMA)), acc1,
-                        DOT_F32)
+            acc1t = _dot(_mx_weight_tile(wg_src, w_row + n0, k0, n_ok, H, sg, BLOCK_N, TMA), at, acc1t, DOT_F32)
             su = su_next
             su_next = _scale_bits(su_rows, k0 + 32, n_ok, H)
-            acc2 = _dot(a, tl.trans(_mx_weight_tile(wu_src, w_row + n0, k0, n_ok, H, su, BLOCK_N, TMA)), acc2,
-                        DOT_F32)
+            acc2t = _dot(_mx_weight_tile(wu_src, w_row + n0, k0, n_ok, H, su, BLOCK_N, TMA), at, acc2t, DOT_F32)
+        _, _, ht = _swiglu_out(acc1t, acc2t, limit, HAS_LIMIT)
+        # BLOCK_N and I are multiples of 32: the item's blocks along I are whole
+        h = _mx_values(tl.trans(ht), BLOCK_M, BLOCK_N)
     else:
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):  # software-pipelined by the launch's num_stages
             a = _operand_tile(a_src, a_row, k0, a_ok, H, BLOCK_M, BLOCK_K, TMA, ".cg")
             wg = _operand_tile(wg_src, w_row + n0, k0, n_ok, H, BLOCK_N, BLOCK_K, TMA, "")
             acc1 = _dot(a, tl.trans(wg), acc1, DOT_F32)
             wu = _operand_tile(wu_src, w_row + n0, k0, n_ok, H, BLOCK_N, BLOCK_K, TMA, "")
             acc2 = _dot(a, tl.trans(wu), acc2, DOT_F32)
-    _, _, h = _swiglu_out(acc1, acc2, limit, HAS_LIMIT)
-    if MX:  # BLOCK_N and I are multiples of 32: the item's blocks along I are whole
-        h = _mx_values(h, BLOCK_M, BLOCK_N)
+        _, _, h = _swiglu_out(acc1, acc2, limit, HAS_LIMIT)
     tl.store(h_ptr + offs_m[:, None] * I + offs_n[None, :], h, mask=n_ok[None, :])
 
 
@@ -381,22 +388,25 @@ def _down_block(h_src, h_row, wd_src, w_row, dst_ptrs, ok, n0, H, I, wd_scales, 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     every_row = tl.full((BLOCK_M,), 1, tl.int1)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # .cg (h): other SMs wrote h, and a ring slot's h is rewritten every round
-    if MX:
+    if MX:  # transposed, as in _gate_up_block: the dequantized weights are the MMA's register operand
+        acct = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         scale_rows = wd_scales + (w_row + offs_n).to(tl.int64) * (I // 32)
         s_next = _scale_bits(scale_rows, 0, n_ok, I)
         for k0 in range(0, I, 32):  # software-pipelined by the launch's num_stages
-            a = _operand_tile(h_src, h_row, k0, every_row, I, BLOCK_M, 32, TMA, ".cg")
+            at = tl.trans(_operand_tile(h_src, h_row, k0, every_row, I, BLOCK_M, 32, TMA, ".cg"))
             s = s_next
             s_next = _scale_bits(scale_rows, k0 + 32, n_ok, I)
-            acc = _dot(a, tl.trans(_mx_weight_tile(wd_src, w_row + n0, k0, n_ok, I, s, BLOCK_N, TMA)), acc, DOT_F32)
+            acct = _dot(_mx_weight_tile(wd_src, w_row + n0, k0, n_ok, I, s, BLOCK_N, TMA), at, acct, DOT_F32)
+        y = tl.trans(_bf16_rne(acct))
     else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):  # software-pipelined by the launch's num_stages
             a = _operand_tile(h_src, h_row, k0, every_row, I, BLOCK_M, BLOCK_K, TMA, ".cg")
             b = _operand_tile(wd_src, w_row + n0, k0, n_ok, I, BLOCK_N, BLOCK_K, TMA, "")
             acc = _dot(a, tl.trans(b), acc, DOT_F32)
-    tl.store(dst_ptrs[:, None] + offs_n[None, :], _bf16_rne(acc), mask=ok[:, None] & n_ok[None, :])
+        y = _bf16_rne(acc)
+    tl.store(dst_ptrs[:, None] + offs_n[None, :], y, mask=ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
