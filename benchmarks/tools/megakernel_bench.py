@@ -23,9 +23,9 @@ groups) and its ring per rank; TFLOP/s: the routed experts' GEMM FLOPs
 (T·P·K·3·2·H·I) over the P=P launch's time, end to end (pull, FFN, push, reduction).
 
 --precision mxfp8: the routed experts in MXFP8 on both paths (the triton path's Triton grouped FFN with
-``precision="mxfp8"``; the megakernel quantizing rows on the pull, its ring and h in MXFP8), the shared expert bf16.
-Both read the same MXFP8 weight operands, made once before the timings (kept under one owner, as a training step's
-microbatches read them), so neither time holds a weight quantization; the ring column counts its MXFP8 bytes.
+``precision="mxfp8"``; the megakernel quantizing rows on the pull, its ring and h holding MXFP8 values in bf16), the
+shared expert bf16. Both read the same MXFP8 weight operands, made once before the timings (kept under one owner, as
+a training step's microbatches read them), so neither time holds a weight quantization.
 """
 
 import argparse
