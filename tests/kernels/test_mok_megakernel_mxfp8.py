@@ -128,11 +128,11 @@ def test_mxfp8_reads_the_kept_weight_operands_or_the_gathered_ones():
     kept = dict(weight_cache._kept[owner])
     assert sorted(kept) == [(n, 2) for n in ("w_down_EHI", "w_gate_EIH", "w_up_EIH")]
     operands = mk.launch_weights(expert_weights, "mxfp8", owner, expert_weights)
-    assert [o is kept[(n, 2)][1] for o, n in zip(operands, NAMES)] == [True] * 3
-    gathered = [MXFP8GatheredWeight(GatheredOperands({2: kept[(n, 2)][1]}), w.shape, w.dtype, w.device)
+    assert [o is kept[(n, 2)].operand for o, n in zip(operands, NAMES)] == [True] * 3
+    gathered = [MXFP8GatheredWeight(GatheredOperands({2: kept[(n, 2)].operand}), w.shape, w.dtype, w.device)
                 for w, n in zip(expert_weights, NAMES)]
     assert torch.equal(mx_megakernel(1, x, weights, ids, shared, tuple(gathered)), first)
-    assert all(weight_cache._kept[owner][key][1] is operand for key, (_, operand) in kept.items())
+    assert all(weight_cache._kept[owner][key].operand is entry.operand for key, entry in kept.items())
 
 
 @interpreted
