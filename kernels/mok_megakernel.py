@@ -127,16 +127,20 @@ the gated SharedExpert's fp32 output). Each output element is computed by one it
 on values), so a token's output does not depend on the tile (or M), the item order, the program, the ring size,
 the group, the lag, the batch, P or the loads.
 
-MXFP8 (the MX constexpr; ``MegakernelBuffers.mx``): the routed experts' operands in the Triton grouped FFN's
-MXFP8 format. The pull quantizes each row along H (``mx_quantize_block``: ``mxfp8_quantize``'s rule) into the
-ring as E4M3 bytes ``ring_VQMH`` (uint8) and E8M0 bytes ``ring_scales_VQMB`` [V, Q, M, H/32]; the weights arrive
-as the Triton path's MXFP8 operands (E4M3 in MMA order, scales [rows, K/32]; quantized by the caller, never here);
-the A and B items dequantize their operand blocks to bf16 in registers (exact), one 32-wide K step per MMA (the
-Triton path's MXFP8 step: the interpreter's rounding follows it), and an A item stores its h columns (whole
-32-blocks: BLOCK_N and I multiples of 32) quantized along I, E4M3 ``h_VQMI`` and E8M0 ``h_scales_VQMB``
-[V, Q, M, I/32], from h's bf16 values, as the Triton path quantizes h for the down GEMM. So a row is the Triton
-grouped FFN's MXFP8 row bit for bit. The shared expert's items stay bf16. Ring memory per rank:
-Q·M·(H + I)·(1 + 1/32) bytes.
+MXFP8 (the MX constexpr: the routed weights given as MXTensors): the routed experts' operands as the Triton
+grouped FFN's MXFP8 path has them. Its A operands, the pulled rows and h, are held as the bf16 values of their MXFP8
+quantization (``_mx_values``: ``mxfp8_fake_quantize``'s code): the pull quantizes each row along H on the way into
+the ring, an A item its h columns along I (whole 32-blocks: BLOCK_N and I multiples of 32) before storing them; so
+the items read ring and h as the bf16 path does, and nothing dequantizes them. The weights arrive as the Triton
+path's MXFP8 operands (E4M3 in MMA order, E8M0 scales [rows, K/32]; quantized by the caller, never here), and the
+items dequantize their blocks to bf16 in registers (exact), one 32-wide K step per MMA (the Triton path's MXFP8
+step: the interpreter's rounding follows it), each step's scales loaded one step ahead. They compute the product
+transposed, acc^T = w @ a^T, as the Triton path's warp-specialized kernel does: the dequantized weights are the
+MMA's register operand (no trip through shared memory, no barrier), so a step's MMAs run while the next block is
+dequantized; each output element is the same sum of the same products. So a row is the Triton grouped FFN's MXFP8
+row bit for bit. The shared expert's items stay bf16. Ring memory per rank: the bf16 ring's,
+Q·M·(H + I)·2 bytes, twice what E4M3 rows with their scales take (Q·M·(H + I)·(1 + 1/32): 37.7 MB against 19.5 MB
+at Kimi K2.7's sizes, Q = 32, M = 64), the price of A operands that need no dequantization.
 
 Not here: the backward.
 """
@@ -155,7 +159,7 @@ from titan_mok.kernels.grouped_tiles import _bf16_rne, _group_of, _swiglu_out
 from titan_mok.kernels.mok_combine import _round_to, _slot_term
 from titan_mok.kernels.mxfp8 import BLOCK as MX_BLOCK
 from titan_mok.kernels.mxfp8 import MXTensor
-from titan_mok.kernels.mxfp8_quant import mx_dequantize_bits, mx_from_mma_order, mx_quantize_block, mx_store_bits
+from titan_mok.kernels.mxfp8_quant import mx_dequantize_bf16, mx_dequantize_bits, mx_from_mma_order, mx_quantize_block
 
 # Launch phases (the PHASE constexpr; the kernels compare it with these literals): one concurrent launch, or the
 # serialized mode's four kinds.
@@ -237,12 +241,11 @@ def _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
-def _pull_tile(tile_ptr, tile_scale_ptr, x_table, row_slot_ptr, rows, ok, N, K, H, MX: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def _pull_tile(tile_ptr, x_table, row_slot_ptr, rows, ok, N, K, H, MX: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_H: tl.constexpr):
     """tile [M, H] = the rows' token rows from their source ranks' x_TH; rows past the expert's end zero. MX: the
-    rows quantized on the way (the FFN's A operand: E4M3 bits [M, H] at tile_ptr, index order, and E8M0 bits
-    [M, H/32] at tile_scale_ptr, blocks of 32 along H: ``mxfp8_quantize``'s rule, so the Triton grouped FFN's
-    values); the zero rows get the zero block's bits."""
+    rows' MXFP8 values instead (_mx_values along H: the Triton grouped FFN's A operand, as its
+    ``mxfp8_fake_quantize`` makes it; zero rows stay zero)."""
     s = tl.load(row_slot_ptr + rows, mask=ok, other=0)  # gathered slot p·N + t·K + j
     src_base = tl.load(x_table + s // N, mask=ok, other=0).to(tl.pointer_type(tl.bfloat16))
     src_ptrs = src_base + ((s % N) // K).to(tl.int64) * H  # [M] token rows on the source ranks
@@ -251,25 +254,18 @@ def _pull_tile(tile_ptr, tile_scale_ptr, x_table, row_slot_ptr, rows, ok, N, K, 
         cols = h0 + tl.arange(0, BLOCK_H)
         col_ok = (cols < H)[None, :]
         v = tl.load(src_ptrs[:, None] + cols[None, :], mask=ok[:, None] & col_ok, other=0.0)
-        if MX:  # H is a multiple of 32: a block lies wholly inside the row or wholly past it
-            _store_mx_rows(v, dst_ptrs, tile_scale_ptr + tl.arange(0, BLOCK_M).to(tl.int64) * (H // 32), h0, H,
-                           BLOCK_M, BLOCK_H)
-        else:
-            tl.store(dst_ptrs[:, None] + cols[None, :], v, mask=col_ok)
+        if MX:  # H is a multiple of 32: a block lies wholly inside the row or wholly past it (zeros, not stored)
+            v = _mx_values(v, BLOCK_M, BLOCK_H)
+        tl.store(dst_ptrs[:, None] + cols[None, :], v, mask=col_ok)
 
 
 @triton.jit
-def _store_mx_rows(v, dst_ptrs, scale_ptrs, c0, width, BR: tl.constexpr, BC: tl.constexpr):
-    """Columns [c0, c0 + BC) of rows [BR] of width ``width`` (a multiple of 32; c0 and BC too) as MXFP8, blocks of
-    32 along the row (``mx_quantize_block``, the reference's rule): E4M3 bits at dst_ptrs[r] + column, E8M0 bits
-    at scale_ptrs[r] + column / 32; columns past width not stored."""
+def _mx_values(v, BR: tl.constexpr, BC: tl.constexpr):
+    """The bf16 values of tile v [BR, BC]'s MXFP8 quantization, blocks of 32 along its rows: ``mx_quantize_block``'s
+    rule and ``mx_dequantize_bf16``'s values, the same code as ``mxfp8_fake_quantize``, so the bits of the Triton
+    grouped FFN's MXFP8 A operand (NaN for a block holding NaN or Inf)."""
     q, e, bad = mx_quantize_block(tl.reshape(v.to(tl.float32), (BR, BC // 32, 32)), 2)
-    q_bits, s_bits = mx_store_bits(q, e, bad)
-    cols = c0 + tl.arange(0, BC)
-    tl.store(dst_ptrs[:, None] + cols[None, :], tl.reshape(q_bits, (BR, BC)), mask=(cols < width)[None, :])
-    blocks = c0 // 32 + tl.arange(0, BC // 32)
-    tl.store(scale_ptrs[:, None] + blocks[None, :], tl.reshape(s_bits, (BR, BC // 32)),
-             mask=(blocks < width // 32)[None, :])
+    return tl.reshape(mx_dequantize_bf16(q, e, bad), (BR, BC))
 
 
 @triton.jit
@@ -310,37 +306,26 @@ def _operand_tile(src, row, col, row_ok, width, BR: tl.constexpr, BC: tl.constex
 
 
 @triton.jit
-def _mx_operand_tile(src, scales, row, col, row_ok, width, BR: tl.constexpr, TMA: tl.constexpr, CACHE: tl.constexpr,
-                     MMA_ORDER: tl.constexpr):
-    """The [BR, 32] block at (row, col) of an MXFP8 operand, blocks of 32 along its rows of ``width``, as the MMA's
-    bf16 values (exact: E4M3 · 2^e): its E4M3 bits as _operand_tile reads them from src ([rows, width] uint8) and
-    the block's E8M0 bits per row from ``scales`` ([rows, width / 32] uint8, by pointer; rows where not row_ok read
-    0, the smallest scale). MMA_ORDER: the block's elements stored in MMA order (the weights' operands,
-    ``MXTensor.mma_order``), put back in index order."""
-    q = _operand_tile(src, row, col, row_ok, width, BR, 32, TMA, CACHE).to(tl.float8e4nv, bitcast=True)
-    rows = (row + tl.zeros((), tl.int64)) + tl.arange(0, BR)
-    bits = tl.load(scales + rows * (width // 32) + col // 32, mask=row_ok, other=0, cache_modifier=CACHE)
-    v = mx_dequantize_bits(q, bits, 1)
-    if MMA_ORDER:
-        v = mx_from_mma_order(v, BR)
-    return v
+def _scale_bits(scale_rows, k, row_ok, width):
+    """A weight block's E8M0 bits [BR] for the 32 columns from k: per row, at scale_rows[r] + k / 32 ([rows,
+    width / 32] uint8); 127 (2^0) for rows where not row_ok and for k past the row."""
+    return tl.load(scale_rows + k // 32, mask=row_ok & (k < width), other=127)
 
 
 @triton.jit
-def _k_step_tile(src, scales, row, col, row_ok, width, BR: tl.constexpr, BC: tl.constexpr, TMA: tl.constexpr,
-                 CACHE: tl.constexpr, MMA_ORDER: tl.constexpr, MX: tl.constexpr):
-    """One K step's [BR, BC] operand block as the MMA's bf16: under MX (BC = 32) _mx_operand_tile's dequantized
-    MXFP8 block, else _operand_tile's."""
-    if MX:
-        return _mx_operand_tile(src, scales, row, col, row_ok, width, BR, TMA, CACHE, MMA_ORDER)
-    else:
-        return _operand_tile(src, row, col, row_ok, width, BR, BC, TMA, CACHE)
+def _mx_weight_tile(src, row, col, row_ok, width, bits, BR: tl.constexpr, TMA: tl.constexpr):
+    """The [BR, 32] block at (row, col) of an MXFP8 weight operand (the Triton path's: E4M3 [rows, width] uint8,
+    each 32-block's elements in MMA order, ``MXTensor.mma_order``) as the MMA's bf16 values in index order (exact:
+    E4M3 · 2^e), its E8M0 bits [BR] given (_scale_bits, loaded a step ahead); the E4M3 bits as _operand_tile reads
+    them."""
+    q = mx_from_mma_order(_operand_tile(src, row, col, row_ok, width, BR, 32, TMA, ""), BR)
+    return mx_dequantize_bits(q.to(tl.float8e4nv, bitcast=True), bits, 1)
 
 
 @triton.jit
-def _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, limit, a_scales, wg_scales, wu_scales,
-                   h_scale_ptr, HAS_LIMIT: tl.constexpr, MX: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
+def _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, limit, wg_scales, wu_scales,
+                   HAS_LIMIT: tl.constexpr, MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
     """h[:, n0:n0 + BLOCK_N] = swiglu(a @ w_gate[n0:n0 + BLOCK_N].T, a @ w_up[...].T) for the row tile a = rows
     [a_row, a_row + M) of a_src [rows, H] (rows where not a_ok read as zeros) and the expert's weights = rows
     [w_row, w_row + I) of wg_src / wu_src [rows, H] (_operand_tile: pointers or TMA descriptors); h [M, I] at h_ptr.
@@ -348,51 +333,80 @@ def _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, l
     output columns that the store masks. Its rows past a_ok are zeros in memory: the pull stores zeros for the rows
     past its expert's end, and the shared expert's descriptor ends at row T.
 
-    MX: a and the weights are MXFP8 (E4M3 bits, their E8M0 bits [rows, H / 32] at a_scales / wg_scales / wu_scales,
-    the weights' blocks in MMA order), dequantized to bf16 per 32-wide K step (the Triton grouped FFN's MXFP8 step);
-    h is stored as the down GEMM's operand: MXFP8 along I (E4M3 bits at h_ptr, E8M0 bits [M, I / 32] at
-    h_scale_ptr), quantized from its bf16 values."""
+    MX: a holds MXFP8 values (bf16: the pull's _mx_values), the weights are the Triton path's MXFP8 operands (E4M3
+    bits, their E8M0 bits [rows, H / 32] at wg_scales / wu_scales), dequantized per 32-wide K step (the Triton
+    grouped FFN's MXFP8 step), each step's scales loaded one step ahead; h is stored as the down GEMM's operand, its
+    MXFP8 values along I (_mx_values of its bf16 values)."""
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    STEP_K: tl.constexpr = 32 if MX else BLOCK_K
-    for k0 in range(0, H, STEP_K):  # software-pipelined by the launch's num_stages
-        # .cg: another SM wrote the tile; read it from L2, never from a line this SM cached in an earlier round (TMA
-        # reads bypass L1)
-        a = _k_step_tile(a_src, a_scales, a_row, k0, a_ok, H, BLOCK_M, STEP_K, TMA, ".cg", False, MX)
-        wg = _k_step_tile(wg_src, wg_scales, w_row + n0, k0, n_ok, H, BLOCK_N, STEP_K, TMA, "", True, MX)
-        acc1 = _dot(a, tl.trans(wg), acc1, DOT_F32)
-        wu = _k_step_tile(wu_src, wu_scales, w_row + n0, k0, n_ok, H, BLOCK_N, STEP_K, TMA, "", True, MX)
-        acc2 = _dot(a, tl.trans(wu), acc2, DOT_F32)
-    _, _, h = _swiglu_out(acc1, acc2, limit, HAS_LIMIT)
-    if MX:  # BLOCK_N and I are multiples of 32: the item's blocks along I are whole
-        _store_mx_rows(h, h_ptr + offs_m * I, h_scale_ptr + offs_m * (I // 32), n0, I, BLOCK_M, BLOCK_N)
+    # .cg (the row tile): another SM wrote the tile; read it from L2, never from a line this SM cached in an earlier
+    # round (TMA reads bypass L1)
+    if MX:
+        # transposed, acc^T [N, M] = w @ a^T (the same sums of the same products as a @ w^T): the dequantized weights
+        # are the MMA's register operand, never stored to shared memory, so the MMAs run while the next block is
+        # dequantized
+        acc1t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc2t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        scale_off = (w_row + offs_n).to(tl.int64) * (H // 32)
+        sg_rows, su_rows = wg_scales + scale_off, wu_scales + scale_off
+        sg_next = _scale_bits(sg_rows, 0, n_ok, H)
+        su_next = _scale_bits(su_rows, 0, n_ok, H)
+        for k0 in range(0, H, 32):  # software-pipelined by the launch's num_stages
+            at = tl.trans(_operand_tile(a_src, a_row, k0, a_ok, H, BLOCK_M, 32, TMA, ".cg"))
+            sg = sg_next
+            sg_next = _scale_bits(sg_rows, k0 + 32, n_ok, H)
+            acc1t = _dot(_mx_weight_tile(wg_src, w_row + n0, k0, n_ok, H, sg, BLOCK_N, TMA), at, acc1t, DOT_F32)
+            su = su_next
+            su_next = _scale_bits(su_rows, k0 + 32, n_ok, H)
+            acc2t = _dot(_mx_weight_tile(wu_src, w_row + n0, k0, n_ok, H, su, BLOCK_N, TMA), at, acc2t, DOT_F32)
+        _, _, ht = _swiglu_out(acc1t, acc2t, limit, HAS_LIMIT)
+        # BLOCK_N and I are multiples of 32: the item's blocks along I are whole
+        h = _mx_values(tl.trans(ht), BLOCK_M, BLOCK_N)
     else:
-        tl.store(h_ptr + offs_m[:, None] * I + offs_n[None, :], h, mask=n_ok[None, :])
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):  # software-pipelined by the launch's num_stages
+            a = _operand_tile(a_src, a_row, k0, a_ok, H, BLOCK_M, BLOCK_K, TMA, ".cg")
+            wg = _operand_tile(wg_src, w_row + n0, k0, n_ok, H, BLOCK_N, BLOCK_K, TMA, "")
+            acc1 = _dot(a, tl.trans(wg), acc1, DOT_F32)
+            wu = _operand_tile(wu_src, w_row + n0, k0, n_ok, H, BLOCK_N, BLOCK_K, TMA, "")
+            acc2 = _dot(a, tl.trans(wu), acc2, DOT_F32)
+        _, _, h = _swiglu_out(acc1, acc2, limit, HAS_LIMIT)
+    tl.store(h_ptr + offs_m[:, None] * I + offs_n[None, :], h, mask=n_ok[None, :])
 
 
 @triton.jit
-def _down_block(h_src, h_row, wd_src, w_row, dst_ptrs, ok, n0, H, I, h_scales, wd_scales, MX: tl.constexpr,
+def _down_block(h_src, h_row, wd_src, w_row, dst_ptrs, ok, n0, H, I, wd_scales, MX: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
                 TMA: tl.constexpr):
     """y[:, n0:n0 + BLOCK_N] = h @ w_down[n0:n0 + BLOCK_N].T for h = rows [h_row, h_row + M) of h_src [rows, I] and
     w_down = rows [w_row, w_row + H) of wd_src [rows, I] (_operand_tile: pointers or TMA descriptors); real row r's
     columns stored at dst_ptrs[r] (its output row). TMA: a block's columns past H read the next expert's rows (or
-    zeros); the store masks them. MX: h and w_down MXFP8 along I (E8M0 bits [rows, I / 32] at h_scales /
-    wd_scales; w_down's blocks in MMA order), dequantized per 32-wide K step."""
+    zeros); the store masks them. MX: h holds MXFP8 values along I (bf16), w_down is the Triton path's MXFP8 operand
+    (E8M0 bits [rows, I / 32] at wd_scales), dequantized per 32-wide K step, its scales loaded one step ahead."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     every_row = tl.full((BLOCK_M,), 1, tl.int1)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    STEP_K: tl.constexpr = 32 if MX else BLOCK_K
-    for k0 in range(0, I, STEP_K):  # software-pipelined by the launch's num_stages
-        # .cg: other SMs wrote h, and a ring slot's h is rewritten every round
-        a = _k_step_tile(h_src, h_scales, h_row, k0, every_row, I, BLOCK_M, STEP_K, TMA, ".cg", False, MX)
-        b = _k_step_tile(wd_src, wd_scales, w_row + n0, k0, n_ok, I, BLOCK_N, STEP_K, TMA, "", True, MX)
-        acc = _dot(a, tl.trans(b), acc, DOT_F32)
-    tl.store(dst_ptrs[:, None] + offs_n[None, :], _bf16_rne(acc), mask=ok[:, None] & n_ok[None, :])
+    # .cg (h): other SMs wrote h, and a ring slot's h is rewritten every round
+    if MX:  # transposed, as in _gate_up_block: the dequantized weights are the MMA's register operand
+        acct = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        scale_rows = wd_scales + (w_row + offs_n).to(tl.int64) * (I // 32)
+        s_next = _scale_bits(scale_rows, 0, n_ok, I)
+        for k0 in range(0, I, 32):  # software-pipelined by the launch's num_stages
+            at = tl.trans(_operand_tile(h_src, h_row, k0, every_row, I, BLOCK_M, 32, TMA, ".cg"))
+            s = s_next
+            s_next = _scale_bits(scale_rows, k0 + 32, n_ok, I)
+            acct = _dot(_mx_weight_tile(wd_src, w_row + n0, k0, n_ok, I, s, BLOCK_N, TMA), at, acct, DOT_F32)
+        y = tl.trans(_bf16_rne(acct))
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):  # software-pipelined by the launch's num_stages
+            a = _operand_tile(h_src, h_row, k0, every_row, I, BLOCK_M, BLOCK_K, TMA, ".cg")
+            b = _operand_tile(wd_src, w_row + n0, k0, n_ok, I, BLOCK_N, BLOCK_K, TMA, "")
+            acc = _dot(a, tl.trans(b), acc, DOT_F32)
+        y = _bf16_rne(acc)
+    tl.store(dst_ptrs[:, None] + offs_n[None, :], y, mask=ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -402,7 +416,7 @@ def _first_tile(worker, workers, tile_lo):
 
 
 @triton.jit
-def _comm_program(c, rank, ring_ptr, ring_scale_ptr, ready_ptr, consumed_ptr, x_table, x_ready_table, group_end_ptr,
+def _comm_program(c, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_table, group_end_ptr,
                   tile_end_ptr, row_slot_ptr, err_ptr, epoch, stall_rank, timeout_us, tile_lo, tile_hi, P, L, N, K, H,
                   Q, COMM, PHASE: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_H: tl.constexpr):
@@ -433,8 +447,7 @@ def _comm_program(c, rank, ring_ptr, ring_scale_ptr, ready_ptr, consumed_ptr, x_
             if alive:
                 _e, rows, ok = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
                 slot = q.to(tl.int64) * BLOCK_M
-                _pull_tile(ring_ptr + slot * H, ring_scale_ptr + slot * (H // 32), x_table, row_slot_ptr, rows, ok, N,
-                           K, H, MX, BLOCK_M, BLOCK_H)
+                _pull_tile(ring_ptr + slot * H, x_table, row_slot_ptr, rows, ok, N, K, H, MX, BLOCK_M, BLOCK_H)
                 tl.debug_barrier()  # every thread's rows stored before the release
                 tl.atomic_xchg(ready_ptr + q, _stamp(epoch, n), sem="release", scope="sys")
             i += COMM
@@ -461,13 +474,13 @@ def _item(j, G, LAG, NB_I, NB_H, NB_IS, SG):
 
 @triton.jit
 def _gate_up_item(f, stamp, a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, h_ready_ptr, gate_up_done_ptr, H,
-                  I, NB_I, limit, a_scales, wg_scales, wu_scales, h_scale_ptr, HAS_LIMIT: tl.constexpr,
-                  MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DOT_F32: tl.constexpr, TMA: tl.constexpr):
+                  I, NB_I, limit, wg_scales, wu_scales, HAS_LIMIT: tl.constexpr, MX: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                  TMA: tl.constexpr):
     """An A item of the tile of flag slot f (its wait done): h columns [n0, n0 + BLOCK_N), then the count; the
     tile's last A item publishes h_ready[f] = stamp."""
-    _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, limit, a_scales, wg_scales, wu_scales,
-                   h_scale_ptr, HAS_LIMIT, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
+    _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, limit, wg_scales, wu_scales,
+                   HAS_LIMIT, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
     tl.debug_barrier()  # every thread's h columns stored, and its reads of the row tile done, before the count
     if tl.atomic_add(gate_up_done_ptr + f, 1, sem="acq_rel", scope="sys") == NB_I - 1:
         # the tile's last A item: every other's h columns are ordered before this (acq_rel); rearm the count for the
@@ -478,13 +491,13 @@ def _gate_up_item(f, stamp, a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0
 
 @triton.jit
 def _down_item(f, stamp, h_src, h_row, wd_src, w_row, dst_ptrs, arrival_ptrs, real, n0, consumed_ptr, down_done_ptr,
-               H, I, NB_H, h_scales, wd_scales, MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               H, I, NB_H, wd_scales, MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
     """A B item of the tile of flag slot f (its wait done): output columns [n0, n0 + BLOCK_N) of its real rows,
     then the count; the tile's last B item stores consumed[f] = stamp and adds 1 at each real row's arrival
     counter."""
-    _down_block(h_src, h_row, wd_src, w_row, dst_ptrs, real, n0, H, I, h_scales, wd_scales, MX, BLOCK_M, BLOCK_N,
-                BLOCK_K, DOT_F32, TMA)
+    _down_block(h_src, h_row, wd_src, w_row, dst_ptrs, real, n0, H, I, wd_scales, MX, BLOCK_M, BLOCK_N, BLOCK_K,
+                DOT_F32, TMA)
     tl.debug_barrier()  # every thread's output stores and h reads done before the count
     if tl.atomic_add(down_done_ptr + f, 1, sem="acq_rel", scope="sys") == NB_H - 1:
         # the tile's last B item: every other's output stores and reads are ordered before this (acq_rel)
@@ -498,14 +511,14 @@ def _down_item(f, stamp, h_src, h_row, wd_src, w_row, dst_ptrs, arrival_ptrs, re
 def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr, gate_up_done_ptr, down_done_ptr,
                      next_item_ptr, programs_done_ptr, x_table, slots_table, arrivals_table, group_end_ptr,
                      tile_end_ptr, row_slot_ptr, wg_ptr, wu_ptr, wd_ptr, shared_h_ptr, shared_out_ptr, wsg_ptr, wsu_ptr,
-                     wsd_ptr, err_ptr, ring_scale_ptr, h_scale_ptr, wg_scale_ptr, wu_scale_ptr, wd_scale_ptr, epoch,
+                     wsd_ptr, err_ptr, wg_scale_ptr, wu_scale_ptr, wd_scale_ptr, epoch,
                      timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, shared_limit, L, T, N, K, H, I, I_S, Q,
                      COMPUTE, G, LAG, SG, PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, SHARED: tl.constexpr,
                      HAS_SHARED_LIMIT: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
     """Claims items until none is left (module docstring), running those of its launch's kind and window. MX: the
-    routed experts' operands are MXFP8 (ring, h and weights: E4M3 bits with E8M0 bits at the *_scale_ptr), the
-    shared expert's bf16."""
+    routed experts' operands are MXFP8 (ring and h: bf16 MXFP8 values; weights: E4M3 bits with E8M0 bits at the
+    *_scale_ptr), the shared expert's bf16."""
     SERIAL: tl.constexpr = PHASE != 0
     # The GEMM operands as 2D row-major [rows, K] sources (_operand_tile): the rank's ring [Q·M, H] and h [Q·M, I],
     # its experts' weights [L·I, H] and [L·H, I], the shared expert's x [T, H], h [SG·G·M, I_S] and weights. TMA: a
@@ -552,9 +565,8 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
                     e, _rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
                     _gate_up_item(q, stamp, ring_src, q * BLOCK_M, real, wg_src, wu_src, e * I,
                                   h_ptr + q.to(tl.int64) * BLOCK_M * I, n0, h_ready_ptr, gate_up_done_ptr, H, I, NB_I,
-                                  limit, ring_scale_ptr, wg_scale_ptr, wu_scale_ptr,
-                                  h_scale_ptr + q.to(tl.int64) * BLOCK_M * (I // 32), HAS_LIMIT, MX, BLOCK_M, BLOCK_N,
-                                  BLOCK_K, DOT_F32, TMA)
+                                  limit, wg_scale_ptr, wu_scale_ptr, HAS_LIMIT, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32,
+                                  TMA)
             if SHARED:
                 if is_a & mine & (u < first_routed):  # this rank's own tokens: no wait (written before the launch)
                     rows = u * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -563,8 +575,8 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
                         a_src = _own_rows(x_table, rank)
                     _gate_up_item(Q + u, stamp, a_src, u * BLOCK_M, rows < T, wsg_src, wsu_src, 0,
                                   shared_h_ptr + u.to(tl.int64) * BLOCK_M * I_S, n0, h_ready_ptr, gate_up_done_ptr, H,
-                                  I_S, NB_IS, shared_limit, err_ptr, err_ptr, err_ptr, err_ptr, HAS_SHARED_LIMIT,
-                                  False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
+                                  I_S, NB_IS, shared_limit, err_ptr, err_ptr, HAS_SHARED_LIMIT, False, BLOCK_M,
+                                  BLOCK_N, BLOCK_K, DOT_F32, TMA)
         if PHASE != 3:
             if (is_a == 0) & mine & (u >= first_routed):
                 alive = _wait(h_ready_ptr + q, stamp, err_ptr, WAIT_H_READY, rank, i, timeout_us, SERIAL)
@@ -577,7 +589,7 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
                     arrivals = tl.load(arrivals_table + src, mask=real, other=0).to(tl.pointer_type(tl.int32))
                     _down_item(q, stamp, h_src, q * BLOCK_M, wd_src, e * H, slot_ptrs + (s % N).to(tl.int64) * H,
                                arrivals + (s % N) // K, real, n0, consumed_ptr, down_done_ptr, H, I, NB_H,
-                               h_scale_ptr, wd_scale_ptr, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
+                               wd_scale_ptr, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
             if SHARED:
                 if (is_a == 0) & mine & (u < first_routed):
                     alive = _wait(h_ready_ptr + Q + u, stamp, err_ptr, WAIT_SHARED_H_READY, rank, u, timeout_us,
@@ -588,8 +600,8 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
                         arrivals = tl.load(arrivals_table + rank).to(tl.pointer_type(tl.int32))
                         _down_item(Q + u, stamp, shared_h_src, u * BLOCK_M, wsd_src, 0,
                                    shared_out_ptr + rows.to(tl.int64) * H, arrivals + rows, rows < T, n0,
-                                   consumed_ptr, down_done_ptr, H, I_S, NB_H, err_ptr, err_ptr, False, BLOCK_M,
-                                   BLOCK_N, BLOCK_K, DOT_F32, TMA)
+                                   consumed_ptr, down_done_ptr, H, I_S, NB_H, err_ptr, False, BLOCK_M, BLOCK_N,
+                                   BLOCK_K, DOT_F32, TMA)
         j = item_lo + tl.atomic_add(next_item_ptr, 1, sem="relaxed", scope="gpu")
     # this program claims nothing more; the last of the rank's programs to get here rearms the counter for the next
     # launch (stream order puts that launch after every claim of this one; acq_rel: the others' claims come before)
@@ -617,10 +629,9 @@ def _megakernel(
     # [I_S, H], w_down [H, I_S] bf16
     shared_h_ptr, shared_out_ptr, wsg_ptr, wsu_ptr, wsd_ptr,
     err_ptr,
-    # MX: E8M0 bits (uint8) of the routed operands: ring [V, Q, M, H / 32], h [V, Q, M, I / 32], w_gate, w_up
-    # [V·L, I, H / 32], w_down [V·L, H, I / 32] (ring, h and the weights above then hold E4M3 bits, uint8);
-    # else never read
-    ring_scale_ptr, h_scale_ptr, wg_scale_ptr, wu_scale_ptr, wd_scale_ptr,
+    # MX: E8M0 bits (uint8) of the routed weights: w_gate, w_up [V·L, I, H / 32], w_down [V·L, H, I / 32] (the
+    # weights above then hold E4M3 bits, uint8; ring and h the MXFP8 values, bf16); else never read
+    wg_scale_ptr, wu_scale_ptr, wd_scale_ptr,
     first_rank, epoch, stall_rank, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, shared_limit,
     P, L, T, K, H, I, I_S, Q, COMM, COMPUTE, G, LAG, SG,
     PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, SHARED: tl.constexpr, HAS_SHARED_LIMIT: tl.constexpr,
@@ -635,7 +646,6 @@ def _megakernel(
     local64 = local.to(tl.int64)
     F = Q + SG * G
     ring_ptr += local64 * Q * BLOCK_M * H
-    ring_scale_ptr += local64 * Q * BLOCK_M * (H // 32)
     ready_ptr += local64 * Q
     consumed_ptr += local64 * F
     group_end_ptr += local * L
@@ -644,10 +654,9 @@ def _megakernel(
     first_tile = SG * G  # the item order's tiles: the shared expert's first, then the routed (tile i: first_tile + i)
     if role < COMM:
         if PHASE <= 2:
-            _comm_program(role, rank, ring_ptr, ring_scale_ptr, ready_ptr, consumed_ptr, x_table, x_ready_table,
-                          group_end_ptr, tile_end_ptr, row_slot_ptr, err_ptr, epoch, stall_rank, timeout_us,
-                          tile_lo - first_tile, tile_hi - first_tile, P, L, N, K, H, Q, COMM, PHASE, MX, LOG_L,
-                          BLOCK_M, BLOCK_H)
+            _comm_program(role, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_table, group_end_ptr,
+                          tile_end_ptr, row_slot_ptr, err_ptr, epoch, stall_rank, timeout_us, tile_lo - first_tile,
+                          tile_hi - first_tile, P, L, N, K, H, Q, COMM, PHASE, MX, LOG_L, BLOCK_M, BLOCK_H)
     else:
         if PHASE == 0 or PHASE >= 3:
             w_off = local64 * L * I * H  # the hosted rank's first expert (MX: its E4M3 bits; its E8M0 bits below)
@@ -657,9 +666,8 @@ def _megakernel(
                              next_item_ptr + local, programs_done_ptr + local, x_table, slots_table, arrivals_table,
                              group_end_ptr, tile_end_ptr, row_slot_ptr, wg_ptr + w_off, wu_ptr + w_off, wd_ptr + w_off,
                              shared_h_ptr + local64 * first_tile * BLOCK_M * I_S, shared_out_ptr + local64 * T * H,
-                             wsg_ptr, wsu_ptr, wsd_ptr, err_ptr, ring_scale_ptr,
-                             h_scale_ptr + local64 * Q * BLOCK_M * (I // 32), wg_scale_ptr + ws_off,
-                             wu_scale_ptr + ws_off, wd_scale_ptr + ws_off, epoch, timeout_us, tile_lo, tile_hi,
+                             wsg_ptr, wsu_ptr, wsd_ptr, err_ptr, wg_scale_ptr + ws_off, wu_scale_ptr + ws_off,
+                             wd_scale_ptr + ws_off, epoch, timeout_us, tile_lo, tile_hi,
                              item_lo, item_hi, limit, shared_limit, L, T, N, K, H, I, I_S, Q, COMPUTE, G, LAG, SG,
                              PHASE, HAS_LIMIT, SHARED, HAS_SHARED_LIMIT, MX, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K,
                              DOT_F32, TMA)
@@ -755,16 +763,6 @@ class MegakernelBuffers(RingBuffers):
     expert in the launch."""
     shared_out_VTH: torch.Tensor | None = None
     """The shared expert's output rows [V, T, H] bf16 (the finish adds them)."""
-    ring_scales_VQMB: torch.Tensor | None = None
-    """MXFP8 launches: the ring rows' E8M0 bits [V, Q, M, H / 32] uint8 (ring_VQMH and h_VQMI then hold E4M3 bits,
-    uint8); None: a bf16 ring."""
-    h_scales_VQMB: torch.Tensor | None = None
-    """MXFP8 launches: the h rows' E8M0 bits [V, Q, M, I / 32] uint8."""
-
-    @property
-    def mx(self) -> bool:
-        """Whether the ring and h hold MXFP8 rows (the routed experts' operands), not bf16."""
-        return self.ring_scales_VQMB is not None
 
     @property
     def flags(self) -> list[torch.Tensor]:
@@ -773,17 +771,12 @@ class MegakernelBuffers(RingBuffers):
                 self.next_item_V, self.programs_done_V]
 
 
-def ring_buffers(ranks: int, ring_tiles: int, block_m: int, dim_h: int, dim_i: int, mx: bool,
-                 device) -> dict[str, torch.Tensor]:
-    """MegakernelBuffers' ring and h (and, mx, their E8M0 bits) for ``ranks`` hosted ranks, zeroed: bf16 rows, or
-    MXFP8 rows (E4M3 bits, 1 + 1/32 bytes per element where bf16 takes 2)."""
+def ring_buffers(ranks: int, ring_tiles: int, block_m: int, dim_h: int, dim_i: int, device) -> dict[str, torch.Tensor]:
+    """MegakernelBuffers' ring and h for ``ranks`` hosted ranks, zeroed, bf16 in either precision (an MXFP8 launch's
+    hold the rows' MXFP8 values)."""
     rows = (ranks, ring_tiles, block_m)
-    if not mx:
-        return dict(ring_VQMH=torch.zeros(*rows, dim_h, dtype=torch.bfloat16, device=device),
-                    h_VQMI=torch.zeros(*rows, dim_i, dtype=torch.bfloat16, device=device))
-    bits = lambda *shape: torch.zeros(*shape, dtype=torch.uint8, device=device)  # noqa: E731
-    return dict(ring_VQMH=bits(*rows, dim_h), h_VQMI=bits(*rows, dim_i),
-                ring_scales_VQMB=bits(*rows, dim_h // MX_BLOCK), h_scales_VQMB=bits(*rows, dim_i // MX_BLOCK))
+    return dict(ring_VQMH=torch.zeros(*rows, dim_h, dtype=torch.bfloat16, device=device),
+                h_VQMI=torch.zeros(*rows, dim_i, dtype=torch.bfloat16, device=device))
 
 
 @dataclass(frozen=True)
@@ -854,10 +847,7 @@ def _megakernel_args(bufs, schedule, weights, shared: SharedFFN | None, shape: L
     weights, weight_scales = _weight_bits(weights)
     w_gate_XIH, w_up_XIH, w_down_XHI = weights
     _, dim_i, dim_h = w_gate_XIH.shape
-    if weight_scales is None:  # pointers the kernel does not read
-        scale_ptrs = (bufs.errors,) * 5
-    else:
-        scale_ptrs = (bufs.ring_scales_VQMB, bufs.h_scales_VQMB, *weight_scales)
+    scale_ptrs = (bufs.errors,) * 3 if weight_scales is None else weight_scales  # bf16: pointers never read
     t = bufs.tables
     if shared is None:  # pointers the kernel does not read, and the routed I (no second specialization)
         shared_ptrs, shared_dim, shared_limit = (bufs.h_VQMI,) * 2 + weights, dim_i, 0.0
@@ -911,9 +901,9 @@ def _variant(bufs: MegakernelBuffers, weights, shared: SharedFFN | None, shape: 
 def compile_megakernel(variant: KernelVariant):
     """The concurrent launch's kernel compiled for a variant (its other integers are not specialized), launching
     nothing: the current driver's target (``benchmarks/tools/sass.py`` compiles it for sm_90 without a GPU)."""
-    routed = torch.uint8 if variant.mx else torch.bfloat16  # ring, h and the routed weights: E4M3 bits or bf16
-    ptrs = [routed] * 2 + [torch.int64] * 3 + [torch.int32] * 4 + [torch.int64] * 4 + [torch.int32] * 3 + [
-        routed] * 3 + [torch.bfloat16] * 5 + [torch.int64] + [torch.uint8 if variant.mx else torch.int64] * 5
+    weights = torch.uint8 if variant.mx else torch.bfloat16  # the routed weights: E4M3 bits or bf16
+    ptrs = [torch.bfloat16] * 2 + [torch.int64] * 3 + [torch.int32] * 4 + [torch.int64] * 4 + [torch.int32] * 3 + [
+        weights] * 3 + [torch.bfloat16] * 5 + [torch.int64] + [torch.uint8 if variant.mx else torch.int64] * 3
     # (pointer arguments as their dtypes: Triton's warmup takes those)
     # first_rank ... item_hi, limit, shared_limit, P ... K, H, I, I_S, Q ... SG
     ints = [2] * 8 + [0.0] * 2 + [2] * 4 + [variant.dim_h, variant.dim_i, variant.shared_dim or variant.dim_i] + [
@@ -976,15 +966,14 @@ def megakernel_phase(bufs: MegakernelBuffers, schedule, weights, shape: LaunchSh
 
 
 def _check_precision(bufs: MegakernelBuffers, weights, shape: LaunchShape) -> None:
-    """The routed weights are bf16 tensors for a bf16 ring, or, for an MXFP8 ring, the MXFP8 operands the Triton
-    grouped FFN reads (``grouped_ffn.weight_operand(w, "mxfp8", 2, name)``: blocked along K, MMA order)."""
+    """The routed weights are all bf16 tensors (a bf16 launch) or all the MXFP8 operands the Triton grouped FFN reads
+    (an MXFP8 launch: ``grouped_ffn.weight_operand(w, "mxfp8", 2, name)``, blocked along K, MMA order)."""
     names = ("w_gate", "w_up", "w_down")
     mx = [isinstance(w, MXTensor) for w in weights]
-    if any(mx) != all(mx) or all(mx) != bufs.mx:
+    if any(mx) != all(mx):
         raise TypeError(f"megakernel_launch: the routed weights (w_gate, w_up, w_down as MXTensor: {mx}) must all be "
-                        f"{'MXTensors' if bufs.mx else 'bf16 tensors'}: the buffers hold a "
-                        f"{'MXFP8' if bufs.mx else 'bf16'} ring")
-    if not bufs.mx:
+                        "MXTensors (MXFP8) or all bf16 tensors")
+    if not all(mx):
         return
     for name, w in zip(names, weights):
         if w.dim != 2 or not w.mma_order or w.scale.shape != (*w.data.shape[:2], w.data.shape[2] // MX_BLOCK):

@@ -23,9 +23,9 @@ groups) and its ring per rank; TFLOP/s: the routed experts' GEMM FLOPs
 (T·P·K·3·2·H·I) over the P=P launch's time, end to end (pull, FFN, push, reduction).
 
 --precision mxfp8: the routed experts in MXFP8 on both paths (the triton path's Triton grouped FFN with
-``precision="mxfp8"``; the megakernel quantizing rows on the pull, its ring and h in MXFP8), the shared expert bf16.
-Both read the same MXFP8 weight operands, made once before the timings (kept under one owner, as a training step's
-microbatches read them), so neither time holds a weight quantization; the ring column counts its MXFP8 bytes.
+``precision="mxfp8"``; the megakernel quantizing rows on the pull, its ring and h holding MXFP8 values in bf16), the
+shared expert bf16. Both read the same MXFP8 weight operands, made once before the timings (kept under one owner, as
+a training step's microbatches read them), so neither time holds a weight quantization.
 """
 
 import argparse
@@ -145,8 +145,7 @@ def main() -> None:
                 continue
             row += row[-1:] * (2 - len(row))  # P = 1: one megakernel run
             ws = [w for key, w in _WORKSPACES.items() if key[1:3] == (ranks, opts.tokens)][-1]
-            ring_bufs = (ws.bufs.ring_VQMH, ws.bufs.h_VQMI, ws.bufs.ring_scales_VQMB, ws.bufs.h_scales_VQMB)
-            ring_mb = sum(b[0].numel() * b.element_size() for b in ring_bufs if b is not None) / 1e6
+            ring_mb = sum(b[0].numel() * b.element_size() for b in (ws.bufs.ring_VQMH, ws.bufs.h_VQMI)) / 1e6
             print(f"{ranks:2} {tokens:7} {variant_name(config):>14} {triton_ms:8.3f} {row[0]:9.3f} {row[1]:9.3f} "
                   f"{row[0] / triton_ms:10.3f} {row[1] / triton_ms:10.3f} {row[1] / row[0]:8.3f} "
                   f"{ffn_flops / row[1] / 1e9:7.0f}  "

@@ -4,7 +4,7 @@ shared memory and SASS instruction mix of every kernel one MoE FFN pass would la
     python3 -m benchmarks.tools.sass [--shape kimi] [--rows-per-expert 43] [--precision mxfp8] [--sass-dir DIR] [--json]
     python3 -m benchmarks.tools.sass --rows-per-expert 85 --set 'mxfp8/plain@mid_rows={"CONSUMER_REGS": 200}'
     python3 -m benchmarks.tools.sass --megakernel [--shape kimi] [--block-m 64 128] [--gemm ptr tma] [--num-stages 4]
-        [--shared-dim I_S]
+        [--shared-dim I_S] [--precision bf16]
 
 Why: device time is scarce. A tile config that spills, or that cannot fit two programs on an SM,
 shows here first. Triton's wheel carries ptxas, nvdisasm and
@@ -18,8 +18,9 @@ of its own (``tile_configs.TABLES``; default the H200's).
 Registers and shared memory are per program; a warp-specialized kernel's partitions then move
 registers among themselves (``setmaxnreg``, listed).
 ``--megakernel``: the forward MoK megakernel's concurrent launch instead (``kernels/mok_megakernel.py``), one kernel
-per combination of tile rows, GEMM loads and pipeline depth, with its TMA loads (UTMALDG), cp.async copies (LDGSTS),
-wgmmas (HGMMA) and the spill loads/stores inside its K loops (a spill elsewhere costs little).
+per combination of routed-expert precision (``--precision``; default both), tile rows, GEMM loads and pipeline depth,
+with its TMA loads (UTMALDG), cp.async copies (LDGSTS), wgmmas (HGMMA) and the spill loads/stores inside its K loops
+(a spill elsewhere costs little).
 """
 
 import argparse
@@ -136,23 +137,26 @@ def k_loop_spills(sass: str) -> int:
     return spills
 
 
-def megakernel_kernels(shape: str, block_ms, gemms, stages, shared_dim: int = 0) -> list[dict]:
-    """The forward megakernel's concurrent launch compiled for each (block_m, gemm, num_stages), at the shape's H
-    and I, the default config's other sizes and 8 ranks' local experts; one report per variant."""
+def megakernel_kernels(shape: str, block_ms, gemms, stages, shared_dim: int = 0,
+                       precisions=("bf16",)) -> list[dict]:
+    """The forward megakernel's concurrent launch compiled for each (precision, block_m, gemm, num_stages), at the
+    shape's H and I, the default config's other sizes and 8 ranks' local experts; one report per variant."""
     dim_h, dim_i, num_experts, _ = SHAPES[shape]
     reports = []
-    for block_m in block_ms:
-        for gemm in gemms:
-            for num_stages in stages:
-                variant = mok_megakernel.KernelVariant(
-                    dim_h, dim_i, shared_dim, num_experts // 8, block_m, MegakernelConfig.block_n,
-                    MegakernelConfig.num_warps, num_stages, False, gemm=gemm)
-                with compiling_for_sm90():
-                    kernel = mok_megakernel.compile_megakernel(variant)
-                report = kernel_report("_megakernel", kernel)
-                reports.append({"step": f"megakernel {gemm} M{block_m} S{num_stages}", "block_m": block_m,
-                                "gemm": gemm, "num_stages": num_stages, "k_loop_spills": k_loop_spills(report["sass"]),
-                                **report})
+    for precision in precisions:
+        for block_m in block_ms:
+            for gemm in gemms:
+                for num_stages in stages:
+                    variant = mok_megakernel.KernelVariant(
+                        dim_h, dim_i, shared_dim, num_experts // 8, block_m, MegakernelConfig.block_n,
+                        MegakernelConfig.num_warps, num_stages, False, gemm=gemm, mx=precision == "mxfp8")
+                    with compiling_for_sm90():
+                        kernel = mok_megakernel.compile_megakernel(variant)
+                    report = kernel_report("_megakernel", kernel)
+                    reports.append({"step": f"megakernel {precision} {gemm} M{block_m} S{num_stages}",
+                                    "precision": precision, "block_m": block_m, "gemm": gemm,
+                                    "num_stages": num_stages, "k_loop_spills": k_loop_spills(report["sass"]),
+                                    **report})
     return reports
 
 
@@ -210,7 +214,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="kimi", choices=sorted(SHAPES))
     parser.add_argument("--rows-per-expert", type=int, default=43, help="43: Kimi at EP=1, 2048 tokens/GPU")
-    parser.add_argument("--precision", default="mxfp8", choices=("bf16", "mxfp8"))
+    parser.add_argument("--precision", choices=("bf16", "mxfp8"),
+                        help="default: mxfp8; --megakernel: the routed experts' (default: both)")
     parser.add_argument("--sass-dir", help="also write each kernel's SASS here")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON (no SASS text)")
     parser.add_argument("--chip", default="", choices=["", *tc.TABLES],
@@ -236,7 +241,8 @@ def main() -> None:
     if opts.megakernel:
         megakernel_main(opts)
         return
-    reports = ffn_pass_kernels(opts.shape, opts.rows_per_expert, opts.precision, chip=opts.chip, table=table)
+    reports = ffn_pass_kernels(opts.shape, opts.rows_per_expert, opts.precision or "mxfp8", chip=opts.chip,
+                               table=table)
     if opts.json:
         print(json.dumps([{**{k: v for k, v in r.items() if k != "sass"}, "programs_per_sm": programs_per_sm(r)}
                           for r in reports]))
@@ -254,20 +260,21 @@ def main() -> None:
 
 
 def megakernel_main(opts) -> None:
-    reports = megakernel_kernels(opts.shape, opts.block_m, opts.gemm, opts.num_stages, opts.shared_dim)
+    precisions = (opts.precision,) if opts.precision else ("bf16", "mxfp8")
+    reports = megakernel_kernels(opts.shape, opts.block_m, opts.gemm, opts.num_stages, opts.shared_dim, precisions)
     if opts.json:
         print(json.dumps([{**{k: v for k, v in r.items() if k != "sass"}, "programs_per_sm": programs_per_sm(r)}
                           for r in reports]))
         return
-    print(f"{'variant':28} {'regs':>4} {'stack':>5} {'K-loop spills':>13} {'shared':>7} {'per SM':>6} {'instr':>6} "
+    print(f"{'variant':34} {'regs':>4} {'stack':>5} {'K-loop spills':>13} {'shared':>7} {'per SM':>6} {'instr':>6} "
           f"{'HGMMA':>5} {'UTMALDG':>7} {'LDGSTS':>6}")
     for i, r in enumerate(reports):
         ops = r["opcodes"]
-        print(f"{r['step']:28} {r['registers']:4} {r['stack_bytes']:5} {r['k_loop_spills']:13} {r['shared_bytes']:7} "
+        print(f"{r['step']:34} {r['registers']:4} {r['stack_bytes']:5} {r['k_loop_spills']:13} {r['shared_bytes']:7} "
               f"{programs_per_sm(r):6} {r['instructions']:6} {ops['HGMMA']:5} {ops['UTMALDG']:7} {ops['LDGSTS']:6}")
         if opts.sass_dir:
             os.makedirs(opts.sass_dir, exist_ok=True)
-            with open(os.path.join(opts.sass_dir, f"{i:02d}_megakernel_{r['gemm']}_m{r['block_m']}.sass"), "w") as f:
+            with open(os.path.join(opts.sass_dir, f"{i:02d}_megakernel_{r['precision']}_{r['gemm']}_m{r['block_m']}_s{r['num_stages']}.sass"), "w") as f:
                 f.write(r["sass"])
 
 

@@ -1,7 +1,7 @@
 """The MoK forward megakernel with MXFP8 routed experts (``precision = "mxfp8"``), on CPU in Triton's interpreter
-(serialized), at virtual EP: the communication programs quantize each pulled row along H into the ring (E4M3 +
-E8M0), the gate/up items read the Triton path's MXFP8 weight operands and store h quantized along I, the down
-items read those; the shared expert stays bf16.
+(serialized), at virtual EP: the communication programs quantize each pulled row along H into the ring (its MXFP8
+values, bf16), the gate/up items read the Triton path's MXFP8 weight operands and store h's MXFP8 values along I, the
+down items read those; the shared expert stays bf16.
 
 The bits it must give: the triton path's MXFP8 output on the same rows (reference dispatch, the Triton grouped FFN
 with ``precision="mxfp8"``, reference combine) at EP = 1 on all P ranks' tokens, compared with torch.equal. The
@@ -29,8 +29,8 @@ from tests.kernels.test_mok_megakernel import (
 from titan_mok.kernels import weight_cache
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
 from titan_mok.kernels.mok_megakernel import SharedFFN
-from titan_mok.kernels.mxfp8 import to_mxfp8
 from titan_mok.kernels.mxfp8_gathered import GatheredOperands, MXFP8GatheredWeight
+from titan_mok.kernels.mxfp8_quant import ref_mxfp8_fake_quantize
 from titan_mok.moe import megakernel as mk
 from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch
 from titan_mok.moe.megakernel import MegakernelConfig
@@ -82,9 +82,9 @@ def test_mxfp8_smallest_ring_most_skewed_routing_and_run_to_run():
 
 @interpreted
 def test_mxfp8_tma_loads_clamp_and_bf16_shared_expert_in_the_launch():
-    """gemm = "tma" (E4M3 rows of the ring, h and the weights by tensor descriptors in 32-byte blocks; scales by
-    pointer), H = 96 and I = 96 in 64-column items (a partial column block of both GEMMs, its last 32 columns
-    past the row), the SwiGLU clamps, the shared expert (bf16) in the same launch."""
+    """gemm = "tma" (the ring's and h's bf16 rows and the weights' E4M3 rows by tensor descriptors in 32-column
+    blocks; scales by pointer), H = 96 and I = 96 in 64-column items (a partial column block of both GEMMs, its
+    last 32 columns past the row), the SwiGLU clamps, the shared expert (bf16) in the same launch."""
     (x, weights, _), expert_weights = layer_inputs(2, 96, seed=72, tokens=20, dim_i=96)
     ids = routing("skewed", 2, tokens=20, seed=73)
     shared_weights = shared_inputs(96, 64, seed=74)
@@ -96,25 +96,23 @@ def test_mxfp8_tma_loads_clamp_and_bf16_shared_expert_in_the_launch():
 
 
 @interpreted
-def test_mxfp8_ring_holds_the_rows_quantized_along_h():
+def test_mxfp8_ring_holds_the_rows_mxfp8_values():
     """After a call at one rank with every row in one tile per expert, each ring slot holds its tile's rows as the
-    reference quantizer makes them (E4M3 bits, E8M0 bits per 32 along H; zeros past the expert's rows), at half
-    the bf16 ring's bytes and a 32nd."""
+    Triton FFN's A operand: the bf16 values of their MXFP8 quantization along H, bit for bit the reference's (zeros
+    past the expert's rows), in a ring as large as the bf16 launch's."""
     (x, weights, shared), expert_weights = layer_inputs(1, 64, seed=75)
     ids = routing("balanced", 1)  # 4 rows per expert: ring slot q ends holding expert (last tiles)'s rows
     mx_megakernel(1, x, weights, ids, shared, expert_weights)
     ws = mk._WORKSPACES[(torch.device(DEVICE), 1, 16, 2, 64, 64, E, SMALL, 0, "mxfp8")]
     bufs = ws.bufs
-    assert bufs.ring_VQMH.dtype == torch.uint8 and bufs.ring_scales_VQMB.shape == (1, SMALL.ring_tiles, 16, 2)
+    assert bufs.ring_VQMH.dtype == torch.bfloat16 and bufs.ring_VQMH.shape == (1, SMALL.ring_tiles, 16, 64)
     handle = build_dispatch_handle(ids.to(DEVICE), E, None, None)
     x_RH = dispatch(x, handle)
     for q in range(SMALL.ring_tiles):
         expert = E - SMALL.ring_tiles + q  # 8 tiles in a ring of 4: the second round's
         rows_MH = torch.zeros(16, 64, dtype=torch.bfloat16, device=DEVICE)
         rows_MH[:4] = x_RH[4 * expert:4 * expert + 4]
-        want = to_mxfp8(rows_MH, -1)
-        assert torch.equal(bufs.ring_VQMH[0, q], want.data.view(torch.uint8)), q
-        assert torch.equal(bufs.ring_scales_VQMB[0, q], want.scale.view(torch.uint8)), q
+        assert torch.equal(bufs.ring_VQMH[0, q], ref_mxfp8_fake_quantize(rows_MH)), q
 
 
 @interpreted
@@ -130,11 +128,11 @@ def test_mxfp8_reads_the_kept_weight_operands_or_the_gathered_ones():
     kept = dict(weight_cache._kept[owner])
     assert sorted(kept) == [(n, 2) for n in ("w_down_EHI", "w_gate_EIH", "w_up_EIH")]
     operands = mk.launch_weights(expert_weights, "mxfp8", owner, expert_weights)
-    assert [o is kept[(n, 2)][1] for o, n in zip(operands, NAMES)] == [True] * 3
-    gathered = [MXFP8GatheredWeight(GatheredOperands({2: kept[(n, 2)][1]}), w.shape, w.dtype, w.device)
+    assert [o is kept[(n, 2)].operand for o, n in zip(operands, NAMES)] == [True] * 3
+    gathered = [MXFP8GatheredWeight(GatheredOperands({2: kept[(n, 2)].operand}), w.shape, w.dtype, w.device)
                 for w, n in zip(expert_weights, NAMES)]
     assert torch.equal(mx_megakernel(1, x, weights, ids, shared, tuple(gathered)), first)
-    assert all(weight_cache._kept[owner][key][1] is operand for key, (_, operand) in kept.items())
+    assert all(weight_cache._kept[owner][key].operand is entry.operand for key, entry in kept.items())
 
 
 @interpreted

@@ -128,15 +128,16 @@ def test_chip_compiles_that_chips_configs():
 
 
 def test_megakernel_variants_load_by_tma_without_spills_in_their_k_loops():
-    """--megakernel: the forward megakernel at Kimi K2.7's sizes on 64- and 128-row tiles, both loads: wgmmas in
-    every variant; gemm = "tma" reads its operands by TMA (no cp.async copy left), "ptr" by cp.async; no spill load or
-    store inside a K loop; one program per SM."""
-    reports = {(r["gemm"], r["block_m"]): r for r in _report("--megakernel", "--block-m", "64", "128")}
-    assert sorted(reports) == [("ptr", 64), ("ptr", 128), ("tma", 64), ("tma", 128)], sorted(reports)
-    for (gemm, block_m), r in reports.items():
+    """--megakernel: the forward megakernel at Kimi K2.7's sizes, bf16 and MXFP8 routed experts, on 64- and 128-row
+    tiles, both loads: wgmmas in every variant; gemm = "tma" reads its operands by TMA (no cp.async copy left), "ptr"
+    by cp.async; no spill load or store inside a K loop; one program per SM."""
+    reports = {(r["precision"], r["gemm"], r["block_m"]): r for r in _report("--megakernel", "--block-m", "64", "128")}
+    assert sorted(reports) == [(p, g, m) for p in ("bf16", "mxfp8") for g in ("ptr", "tma") for m in (64, 128)], \
+        sorted(reports)
+    for (precision, gemm, block_m), r in reports.items():
         ops = r["opcodes"]
         assert ops.get("HGMMA", 0) > 0 and r["k_loop_spills"] == 0 and r["programs_per_sm"] == 1, r
         if gemm == "tma":
-            assert ops.get("UTMALDG", 0) > 0 and ops.get("LDGSTS", 0) == 0, (gemm, block_m, ops)
+            assert ops.get("UTMALDG", 0) > 0 and ops.get("LDGSTS", 0) == 0, (precision, gemm, block_m, ops)
         else:
-            assert ops.get("UTMALDG", 0) == 0 and ops.get("LDGSTS", 0) > 0, (gemm, block_m, ops)
+            assert ops.get("UTMALDG", 0) == 0 and ops.get("LDGSTS", 0) > 0, (precision, gemm, block_m, ops)

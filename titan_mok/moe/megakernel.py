@@ -21,7 +21,8 @@ precision) is allocated at its first call and reused; its flags are never reset 
 
 MXFP8 (``precision="mxfp8"``): every expert row is the Triton grouped FFN's MXFP8 row
 (``grouped_swiglu_ffn(precision="mxfp8", use_triton=True)``): the launch reads that path's MXFP8 weight operands
-(``launch_weights``), quantizes each pulled row along H into its ring and h along I; the shared expert stays bf16.
+(``launch_weights``), quantizes each pulled row along H into its ring and h along I (their MXFP8 values, bf16); the
+shared expert stays bf16.
 
 Not here: the backward (an input that requires grad raises NotImplementedError; ``[mok] kernels = "megakernel"``
 trains through ``titan_mok.moe.megakernel_autograd``, whose backward runs the dgrad launch of
@@ -202,8 +203,8 @@ def launch_shape(cfg: MegakernelConfig, ep_degree: int, num_tokens: int, top_k: 
                        shared_groups, cfg.gemm)
 
 
-def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg: MegakernelConfig, device,
-              mx: bool) -> _Workspace:
+def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg: MegakernelConfig,
+              device) -> _Workspace:
     slots = num_tokens * top_k
     bf16 = dict(dtype=torch.bfloat16, device=device)
     symmetric, tables = virtual_symmetric(ranks, {
@@ -214,7 +215,7 @@ def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local, cfg
     slots_f = ring + groups * cfg.group_tiles  # flag slots: the ring's, then the shared expert's tiles'
     flag = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
     bufs = MegakernelBuffers(
-        **ring_buffers(ranks, ring, rows, dim_h, dim_i, mx, device),
+        **ring_buffers(ranks, ring, rows, dim_h, dim_i, device),
         ready_VQ=flag(ranks, ring, dtype=torch.int64),
         h_ready_VF=flag(ranks, slots_f, dtype=torch.int64),
         consumed_VF=flag(ranks, slots_f, dtype=torch.int64),
@@ -456,7 +457,7 @@ def megakernel_routed_experts(
     key = (device, ranks, num_tokens, call.top_k, dim_h, call.dim_i, num_local, cfg, call.shared_dim, precision)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = _allocate(ranks, num_tokens, call.top_k, dim_h, call.dim_i, call.shared_dim, num_local,
-                                     cfg, device, precision == "mxfp8")
+                                     cfg, device)
     ws = _WORKSPACES[key]
 
     for x_buf_TH, x in zip(ws.symmetric["x_TH"], xs):

@@ -102,7 +102,7 @@ def _rank_workspace(key: tuple, allocate: Callable[[], _RankWorkspace]) -> _Rank
 
 
 def _allocate_forward(group_ws: MokWorkspace, num_tokens, top_k, dim_h, dim_i, shared_dim, num_local,
-                      cfg: MegakernelConfig, device, mx: bool) -> _RankWorkspace:
+                      cfg: MegakernelConfig, device) -> _RankWorkspace:
     ring, rows = cfg.ring_tiles, cfg.block_m
     groups = shared_groups(num_tokens, rows, cfg.group_tiles) if shared_dim else 0
     slots_f = ring + groups * cfg.group_tiles  # flag slots: the ring's, then the shared expert's tiles'
@@ -110,7 +110,7 @@ def _allocate_forward(group_ws: MokWorkspace, num_tokens, top_k, dim_h, dim_i, s
     flag = lambda *shape, dtype: torch.zeros(1, *shape, dtype=dtype, device=device)  # noqa: E731
     tables = {name: group_ws.tables[name] for name in ("x_TH", "slots_NH", "arrivals_T", "x_ready")}
     bufs = MegakernelBuffers(
-        **ring_buffers(1, ring, rows, dim_h, dim_i, mx, device),
+        **ring_buffers(1, ring, rows, dim_h, dim_i, device),
         ready_VQ=flag(ring, dtype=torch.int64),
         h_ready_VF=flag(slots_f, dtype=torch.int64),
         consumed_VF=flag(slots_f, dtype=torch.int64),
@@ -212,7 +212,7 @@ def megakernel_rank_forward(
     key = ("forward", device, None if group is None else group.group_name, num_tokens, top_k, dim_h, call.dim_i,
            num_local, cfg, call.shared_dim, precision)
     ws = _rank_workspace(key, lambda: _allocate_forward(group_ws, num_tokens, top_k, dim_h, call.dim_i,
-                                                        call.shared_dim, num_local, cfg, device, precision == "mxfp8"))
+                                                        call.shared_dim, num_local, cfg, device))
 
     group_ws.x_TH.copy_(x_TH)
     group_ws.ids_N.copy_(topk_idx_TK.reshape(-1))  # int64 → int32, slot t·K + j
