@@ -73,11 +73,12 @@ def triton_dgrad(x, dout, weights, ids, expert_weights, swiglu_limit=None) -> di
     return dict(gate=gate, up=up, dy=dy, dgate=dgate, dup=dup, dx=dx, rows_of_slots=rows_of_slots)
 
 
-def rank_rows(want: dict, ranks: int, ids: torch.Tensor, block_m: int):
+def rank_rows(want: dict, ranks: int, ids: torch.Tensor):
     """Per rank: its schedule's real rows as EP = 1 rows (index [R_p]) and its g, u inputs [P·N, I] (zero past
     R_p)."""
     _, dim_i = want["gate"].shape
-    group_end_PL, _, row_slot_PR = tile_schedules(list(ids.to(DEVICE).chunk(ranks)), E // ranks, E, block_m)
+    # the rows' order only: any tile height gives the same schedule (its tile ends go unused here)
+    group_end_PL, _, row_slot_PR = tile_schedules(list(ids.to(DEVICE).chunk(ranks)), E // ranks, E, block_m=64)
     index, gates, ups = [], [], []
     for p in range(ranks):
         real = int(group_end_PL[p, -1])
@@ -93,7 +94,7 @@ def rank_rows(want: dict, ranks: int, ids: torch.Tensor, block_m: int):
 def megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config=SMALL, swiglu_limit=None, **kw):
     """(want, got): the triton path's and the megakernel's at virtual EP = ranks (rank p: the p-th T tokens)."""
     want = triton_dgrad(x, dout, weights, ids.to(DEVICE), expert_weights, swiglu_limit)
-    index, gates, ups = rank_rows(want, ranks, ids, config.block_m)
+    index, gates, ups = rank_rows(want, ranks, ids)
     got = megakernel_routed_dgrad(list(dout.chunk(ranks)), list(weights.chunk(ranks)),
                                   list(ids.to(DEVICE).chunk(ranks)), gates, ups, expert_weights, num_experts=E,
                                   config=config, trap=False, swiglu_limit=swiglu_limit, **kw)
@@ -160,7 +161,7 @@ def test_run_to_run_and_ep_degree_invariance():
     for a, b in zip(first, again):
         real = int(a.group_end_L[-1])
         assert torch.equal(a.dx_TH, b.dx_TH) and torch.equal(a.dgate_RI[:real], b.dgate_RI[:real])
-    _, gates, ups = rank_rows(want, 1, ids, SMALL.block_m)
+    _, gates, ups = rank_rows(want, 1, ids)
     single = megakernel_routed_dgrad(dout, weights, ids.to(DEVICE), gates[0], ups[0], expert_weights, num_experts=E,
                                      config=SMALL, trap=False)
     raise_on_megakernel_bwd_error()
@@ -190,7 +191,7 @@ def test_a_missing_phase_is_a_named_error(skipped, wait):
     assert_bitwise(want, got, index)
     ws = next(w for key, w in mkb._WORKSPACES.items() if key[1:3] == (1, T) and key[-1] == SMALL)
     schedule = tile_schedules([ids.to(DEVICE)], E, E, SMALL.block_m)
-    _, gates, ups = rank_rows(want, 1, ids, SMALL.block_m)
+    _, gates, ups = rank_rows(want, 1, ids)
     rows = GroupedRows(torch.stack(gates), torch.stack(ups), torch.empty_like(torch.stack(gates)),
                        torch.empty_like(torch.stack(gates)), torch.empty(1, T * K, 64, dtype=torch.bfloat16))
     epoch = ws.next_epoch()

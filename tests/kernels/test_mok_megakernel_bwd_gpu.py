@@ -73,7 +73,7 @@ def test_stalled_rank_with_trap_stops_the_device_naming_the_wait():
         f"(x, d, w), ew = backward_inputs(2, {H}, tokens={TOKENS})\n"
         f"ids = routing('balanced', 2, tokens={TOKENS})\n"
         "cfg = MegakernelConfig(timeout_ms=100.0)\n"
-        "_, g, u = rank_rows(triton_dgrad(x, d, w, ids.cuda(), ew), 2, ids, cfg.block_m)\n"
+        "_, g, u = rank_rows(triton_dgrad(x, d, w, ids.cuda(), ew), 2, ids)\n"
         "sp = lambda t: list(t.cuda().chunk(2))\n"
         "megakernel_routed_dgrad(sp(d), sp(w), sp(ids), g, u, ew, num_experts=E, config=cfg, stall_rank=1)\n"
         "torch.cuda.synchronize()\n")
@@ -94,7 +94,7 @@ def test_too_many_programs_are_refused():
 def test_no_host_sync():
     x, dout, weights, ids, expert_weights = _inputs(4, "skewed", seed=5)
     want, _, _ = megakernel_dgrad(4, x, dout, weights, ids, expert_weights, DEFAULT)  # compiled and allocated
-    _, gates, ups = rank_rows(want, 4, ids, DEFAULT.block_m)
+    _, gates, ups = rank_rows(want, 4, ids)
     split = lambda t: list(t.cuda().chunk(4))  # noqa: E731
     run_without_host_sync(lambda: megakernel_routed_dgrad(split(dout), split(weights), split(ids), gates, ups,
                                                           expert_weights, num_experts=E, config=DEFAULT))
