@@ -127,6 +127,12 @@ the gated SharedExpert's fp32 output). Each output element is computed by one it
 on values), so a token's output does not depend on the tile (or M), the item order, the program, the ring size,
 the group, the lag, the batch, P or the loads.
 
+Kept rows (the KEEP_ROWS constexpr, ``KeptRows``; bf16 training launches only): each routed A item also stores the
+g, u and h columns of its real rows into per-call grouped rows [V, R, I] (R = P·N; tile row m at schedule row
+tile_start + m, none past its expert's end), the values its h comes from, so the bits ``grouped_gate_up_swiglu``
+returns on those rows: the backward reads them instead of running the gate/up GEMM again. The shared expert's items
+never store there; without the flag the stores are not compiled in (the inference launch is unchanged).
+
 MXFP8 (the MX constexpr: the routed weights given as MXTensors): the routed experts' operands as the Triton
 grouped FFN's MXFP8 path has them. Its A operands, the pulled rows and h, are held as the bf16 values of their MXFP8
 quantization (``_mx_values``: ``mxfp8_fake_quantize``'s code): the pull quantizes each row along H on the way into
