@@ -127,6 +127,12 @@ the gated SharedExpert's fp32 output). Each output element is computed by one it
 on values), so a token's output does not depend on the tile (or M), the item order, the program, the ring size,
 the group, the lag, the batch, P or the loads.
 
+Kept rows (the KEEP_ROWS constexpr, ``KeptRows``; bf16 training launches only): each routed A item also stores the
+g, u and h columns of its real rows into per-call grouped rows [V, R, I] (R = P·N; tile row m at schedule row
+tile_start + m, none past its expert's end), the values its h comes from, so the bits ``grouped_gate_up_swiglu``
+returns on those rows: the backward reads them instead of running the gate/up GEMM again. The shared expert's items
+never store there; without the flag the stores are not compiled in (the inference launch is unchanged).
+
 MXFP8 (the MX constexpr: the routed weights given as MXTensors): the routed experts' operands as the Triton
 grouped FFN's MXFP8 path has them. Its A operands, the pulled rows and h, are held as the bf16 values of their MXFP8
 quantization (``_mx_values``: ``mxfp8_fake_quantize``'s code): the pull quantizes each row along H on the way into
@@ -324,8 +330,9 @@ def _mx_weight_tile(src, row, col, row_ok, width, bits, BR: tl.constexpr, TMA: t
 
 @triton.jit
 def _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, limit, wg_scales, wu_scales,
-                   HAS_LIMIT: tl.constexpr, MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
+                   kept_g_ptr, kept_u_ptr, kept_h_ptr, kept_rows, HAS_LIMIT: tl.constexpr, MX: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                   TMA: tl.constexpr, KEEP_ROWS: tl.constexpr):
     """h[:, n0:n0 + BLOCK_N] = swiglu(a @ w_gate[n0:n0 + BLOCK_N].T, a @ w_up[...].T) for the row tile a = rows
     [a_row, a_row + M) of a_src [rows, H] (rows where not a_ok read as zeros) and the expert's weights = rows
     [w_row, w_row + I) of wg_src / wu_src [rows, H] (_operand_tile: pointers or TMA descriptors); h [M, I] at h_ptr.
@@ -336,7 +343,11 @@ def _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, l
     MX: a holds MXFP8 values (bf16: the pull's _mx_values), the weights are the Triton path's MXFP8 operands (E4M3
     bits, their E8M0 bits [rows, H / 32] at wg_scales / wu_scales), dequantized per 32-wide K step (the Triton
     grouped FFN's MXFP8 step), each step's scales loaded one step ahead; h is stored as the down GEMM's operand, its
-    MXFP8 values along I (_mx_values of its bf16 values)."""
+    MXFP8 values along I (_mx_values of its bf16 values).
+
+    KEEP_ROWS (bf16 only): also g, u and h of the real rows (a_ok) into the grouped rows [R, I] at kept_g_ptr,
+    kept_u_ptr, kept_h_ptr, tile row m at row kept_rows[m]: the bits ``grouped_gate_up_swiglu`` returns, for the
+    backward."""
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -372,7 +383,13 @@ def _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, l
             acc1 = _dot(a, tl.trans(wg), acc1, DOT_F32)
             wu = _operand_tile(wu_src, w_row + n0, k0, n_ok, H, BLOCK_N, BLOCK_K, TMA, "")
             acc2 = _dot(a, tl.trans(wu), acc2, DOT_F32)
-        _, _, h = _swiglu_out(acc1, acc2, limit, HAS_LIMIT)
+        g, u, h = _swiglu_out(acc1, acc2, limit, HAS_LIMIT)
+        if KEEP_ROWS:
+            kept = kept_rows.to(tl.int64)[:, None] * I + offs_n[None, :]
+            kept_ok = a_ok[:, None] & n_ok[None, :]
+            tl.store(kept_g_ptr + kept, g, mask=kept_ok)
+            tl.store(kept_u_ptr + kept, u, mask=kept_ok)
+            tl.store(kept_h_ptr + kept, h, mask=kept_ok)
     tl.store(h_ptr + offs_m[:, None] * I + offs_n[None, :], h, mask=n_ok[None, :])
 
 
@@ -474,13 +491,14 @@ def _item(j, G, LAG, NB_I, NB_H, NB_IS, SG):
 
 @triton.jit
 def _gate_up_item(f, stamp, a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, h_ready_ptr, gate_up_done_ptr, H,
-                  I, NB_I, limit, wg_scales, wu_scales, HAS_LIMIT: tl.constexpr, MX: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                  TMA: tl.constexpr):
-    """An A item of the tile of flag slot f (its wait done): h columns [n0, n0 + BLOCK_N), then the count; the
-    tile's last A item publishes h_ready[f] = stamp."""
+                  I, NB_I, limit, wg_scales, wu_scales, kept_g_ptr, kept_u_ptr, kept_h_ptr, kept_rows,
+                  HAS_LIMIT: tl.constexpr, MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr, KEEP_ROWS: tl.constexpr):
+    """An A item of the tile of flag slot f (its wait done): h columns [n0, n0 + BLOCK_N) (KEEP_ROWS: and the kept
+    g, u, h rows' columns, _gate_up_block), then the count; the tile's last A item publishes h_ready[f] = stamp."""
     _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, limit, wg_scales, wu_scales,
-                   HAS_LIMIT, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
+                   kept_g_ptr, kept_u_ptr, kept_h_ptr, kept_rows, HAS_LIMIT, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32,
+                   TMA, KEEP_ROWS)
     tl.debug_barrier()  # every thread's h columns stored, and its reads of the row tile done, before the count
     if tl.atomic_add(gate_up_done_ptr + f, 1, sem="acq_rel", scope="sys") == NB_I - 1:
         # the tile's last A item: every other's h columns are ordered before this (acq_rel); rearm the count for the
@@ -511,14 +529,16 @@ def _down_item(f, stamp, h_src, h_row, wd_src, w_row, dst_ptrs, arrival_ptrs, re
 def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr, gate_up_done_ptr, down_done_ptr,
                      next_item_ptr, programs_done_ptr, x_table, slots_table, arrivals_table, group_end_ptr,
                      tile_end_ptr, row_slot_ptr, wg_ptr, wu_ptr, wd_ptr, shared_h_ptr, shared_out_ptr, wsg_ptr, wsu_ptr,
-                     wsd_ptr, err_ptr, wg_scale_ptr, wu_scale_ptr, wd_scale_ptr, epoch,
-                     timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, shared_limit, L, T, N, K, H, I, I_S, Q,
-                     COMPUTE, G, LAG, SG, PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, SHARED: tl.constexpr,
+                     wsd_ptr, err_ptr, wg_scale_ptr, wu_scale_ptr, wd_scale_ptr, kept_g_ptr, kept_u_ptr, kept_h_ptr,
+                     epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, shared_limit, L, T, N, K, H, I,
+                     I_S, Q, COMPUTE, G, LAG, SG, PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, SHARED: tl.constexpr,
                      HAS_SHARED_LIMIT: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr,
+                     KEEP_ROWS: tl.constexpr):
     """Claims items until none is left (module docstring), running those of its launch's kind and window. MX: the
     routed experts' operands are MXFP8 (ring and h: bf16 MXFP8 values; weights: E4M3 bits with E8M0 bits at the
-    *_scale_ptr), the shared expert's bf16."""
+    *_scale_ptr), the shared expert's bf16. KEEP_ROWS: the routed A items also store g, u, h of their real rows into
+    the grouped rows [R, I] at kept_*_ptr (the shared expert's items never do)."""
     SERIAL: tl.constexpr = PHASE != 0
     # The GEMM operands as 2D row-major [rows, K] sources (_operand_tile): the rank's ring [Q·M, H] and h [Q·M, I],
     # its experts' weights [L·I, H] and [L·H, I], the shared expert's x [T, H], h [SG·G·M, I_S] and weights. TMA: a
@@ -562,11 +582,11 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
                 alive = _wait(ready_ptr + q, stamp, err_ptr, WAIT_RING_READY, rank, i, timeout_us, SERIAL)
                 if alive:
                     _async_proxy_fence(FENCE)
-                    e, _rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
+                    e, rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
                     _gate_up_item(q, stamp, ring_src, q * BLOCK_M, real, wg_src, wu_src, e * I,
                                   h_ptr + q.to(tl.int64) * BLOCK_M * I, n0, h_ready_ptr, gate_up_done_ptr, H, I, NB_I,
-                                  limit, wg_scale_ptr, wu_scale_ptr, HAS_LIMIT, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32,
-                                  TMA)
+                                  limit, wg_scale_ptr, wu_scale_ptr, kept_g_ptr, kept_u_ptr, kept_h_ptr, rows,
+                                  HAS_LIMIT, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA, KEEP_ROWS)
             if SHARED:
                 if is_a & mine & (u < first_routed):  # this rank's own tokens: no wait (written before the launch)
                     rows = u * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -575,8 +595,8 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
                         a_src = _own_rows(x_table, rank)
                     _gate_up_item(Q + u, stamp, a_src, u * BLOCK_M, rows < T, wsg_src, wsu_src, 0,
                                   shared_h_ptr + u.to(tl.int64) * BLOCK_M * I_S, n0, h_ready_ptr, gate_up_done_ptr, H,
-                                  I_S, NB_IS, shared_limit, err_ptr, err_ptr, HAS_SHARED_LIMIT, False, BLOCK_M,
-                                  BLOCK_N, BLOCK_K, DOT_F32, TMA)
+                                  I_S, NB_IS, shared_limit, err_ptr, err_ptr, kept_g_ptr, kept_u_ptr, kept_h_ptr,
+                                  rows, HAS_SHARED_LIMIT, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA, False)
         if PHASE != 3:
             if (is_a == 0) & mine & (u >= first_routed):
                 alive = _wait(h_ready_ptr + q, stamp, err_ptr, WAIT_H_READY, rank, i, timeout_us, SERIAL)
@@ -632,11 +652,13 @@ def _megakernel(
     # MX: E8M0 bits (uint8) of the routed weights: w_gate, w_up [V·L, I, H / 32], w_down [V·L, H, I / 32] (the
     # weights above then hold E4M3 bits, uint8; ring and h the MXFP8 values, bf16); else never read
     wg_scale_ptr, wu_scale_ptr, wd_scale_ptr,
+    # KEEP_ROWS: the hosted ranks' kept g, u, h rows [V, R, I] bf16 (R = P·N, row r: schedule row r); else never read
+    kept_g_ptr, kept_u_ptr, kept_h_ptr,
     first_rank, epoch, stall_rank, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, shared_limit,
     P, L, T, K, H, I, I_S, Q, COMM, COMPUTE, G, LAG, SG,
     PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, SHARED: tl.constexpr, HAS_SHARED_LIMIT: tl.constexpr,
     MX: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr, KEEP_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     local = pid // (COMM + COMPUTE)  # this program's rank, within the launch
@@ -661,16 +683,18 @@ def _megakernel(
         if PHASE == 0 or PHASE >= 3:
             w_off = local64 * L * I * H  # the hosted rank's first expert (MX: its E4M3 bits; its E8M0 bits below)
             ws_off = local64 * L * I * H // 32
+            kept_off = local64 * P * N * I
             _compute_program(rank, ring_ptr, h_ptr + local64 * Q * BLOCK_M * I, ready_ptr, h_ready_ptr + local64 * F,
                              consumed_ptr, gate_up_done_ptr + local64 * F, down_done_ptr + local64 * F,
                              next_item_ptr + local, programs_done_ptr + local, x_table, slots_table, arrivals_table,
                              group_end_ptr, tile_end_ptr, row_slot_ptr, wg_ptr + w_off, wu_ptr + w_off, wd_ptr + w_off,
                              shared_h_ptr + local64 * first_tile * BLOCK_M * I_S, shared_out_ptr + local64 * T * H,
                              wsg_ptr, wsu_ptr, wsd_ptr, err_ptr, wg_scale_ptr + ws_off, wu_scale_ptr + ws_off,
-                             wd_scale_ptr + ws_off, epoch, timeout_us, tile_lo, tile_hi,
+                             wd_scale_ptr + ws_off, kept_g_ptr + kept_off, kept_u_ptr + kept_off,
+                             kept_h_ptr + kept_off, epoch, timeout_us, tile_lo, tile_hi,
                              item_lo, item_hi, limit, shared_limit, L, T, N, K, H, I, I_S, Q, COMPUTE, G, LAG, SG,
                              PHASE, HAS_LIMIT, SHARED, HAS_SHARED_LIMIT, MX, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K,
-                             DOT_F32, TMA)
+                             DOT_F32, TMA, KEEP_ROWS)
 
 
 # debug: the device assertions below are compiled in
@@ -771,6 +795,20 @@ class MegakernelBuffers(RingBuffers):
                 self.next_item_V, self.programs_done_V]
 
 
+@dataclass(frozen=True)
+class KeptRows:
+    """Where a training launch (bf16) keeps each routed row's g, u and h for the backward: [V, R, I] bf16 contiguous
+    (R = P·N, row r of rank v: its schedule's row r; rows past its end are not written), the bits the Triton grouped
+    FFN's ``grouped_gate_up_swiglu`` returns. Per call (the backward holds them), 3·V·R·I·2 bytes."""
+
+    gate_VRI: torch.Tensor
+    up_VRI: torch.Tensor
+    h_VRI: torch.Tensor
+
+    def __iter__(self):
+        return iter((self.gate_VRI, self.up_VRI, self.h_VRI))
+
+
 def ring_buffers(ranks: int, ring_tiles: int, block_m: int, dim_h: int, dim_i: int, device) -> dict[str, torch.Tensor]:
     """MegakernelBuffers' ring and h for ``ranks`` hosted ranks, zeroed, bf16 in either precision (an MXFP8 launch's
     hold the rows' MXFP8 values)."""
@@ -841,13 +879,14 @@ def _weight_bits(weights) -> tuple[tuple, tuple | None]:
     return tuple(w.data.view(torch.uint8) for w in weights), tuple(w.scale.view(torch.uint8) for w in weights)
 
 
-def _megakernel_args(bufs, schedule, weights, shared: SharedFFN | None, shape: LaunchShape, epoch, stall_rank,
-                     timeout_us, tiles, items, limit):
+def _megakernel_args(bufs, schedule, weights, shared: SharedFFN | None, kept: KeptRows | None, shape: LaunchShape,
+                     epoch, stall_rank, timeout_us, tiles, items, limit):
     group_end_VL, tile_end_VL, row_slot_VR = schedule
     weights, weight_scales = _weight_bits(weights)
     w_gate_XIH, w_up_XIH, w_down_XHI = weights
     _, dim_i, dim_h = w_gate_XIH.shape
     scale_ptrs = (bufs.errors,) * 3 if weight_scales is None else weight_scales  # bf16: pointers never read
+    kept_ptrs = (bufs.h_VQMI,) * 3 if kept is None else tuple(kept)  # no kept rows: pointers never read
     t = bufs.tables
     if shared is None:  # pointers the kernel does not read, and the routed I (no second specialization)
         shared_ptrs, shared_dim, shared_limit = (bufs.h_VQMI,) * 2 + weights, dim_i, 0.0
@@ -857,9 +896,10 @@ def _megakernel_args(bufs, schedule, weights, shared: SharedFFN | None, shape: L
         shared_limit = float(shared.swiglu_limit) if shared.swiglu_limit is not None else 0.0
     return (bufs.ring_VQMH, bufs.h_VQMI, *bufs.flags, t["x_TH"], t["slots_NH"], t["arrivals_T"], t["x_ready"],
             group_end_VL, tile_end_VL, row_slot_VR, w_gate_XIH, w_up_XIH, w_down_XHI, *shared_ptrs, bufs.errors,
-            *scale_ptrs, shape.first_rank, epoch, stall_rank, timeout_us, *tiles, *items, limit, shared_limit,
-            shape.ep_degree, shape.num_local, shape.num_tokens, shape.top_k, dim_h, dim_i, shared_dim, bufs.ring_tiles,
-            shape.comm_programs, shape.compute_programs, shape.group_tiles, shape.lag, shape.shared_groups)
+            *scale_ptrs, *kept_ptrs, shape.first_rank, epoch, stall_rank, timeout_us, *tiles, *items, limit,
+            shared_limit, shape.ep_degree, shape.num_local, shape.num_tokens, shape.top_k, dim_h, dim_i, shared_dim,
+            bufs.ring_tiles, shape.comm_programs, shape.compute_programs, shape.group_tiles, shape.lag,
+            shape.shared_groups)
 
 
 @dataclass(frozen=True)
@@ -880,22 +920,24 @@ class KernelVariant:
     gemm: str = "ptr"
     mx: bool = False
     """The routed experts' operands in MXFP8 (the shared expert's stay bf16)."""
+    keep_rows: bool = False
+    """The routed A items also store g, u, h into the call's KeptRows (bf16 training)."""
 
     def constexprs(self, phase: int) -> dict:
         return dict(PHASE=phase, HAS_LIMIT=self.has_limit, SHARED=self.shared_dim > 0,
                     HAS_SHARED_LIMIT=self.has_shared_limit, MX=self.mx, LOG_L=self.num_local.bit_length(),
                     BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K,
                     BLOCK_H=min(256, triton.next_power_of_2(self.dim_h)), DOT_F32=_DOT_F32, TMA=self.gemm == "tma",
-                    num_warps=self.num_warps, num_stages=self.num_stages)
+                    KEEP_ROWS=self.keep_rows, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-def _variant(bufs: MegakernelBuffers, weights, shared: SharedFFN | None, shape: LaunchShape,
+def _variant(bufs: MegakernelBuffers, weights, shared: SharedFFN | None, kept: KeptRows | None, shape: LaunchShape,
              swiglu_limit: float | None) -> KernelVariant:
     dim_i, dim_h = _weight_bits(weights)[0][0].shape[1:]
     return KernelVariant(dim_h, dim_i, 0 if shared is None else shared.dim, shape.num_local, bufs.block_m,
                          shape.block_n, shape.num_warps, shape.num_stages, swiglu_limit is not None,
                          shared is not None and shared.swiglu_limit is not None, shape.gemm,
-                         isinstance(weights[0], MXTensor))
+                         isinstance(weights[0], MXTensor), kept is not None)
 
 
 def compile_megakernel(variant: KernelVariant):
@@ -903,7 +945,8 @@ def compile_megakernel(variant: KernelVariant):
     nothing: the current driver's target (``benchmarks/tools/sass.py`` compiles it for sm_90 without a GPU)."""
     weights = torch.uint8 if variant.mx else torch.bfloat16  # the routed weights: E4M3 bits or bf16
     ptrs = [torch.bfloat16] * 2 + [torch.int64] * 3 + [torch.int32] * 4 + [torch.int64] * 4 + [torch.int32] * 3 + [
-        weights] * 3 + [torch.bfloat16] * 5 + [torch.int64] + [torch.uint8 if variant.mx else torch.int64] * 3
+        weights] * 3 + [torch.bfloat16] * 5 + [torch.int64] + [torch.uint8 if variant.mx else torch.int64] * 3 + [
+        torch.bfloat16] * 3
     # (pointer arguments as their dtypes: Triton's warmup takes those)
     # first_rank ... item_hi, limit, shared_limit, P ... K, H, I, I_S, Q ... SG
     ints = [2] * 8 + [0.0] * 2 + [2] * 4 + [variant.dim_h, variant.dim_i, variant.shared_dim or variant.dim_i] + [
@@ -937,18 +980,18 @@ def co_resident_programs(device_index: int, variant: KernelVariant) -> int:
 
 
 def megakernel_phase(bufs: MegakernelBuffers, schedule, weights, shape: LaunchShape, phase: int, *, epoch: int,
-                     swiglu_limit: float | None, shared: SharedFFN | None = None, stall_rank: int | None = None,
-                     timeout_ms: float = 10_000.0, tiles: tuple[int, int] = (0, 2**31 - 1),
-                     items: tuple[int, int] = (0, 2**31 - 1)) -> None:
+                     swiglu_limit: float | None, shared: SharedFFN | None = None, kept: KeptRows | None = None,
+                     stall_rank: int | None = None, timeout_ms: float = 10_000.0,
+                     tiles: tuple[int, int] = (0, 2**31 - 1), items: tuple[int, int] = (0, 2**31 - 1)) -> None:
     """One launch of the grid in ``phase`` (PHASE_*): its communication programs pull the routed tiles, and its
     compute programs run the items in ``items`` (a half-open range of j) of the phase's kind, whose tiles of the item
     order (the shared expert's SG·G, then the routed) lie in ``tiles``. PHASE_ALL is the concurrent launch: refused
     when the device cannot hold every program at once. ``megakernel_launch`` makes the calls; tests call the
-    serialized phases one by one."""
+    serialized phases one by one. kept: ``megakernel_launch``'s."""
     if (shared is not None) != (shape.shared_groups > 0):
         raise ValueError(f"megakernel_phase: a launch shaped for {shape.shared_groups} groups of shared-expert tiles "
                          f"{'needs' if shape.shared_groups else 'takes no'} shared expert weights")
-    variant = _variant(bufs, weights, shared, shape, swiglu_limit)
+    variant = _variant(bufs, weights, shared, kept, shape, swiglu_limit)
     w_gate = _weight_bits(weights)[0][0]
     if variant.gemm == "tma" and w_gate.is_cuda:
         _set_triton_allocator()  # the compute programs make their TMA descriptors in the launch's global scratch
@@ -959,8 +1002,8 @@ def megakernel_phase(bufs: MegakernelBuffers, schedule, weights, shape: LaunchSh
                 f"mok megakernel: {shape.programs} programs ({shape.hosted_ranks} ranks x ({shape.comm_programs} "
                 f"communication + {shape.compute_programs} compute)) exceed the {max_programs} this device runs "
                 "at once, so its spin-waits could deadlock: use fewer programs per rank")
-    args = _megakernel_args(bufs, schedule, weights, shared, shape, epoch, -1 if stall_rank is None else stall_rank,
-                            int(timeout_ms * 1000), tiles, items,
+    args = _megakernel_args(bufs, schedule, weights, shared, kept, shape, epoch,
+                            -1 if stall_rank is None else stall_rank, int(timeout_ms * 1000), tiles, items,
                             float(swiglu_limit) if swiglu_limit is not None else 0.0)
     _megakernel[(shape.programs,)](*args, **variant.constexprs(phase))
 
@@ -990,9 +1033,20 @@ def _check_precision(bufs: MegakernelBuffers, weights, shape: LaunchShape) -> No
         raise ValueError(f"megakernel_launch: MXFP8 needs H ({dim_h}) and I ({dim_i}) to be multiples of {MX_BLOCK}")
 
 
+def _check_kept(kept: KeptRows, weights, shape: LaunchShape, dim_i: int) -> None:
+    if isinstance(weights[0], MXTensor):
+        raise ValueError("megakernel_launch: kept rows are bf16 g, u, h; an MXFP8 launch keeps none (its backward "
+                         "recomputes the Triton path's MXFP8 forward)")
+    want = (shape.hosted_ranks, shape.ep_degree * shape.num_tokens * shape.top_k, dim_i)
+    for name, t in zip(("gate_VRI", "up_VRI", "h_VRI"), kept):
+        if tuple(t.shape) != want or t.dtype != torch.bfloat16 or not t.is_contiguous():
+            raise ValueError(f"megakernel_launch: kept.{name} must be bf16 contiguous {list(want)} (V, P·T·K, I), "
+                             f"got {t.dtype} {list(t.shape)}{'' if t.is_contiguous() else ' non-contiguous'}")
+
+
 def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchShape, *, epoch: int,
                       swiglu_limit: float | None, serialized: bool, shared: SharedFFN | None = None,
-                      stall_rank: int | None = None, timeout_ms: float = 10_000.0,
+                      kept: KeptRows | None = None, stall_rank: int | None = None, timeout_ms: float = 10_000.0,
                       phase_barrier: Callable[[], None] | None = None) -> None:
     """The forward's one launch (``serialized``: its phases one after another, see the module docstring).
 
@@ -1004,15 +1058,18 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
     schedule: (group_end_VL, tile_end_VL, row_slot_VR) int32 of the hosted ranks; weights: (w_gate [V·L, I, H],
     w_up [V·L, I, H], w_down [V·L, H, I]) bf16 contiguous, or for an MXFP8 ring (``bufs.mx``) their MXFP8 operands
     (MXTensors blocked along K in MMA order: ``grouped_ffn.weight_operand(w, "mxfp8", 2, name)``); shared: the
-    shared expert in the launch (exactly when shape.shared_groups > 0). A concurrent launch with more programs than
-    the device runs at once raises instead of risking a deadlock. ``stall_rank``: a rank whose communication
-    programs publish nothing (tests of the bounded waits)."""
+    shared expert in the launch (exactly when shape.shared_groups > 0); kept: where the routed A items also store
+    each real row's g, u, h (bf16 launches only; None: nowhere, the inference launch). A concurrent launch with
+    more programs than the device runs at once raises instead of risking a deadlock. ``stall_rank``: a rank whose
+    communication programs publish nothing (tests of the bounded waits)."""
     if not 1 <= epoch <= MAX_EPOCH:
         raise ValueError(f"megakernel_launch: epoch = {epoch} must be in [1, {MAX_EPOCH}]")
     if shape.gemm not in GEMM_LOADS:
         raise ValueError(f"megakernel_launch: gemm = {shape.gemm!r} must be one of {GEMM_LOADS}")
     _check_precision(bufs, weights, shape)
     weight_data = _weight_bits(weights)[0]
+    if kept is not None:
+        _check_kept(kept, weights, shape, weight_data[0].shape[1])
     if shape.gemm == "tma":
         widths = {"H": weight_data[0].shape[2], "I": weight_data[0].shape[1],
                   "I_S": 8 if shared is None else shared.dim}
@@ -1034,7 +1091,7 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
         raise ValueError(f"megakernel_launch: (lag + 1) x group_tiles = ({shape.lag} + 1) x {group} must be <= the "
                          f"{ring} ring tiles (module docstring: deadlock freedom)")
     run = functools.partial(megakernel_phase, bufs, schedule, weights, shape, epoch=epoch, swiglu_limit=swiglu_limit,
-                            shared=shared, stall_rank=stall_rank, timeout_ms=timeout_ms)
+                            shared=shared, kept=kept, stall_rank=stall_rank, timeout_ms=timeout_ms)
     if not serialized:
         run(PHASE_ALL)
         return

@@ -373,7 +373,7 @@ class GroupedRows:
     """The grouped rows of the hosted ranks' schedules (row r of rank v: its schedule's row r), bf16."""
 
     gate_VRI: torch.Tensor
-    """In: the forward's g rows (saved or recomputed)."""
+    """In: the forward's g rows (kept by the forward launch)."""
     up_VRI: torch.Tensor
     """In: the forward's u rows."""
     dgate_VRI: torch.Tensor

@@ -4,7 +4,7 @@ shared memory and SASS instruction mix of every kernel one MoE FFN pass would la
     python3 -m benchmarks.tools.sass [--shape kimi] [--rows-per-expert 43] [--precision mxfp8] [--sass-dir DIR] [--json]
     python3 -m benchmarks.tools.sass --rows-per-expert 85 --set 'mxfp8/plain@mid_rows={"CONSUMER_REGS": 200}'
     python3 -m benchmarks.tools.sass --megakernel [--shape kimi] [--block-m 64 128] [--gemm ptr tma] [--num-stages 4]
-        [--shared-dim I_S] [--precision bf16]
+        [--shared-dim I_S] [--precision bf16] [--keep-rows]
 
 Why: device time is scarce. A tile config that spills, or that cannot fit two programs on an SM,
 shows here first. Triton's wheel carries ptxas, nvdisasm and
@@ -20,7 +20,8 @@ registers among themselves (``setmaxnreg``, listed).
 ``--megakernel``: the forward MoK megakernel's concurrent launch instead (``kernels/mok_megakernel.py``), one kernel
 per combination of routed-expert precision (``--precision``; default both), tile rows, GEMM loads and pipeline depth,
 with its TMA loads (UTMALDG), cp.async copies (LDGSTS), wgmmas (HGMMA) and the spill loads/stores inside its K loops
-(a spill elsewhere costs little).
+(a spill elsewhere costs little). ``--keep-rows``: the bf16 training launch's, whose gate/up items also store g, u,
+h for the backward (``KernelVariant.keep_rows``).
 """
 
 import argparse
@@ -138,9 +139,10 @@ def k_loop_spills(sass: str) -> int:
 
 
 def megakernel_kernels(shape: str, block_ms, gemms, stages, shared_dim: int = 0,
-                       precisions=("bf16",)) -> list[dict]:
+                       precisions=("bf16",), keep_rows: bool = False) -> list[dict]:
     """The forward megakernel's concurrent launch compiled for each (precision, block_m, gemm, num_stages), at the
-    shape's H and I, the default config's other sizes and 8 ranks' local experts; one report per variant."""
+    shape's H and I, the default config's other sizes and 8 ranks' local experts; one report per variant. keep_rows:
+    the bf16 variants' training launch (it stores g, u, h)."""
     dim_h, dim_i, num_experts, _ = SHAPES[shape]
     reports = []
     for precision in precisions:
@@ -149,11 +151,13 @@ def megakernel_kernels(shape: str, block_ms, gemms, stages, shared_dim: int = 0,
                 for num_stages in stages:
                     variant = mok_megakernel.KernelVariant(
                         dim_h, dim_i, shared_dim, num_experts // 8, block_m, MegakernelConfig.block_n,
-                        MegakernelConfig.num_warps, num_stages, False, gemm=gemm, mx=precision == "mxfp8")
+                        MegakernelConfig.num_warps, num_stages, False, gemm=gemm, mx=precision == "mxfp8",
+                        keep_rows=keep_rows and precision == "bf16")
                     with compiling_for_sm90():
                         kernel = mok_megakernel.compile_megakernel(variant)
                     report = kernel_report("_megakernel", kernel)
-                    reports.append({"step": f"megakernel {precision} {gemm} M{block_m} S{num_stages}",
+                    kept = " keep" if variant.keep_rows else ""
+                    reports.append({"step": f"megakernel {precision}{kept} {gemm} M{block_m} S{num_stages}",
                                     "precision": precision, "block_m": block_m, "gemm": gemm,
                                     "num_stages": num_stages, "k_loop_spills": k_loop_spills(report["sass"]),
                                     **report})
@@ -229,6 +233,8 @@ def main() -> None:
     parser.add_argument("--num-stages", type=int, nargs="+", default=[MegakernelConfig.num_stages],
                         help="--megakernel: K-loop pipeline depths")
     parser.add_argument("--shared-dim", type=int, default=0, help="--megakernel: I_S of a shared expert (0: none)")
+    parser.add_argument("--keep-rows", action="store_true",
+                        help="--megakernel: the bf16 training launch, which also stores g, u, h for the backward")
     opts = parser.parse_args()
     try:
         table = variant_table(tc.table_for(opts.chip), opts.sets, opts.unsets)
@@ -261,7 +267,8 @@ def main() -> None:
 
 def megakernel_main(opts) -> None:
     precisions = (opts.precision,) if opts.precision else ("bf16", "mxfp8")
-    reports = megakernel_kernels(opts.shape, opts.block_m, opts.gemm, opts.num_stages, opts.shared_dim, precisions)
+    reports = megakernel_kernels(opts.shape, opts.block_m, opts.gemm, opts.num_stages, opts.shared_dim, precisions,
+                                 opts.keep_rows)
     if opts.json:
         print(json.dumps([{**{k: v for k, v in r.items() if k != "sass"}, "programs_per_sm": programs_per_sm(r)}
                           for r in reports]))

@@ -131,8 +131,8 @@ def _stalled_dgrad(args) -> str:
 
     x, weights, ids, shared, local, dout = args
     with torch.no_grad():
-        _, handle = megakernel_rank_forward(x, weights, ids, shared, local, num_experts=E, group=dist.group.WORLD,
-                                            config=SMALL)
+        _, handle, _ = megakernel_rank_forward(x, weights, ids, shared, local, num_experts=E,
+                                               group=dist.group.WORLD, config=SMALL)
         gate, up, _ = grouped_gate_up_swiglu(fused_dispatch(x, handle), handle.group_end, *local[:2], None)
         megakernel_rank_dgrad(dout, weights, gate, up, local, handle, num_experts=E, group=dist.group.WORLD,
                               config=SMALL, trap=False, stall_rank=1)

@@ -13,31 +13,37 @@ the backward keeps it. When the combine weights need a gradient it also keeps a 
 that the launch pushed into this rank's combine slots (the workspace is every layer's): the ``"triton"`` path's
 y_TKH, bit for bit, T·K·H·2 bytes.
 
-Backward (bf16): the megakernel keeps nothing else of its forward (its gate/up/SwiGLU values live in a ring that
-every layer of the same shape reuses). So the backward recomputes only what the dgrad launch and the weight
-gradients read: the grouped x rows (``fused_dispatch``'s pull from the source ranks' x_TH, through the symmetric
-workspace's barrier) and g, u, h (``grouped_gate_up_swiglu``, the Triton grouped FFN's first launch, so the bits
-the ``"triton"`` path's forward saved); then the megakernel's dgrad launch (``megakernel_rank_dgrad``: w·dY
-pulled from the source ranks, the down projection's dgrad through the SwiGLU backward, the gate/up dgrad, each
-row's dx pushed to its source, the ordered fp32 sum per token) gives dx and the grouped dy, dgate, dup rows; and
-``grouped_wgrads`` on (dgate, x), (dup, x), (dy, h) gives the weight gradients, as the Triton grouped FFN's
-backward. The combine weights' gradient is ``combine_weight_grads(dout, y)`` on the kept rows, as
-``fused_combine``'s backward; the shared output's gradient is dY in its dtype. So every gradient is the
-``"triton"`` path's, bit for bit, at any EP degree. The recomputation costs the x pull and the gate/up GEMMs per
-backward (not the down GEMM, the combine or the dispatch's backward), and saves the R·(H + 2·I)·2 bytes of x, g, u
-rows (and h) the ``"triton"`` path keeps from forward to backward. Every rank of the group runs the same backward
-sequence (the same layers), so the barriers pair up and the epochs agree.
+Kept rows (bf16, when x or an expert weight needs a gradient): the forward launch also stores each schedule row's
+g, u and h (its gate/up items' epilogue, ``megakernel_rank_forward(keep_rows=True)``), the bits the Triton grouped
+FFN's ``grouped_gate_up_swiglu`` gives on the same rows (the same fp32 sums, rounded by the same ``_swiglu_out``),
+into per-call grouped rows gate_RI, up_RI, h_RI that the backward holds (ctx.save_for_backward): 3·R·I·2 bytes per
+layer (Kimi K2.7, 2048 tokens, EP 1: R = 16,384, I = 2048: 201 MB). Its ring's values are every layer's, so the
+kept rows are separate buffers. Recomputing them in the backward instead (the gate/up grouped GEMM, about 2/3 of
+the forward FFN's FLOPs) was measured at 37.9 ms per layer backward for Kimi on an H100: keeping takes the gate/up
+GEMM out of the backward (docs/design.md §5.9).
+
+Backward (bf16): the backward pulls the grouped x rows again (``fused_dispatch``'s pull from the source ranks'
+x_TH, through the symmetric workspace's barrier: the gate/up weight gradients' operand, R·H·2 bytes not kept);
+then the megakernel's dgrad launch (``megakernel_rank_dgrad``: w·dY pulled from the source ranks, the down
+projection's dgrad through the SwiGLU backward on the kept g, u, the gate/up dgrad, each row's dx pushed to its
+source, the ordered fp32 sum per token) gives dx and the grouped dy, dgate, dup rows; and ``grouped_wgrads`` on
+(dgate, x), (dup, x), (dy, h) gives the weight gradients, as the Triton grouped FFN's backward. The combine
+weights' gradient is ``combine_weight_grads(dout, y)`` on the kept expert rows, as ``fused_combine``'s backward;
+the shared output's gradient is dY in its dtype. So every gradient is the ``"triton"`` path's, bit for bit, at any
+EP degree. Every rank of the group runs the same backward sequence (the same layers), so the barriers pair up and
+the epochs agree.
 
 Backward (MXFP8, ``ExpertPrecision``): the dgrad launch runs bf16 operands only, so the backward runs the
 ``"triton"`` path's forward again on the saved input and schedule (``fused_dispatch``, the Triton grouped FFN in
 MXFP8, ``fused_combine``) and differentiates it: the ``"triton"`` path's own MXFP8 backward. The forward launch
 reads the MXFP8 weight operands that the Triton grouped FFN keeps per weight version under the experts module
 (``grouped_ffn.forward_weight_operands``; in a training forward made together with the dgrad layouts), and the
-recomputation's ``grouped_swiglu_ffn(precision="mxfp8")`` finds them there: no weight is quantized twice.
+recomputation's ``grouped_swiglu_ffn(precision="mxfp8")`` finds them there: no weight is quantized twice. An MXFP8
+forward keeps no g, u, h rows.
 
 Nothing the backward reads comes from the megakernel's ring or a workspace buffer it left: it saves x, the combine
-weights, the expert weights it was given, the schedule and (bf16) the expert rows' copy, and rewrites every
-workspace buffer it reads.
+weights, the expert weights it was given, the schedule and (bf16) the expert rows' copy and the kept g, u, h rows,
+and rewrites every workspace buffer it reads.
 """
 
 from dataclasses import dataclass, replace
@@ -46,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, wgrad_operands
-from titan_mok.kernels.grouped_gemm import grouped_gate_up_swiglu, grouped_wgrads
+from titan_mok.kernels.grouped_gemm import grouped_wgrads
 from titan_mok.moe.dispatch import combine_weight_grads
 from titan_mok.moe.fused import FusedHandle, fused_combine, fused_dispatch
 from titan_mok.moe.megakernel import MegakernelConfig
@@ -82,19 +88,21 @@ class ExpertPrecision:
 class _MegakernelRoutedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, weights_TK, shared_TH, w_gate_LIH, w_up_LIH, w_down_LHI, topk_idx_TK, group, num_experts,
-                swiglu_limit, out_dtype, config, experts_precision, keep_expert_rows):
-        out_TH, handle = megakernel_rank_forward(
+                swiglu_limit, out_dtype, config, experts_precision, keep_expert_rows, keep_ffn_rows):
+        keep_ffn_rows = keep_ffn_rows and experts_precision.precision == "bf16"  # MXFP8 recomputes (docstring)
+        out_TH, handle, kept = megakernel_rank_forward(
             x_TH, weights_TK, topk_idx_TK, shared_TH, (w_gate_LIH, w_up_LIH, w_down_LHI), num_experts=num_experts,
             group=group, swiglu_limit=swiglu_limit, out_dtype=out_dtype, config=config,
             precision=experts_precision.precision, weights_owner=experts_precision.weights_owner,
-            weight_sources=experts_precision.weight_sources,
+            weight_sources=experts_precision.weight_sources, keep_rows=keep_ffn_rows,
         )
         y_TKH = None
         if keep_expert_rows and experts_precision.precision == "bf16":
             # the expert rows the finish summed, for the combine weights' gradient (module docstring)
             y_TKH = handle.workspace.slots_NH.view(handle.num_tokens, handle.top_k, -1).clone()
+        gate_RI, up_RI, h_RI = kept if kept is not None else (None,) * 3
         ctx.save_for_backward(x_TH, weights_TK, w_gate_LIH, w_up_LIH, w_down_LHI, handle.group_end, handle.row_slot_R,
-                              y_TKH)
+                              y_TKH, gate_RI, up_RI, h_RI)
         ctx.workspace, ctx.group, ctx.num_experts, ctx.config = handle.workspace, group, num_experts, config
         ctx.swiglu_limit, ctx.out_dtype, ctx.experts_precision = swiglu_limit, out_dtype, experts_precision
         ctx.shared_dtype = None if shared_TH is None else shared_TH.dtype
@@ -103,11 +111,11 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout_TH, _dgroup_end):
-        x_TH, weights_TK, w_gate_LIH, w_up_LIH, w_down_LHI, group_end_L, row_slot_R, y_TKH = ctx.saved_tensors
+        x_TH, weights_TK, w_gate_LIH, w_up_LIH, w_down_LHI, group_end_L, row_slot_R, y_TKH, *kept = ctx.saved_tensors
         needs = ctx.needs_input_grad
         needs_dx, needs_dweights, needs_dw = needs[0], needs[1], needs[3:6]
         dshared_TH = None if ctx.shared_dtype is None else dout_TH.to(ctx.shared_dtype)  # the fused combine's
-        unused = (None,) * 8  # topk_idx, group, num_experts, swiglu_limit, out_dtype, config, precision, keep
+        unused = (None,) * 9  # topk_idx, group, num_experts, swiglu_limit, out_dtype, config, precision, keeps
         if not (needs_dx or needs_dweights or any(needs_dw)):
             return None, None, dshared_TH, None, None, None, *unused
         num_tokens, top_k = weights_TK.shape
@@ -118,26 +126,25 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
             grads = _recomputed_triton_backward(ctx, dout_TH, x_TH, weights_TK, expert_weights, handle)
         else:
             grads = _dgrad_launch_backward(ctx, dout_TH.contiguous(), x_TH, weights_TK, expert_weights, handle,
-                                           y_TKH)
+                                           y_TKH, kept)
         dx_TH, dweights_TK, *dw = grads
         return dx_TH, dweights_TK, dshared_TH, *dw, *unused
 
 
-def _dgrad_launch_backward(ctx, dout_TH, x_TH, weights_TK, expert_weights, handle: FusedHandle, y_TKH):
-    """(dx, dweights, dw_gate, dw_up, dw_down), each None where not needed: bf16, through the dgrad launch (module
-    docstring)."""
+def _dgrad_launch_backward(ctx, dout_TH, x_TH, weights_TK, expert_weights, handle: FusedHandle, y_TKH, kept):
+    """(dx, dweights, dw_gate, dw_up, dw_down), each None where not needed: bf16, through the dgrad launch on the
+    forward's kept g, u, h rows (module docstring)."""
     needs_dx, needs_dweights, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3:6]
     # <dY[t], y[t, j]> in fp32, as the fused combine's backward
     dweights_TK = combine_weight_grads(dout_TH.float(), y_TKH) if needs_dweights else None
     if not (needs_dx or any(needs_dw)):
         return None, dweights_TK, None, None, None
+    gate_RI, up_RI, h_RI = kept  # kept whenever x or an expert weight needs a gradient (megakernel_..._trainable)
     x_RH = fused_dispatch(x_TH, handle)  # the forward's rows in the schedule's order (grad mode is off here)
-    gate_RI, up_RI, h_RI = grouped_gate_up_swiglu(x_RH, handle.group_end, *expert_weights[:2], ctx.swiglu_limit)
     # MegakernelConfig.gemm is the forward launch's: the dgrad launch reads by pointer
     dgrad = megakernel_rank_dgrad(dout_TH, weights_TK, gate_RI, up_RI, expert_weights, handle,
                                   num_experts=ctx.num_experts, group=ctx.group, swiglu_limit=ctx.swiglu_limit,
                                   config=replace(ctx.config, gemm=None))
-    del gate_RI, up_RI
     pairs = wgrad_operands(x_RH, h_RI, dgrad.dy_RH, dgrad.dgate_RI, dgrad.dup_RI).values()
     computed = grouped_wgrads([pair for pair, need in zip(pairs, needs_dw) if need], handle.group_end, "bf16")
     dw = [next(computed) if need else None for need in needs_dw]
@@ -181,7 +188,9 @@ def megakernel_routed_experts_trainable(
     sync."""
     # inside the Function's forward grad mode is off and needs_input_grad holds under no_grad too
     keep_expert_rows = torch.is_grad_enabled() and routing.weights_TK.requires_grad
+    # the dgrad launch and the weight gradients read g, u, h: kept when dx or an expert weight's gradient is due
+    keep_ffn_rows = torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, *expert_weights))
     return _MegakernelRoutedExperts.apply(
         x_TH, routing.weights_TK, routing.shared_TH, *expert_weights, routing.topk_idx_TK, group, num_experts,
-        swiglu_limit, routing.out_dtype, config, experts_precision, keep_expert_rows,
+        swiglu_limit, routing.out_dtype, config, experts_precision, keep_expert_rows, keep_ffn_rows,
     )

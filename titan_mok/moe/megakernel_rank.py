@@ -53,6 +53,7 @@ import torch.distributed as dist
 from titan_mok.kernels.mok_combine import slot_scale
 from titan_mok.kernels.mok_megakernel import (
     MAX_EPOCH,
+    KeptRows,
     LaunchShape,
     MegakernelBuffers,
     SharedFFN,
@@ -197,14 +198,21 @@ def megakernel_rank_forward(
     precision: str = "bf16",
     weights_owner: object = None,
     weight_sources: tuple | None = None,
-) -> tuple[torch.Tensor, FusedHandle]:
-    """(out_TH, this call's schedule as the ``"triton"`` path's handle: its rows, on the same workspace), for the
-    backward (``titan_mok.moe.megakernel_autograd``). Arguments: ``megakernel_rank_routed_experts``."""
+    keep_rows: bool = False,
+) -> tuple[torch.Tensor, FusedHandle, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """(out_TH, this call's schedule as the ``"triton"`` path's handle: its rows, on the same workspace, and with
+    keep_rows its rows' g, u, h), for the backward (``titan_mok.moe.megakernel_autograd``). Arguments:
+    ``megakernel_rank_routed_experts``'s; keep_rows (bf16 only): the launch also stores each schedule row's g, u and
+    h, bf16 [R, I] each (R = P·T·K, row r: schedule row r, rows past the schedule's end unwritten), the bits
+    ``grouped_gate_up_swiglu`` gives on the schedule's rows; allocated per call, 3·R·I·2 bytes."""
     ep_degree = 1 if group is None else dist.get_world_size(group)
     caller = "megakernel_rank_routed_experts"
     call = check_call(caller, [x_TH], [weights_TK], [topk_idx_TK], [shared_TH], [shared_scale_T1], expert_weights,
                       shared_expert, num_experts=num_experts, ep_degree=ep_degree, swiglu_limit=swiglu_limit,
                       config=config, serialized=serialized, stall_rank=stall_rank, precision=precision)
+    if keep_rows and precision != "bf16":
+        raise ValueError(f"{caller}: keep_rows keeps bf16 g, u, h rows; precision {precision!r} keeps none (its "
+                         "backward recomputes the triton path's forward)")
     cfg, num_tokens, top_k, dim_h = call.config, call.num_tokens, call.top_k, call.dim_h
     device = x_TH.device
     num_local = num_experts // ep_degree
@@ -223,15 +231,20 @@ def megakernel_rank_forward(
     schedule = (group_end_L[None], tile_ends(group_end_L[None], cfg.block_m), row_slot_R[None])
     epoch, arrivals = _next_call(ws)
     operands = launch_weights(expert_weights, precision, weights_owner, weight_sources)
+    kept = None
+    if keep_rows:
+        rows = ep_degree * num_tokens * top_k
+        kept = KeptRows(*(torch.empty(1, rows, call.dim_i, dtype=torch.bfloat16, device=device) for _ in range(3)))
     megakernel_launch(ws.bufs, schedule, operands, ws.shape, epoch=epoch, swiglu_limit=swiglu_limit,
-                      serialized=call.serialized, shared=shared_expert, stall_rank=stall_rank,
+                      serialized=call.serialized, shared=shared_expert, kept=kept, stall_rank=stall_rank,
                       timeout_ms=cfg.timeout_ms, phase_barrier=group_ws.barrier)
     out_1TH = torch.empty(1, num_tokens, dim_h, dtype=out_dtype or x_TH.dtype, device=device)
     megakernel_finish(ws.bufs, weights_TK[None], None if shared_TH is None else shared_TH[None], out_1TH, ws.shape,
                       arrivals=arrivals, serialized=call.serialized, trap=trap,
                       shared_scale_VT=None if shared_scale_T1 is None else shared_scale_T1.reshape(1, num_tokens),
                       timeout_ms=cfg.timeout_ms)
-    return out_1TH[0], FusedHandle(num_tokens, top_k, row_slot_R, group_end_L, group_ws)
+    kept_rows = None if kept is None else tuple(t[0] for t in kept)
+    return out_1TH[0], FusedHandle(num_tokens, top_k, row_slot_R, group_end_L, group_ws), kept_rows
 
 
 def megakernel_rank_routed_experts(
@@ -260,7 +273,7 @@ def megakernel_rank_routed_experts(
             nothing), shared_expert, shared_scale_T1 (fp32 [T, 1]), precision ("bf16" or "mxfp8"), weights_owner
             and weight_sources (mxfp8: where the weight operands are kept).
     """
-    out_TH, _ = megakernel_rank_forward(x_TH, weights_TK, topk_idx_TK, shared_TH, expert_weights,
+    out_TH, _, _ = megakernel_rank_forward(x_TH, weights_TK, topk_idx_TK, shared_TH, expert_weights,
                                         num_experts=num_experts, group=group, **options)
     return out_TH
 
@@ -289,7 +302,7 @@ def megakernel_rank_dgrad(
     Args:
         dout_TH, weights_TK: this rank's output gradient bf16 or fp32 [T, H] and combine weights fp32 [T, K].
         gate_RI, up_RI: the forward's g and u rows bf16 [R, I] (R = P·T·K) in the order of its schedule (rows past
-            its end: any values).
+            its end: any values): ``megakernel_rank_forward(keep_rows=True)``'s.
         expert_weights: (w_gate [L, I, H], w_up [L, I, H], w_down [L, H, I]) bf16 contiguous: this rank's experts.
         schedule: the forward call's (``megakernel_rank_forward``'s handle): its rows, on the group's workspace.
         group: the expert-parallel group (None: this rank alone, P = 1).
