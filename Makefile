@@ -28,5 +28,11 @@ $(VENV)/.installed: pyproject.toml setup.py
 train: setup
 	$(BIN)/torchrun --nproc_per_node $(NPROC) -m titan_mok.train --config $(CONFIG)
 
+# The suite in TEST_WORKERS pytest-xdist workers, a test file at a time each (a module's fixtures run once;
+# many tests wait on torchrun or gloo subprocesses), then the tests marked serial alone: they time a run or
+# race one, and another worker's load would be in their measurements. TEST_WORKERS=0: one process, in order.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests; parallel=$$?; \
+	$(BIN)/python -m pytest -q -m serial tests && exit $$parallel
