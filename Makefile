@@ -28,5 +28,13 @@ $(VENV)/.installed: pyproject.toml setup.py
 train: setup
 	$(BIN)/torchrun --nproc_per_node $(NPROC) -m titan_mok.train --config $(CONFIG)
 
+# The suite in TEST_WORKERS pytest-xdist workers, a test file at a time each (a module's fixtures run once; a
+# Triton-interpreter test keeps one core busy, a torchrun job's ranks wait on each other), then alone the tests
+# marked serial (they time a run or race one: another worker's load would be in it) and two_gpus (as
+# benchmarks/gpu_checks.sh runs them).
+# TEST_WORKERS=0: the first part in one process, in order.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial and not two_gpus" tests; \
+	parallel=$$?; $(BIN)/python -m pytest -q -m "serial or two_gpus" tests && exit $$parallel

@@ -106,7 +106,11 @@ def test_help_lists_the_implementations(capsys):
         assert f"  {name:10s} {impl.help[:40]}" in help_text
 
 
+# serial: on a loaded CPU a rank of this job aborts at exit now and then ("terminate called without an active
+# exception": a gloo worker thread drops its last reference to a finished collective's tensors while Python
+# finalizes); beside another test worker that load is there more often
 @pytest.mark.slow
+@pytest.mark.serial
 def test_ep2_under_torchrun(tmp_path):
     out = tmp_path / "rows.jsonl"
     _, output = run_module("titan_mok.bench.layer", "--device", "cpu", "--flavor", "debug", "--tokens", "32",

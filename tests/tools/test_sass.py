@@ -3,6 +3,7 @@ CPU-only machine, the two-programs-per-SM promise of the register-capped few-row
 many-rows configs free of spills, the H100's cooperative forward kernels (Gluon: no interpreter runs them, so
 this is where CI compiles them), and the weight gradient's kernel choice."""
 
+import functools
 import json
 import os
 import subprocess
@@ -20,9 +21,11 @@ pytestmark = pytest.mark.skipif(
     reason="Triton's wheel has no ptxas/nvdisasm/cuobjdump here")
 
 
+@functools.cache
 def _report(*args):
     """The tool's JSON, run without the interpreter (tests set TRITON_INTERPRET=1 before any kernel
-    is defined, and interpreted kernels cannot be compiled)."""
+    is defined, and interpreted kernels cannot be compiled). Run once per arguments: a compile gives the same
+    report every time, and two tests read the one at 40 rows per expert on the default chip."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "benchmarks.tools.sass", "--json", *args], env=env,
                          capture_output=True, text=True, timeout=600, cwd=REPO)

@@ -18,7 +18,7 @@ TIMEOUT_S = 5
 """[comm] train_timeout_seconds of these jobs (titan-mok keeps TorchTitan's default, 100 s)."""
 SLACK_S = 20
 """Teardown after the fault is noticed (process-group and interpreter exit on a loaded CPU)."""
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def _start(tmp_path: Path) -> tuple[Job, Path]:

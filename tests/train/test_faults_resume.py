@@ -20,7 +20,7 @@ from tests.train.fault_jobs import Job, checkpoint_args
 from titan_mok import checkpoint_files
 
 STEPS, INTERVAL = 8, 2
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")

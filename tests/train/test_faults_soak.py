@@ -22,7 +22,7 @@ STEPS = int(os.environ.get("MOK_SOAK_STEPS", "200"))
 RSS_GROWTH = 0.05
 STEP_TIME_RATIO = 1.5
 """Most the late median step time may exceed the early one by (a shared CPU's noise)."""
-pytestmark = pytest.mark.soak
+pytestmark = [pytest.mark.soak, pytest.mark.serial]
 
 
 def _status(pid: int) -> dict[str, int] | None:

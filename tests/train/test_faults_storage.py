@@ -14,7 +14,7 @@ from tests.train import fault_jobs
 from tests.train.fault_jobs import checkpoint_args
 from titan_mok import checkpoint_files
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def _namespaces_allowed() -> bool:
