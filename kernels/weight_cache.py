@@ -49,8 +49,8 @@ _writes = 0  # optimizer steps and checkpoint loads so far
 
 
 def weights_written(*_hook_args) -> None:
-    """Every kept operand is stale: the optimizer stepped or a checkpoint loaded (an optimizer step
-    post-hook: takes and ignores its arguments). Frees them; each is made again on its next use."""
+    """Every kept operand is stale: a checkpoint loaded, or the weights were swapped (the RL reference
+    policy). Frees them; each is made again at its next use. Takes and ignores any arguments."""
     global _writes
     _writes += 1
     _kept.clear()
