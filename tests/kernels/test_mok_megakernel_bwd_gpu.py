@@ -19,7 +19,7 @@ from tests.cuda_sync import run_without_host_sync
 from tests.kernels.test_mok_megakernel import E, routing
 from tests.kernels.test_mok_megakernel_bwd import assert_bitwise, backward_inputs, megakernel_dgrad, rank_rows
 from titan_mok.moe.megakernel import MegakernelConfig
-from titan_mok.moe.megakernel_bwd import megakernel_routed_dgrad, raise_on_megakernel_bwd_error
+from titan_mok.moe.megakernel_bwd import megakernel_routed_dgrad
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
