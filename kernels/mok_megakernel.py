@@ -148,6 +148,12 @@ row bit for bit. The shared expert's items stay bf16. Ring memory per rank: the 
 Q·M·(H + I)·2 bytes, twice what E4M3 rows with their scales take (Q·M·(H + I)·(1 + 1/32): 37.7 MB against 19.5 MB
 at Kimi K2.7's sizes, Q = 32, M = 64), the price of A operands that need no dequantization.
 
+Trace (the TRACE constexpr, a diagnostic: ``benchmarks/tools/megakernel_bench.py --trace``): every program writes
+one row of int64 [programs, 8] (TRACE_FIELDS) when it ends: its start and end (%globaltimer, ns), the time it spent in
+waits, in A items (pulls, for a communication program) and in B items, and how many of each it ran; the rest of its
+span is claims, schedule lookups and counts. Serialized mode records the counts and zero times (the interpreter has no
+clock). Without the flag nothing of it is compiled in.
+
 Not here: the backward.
 """
 
@@ -195,6 +201,38 @@ GEMM_LOADS = ("ptr", "tma")
 descriptors each compute program makes once (H, I and I_S multiples of 8: 16-byte rows)."""
 MAX_EPOCH = 2**31 // 65 - 1
 """Largest epoch before the host resets the flags: e·(K + 1) stays inside int32 for K <= 64."""
+TRACE_FIELDS = ("start_ns", "end_ns", "wait_ns", "a_ns", "b_ns", "a_items", "b_items", "role")
+"""A traced launch's row per program (module docstring, Trace); a communication program's A items are its pulled
+tiles, role 0 for it and 1 for a compute program."""
+
+
+@triton.jit
+def _clock(TRACE: tl.constexpr, SERIAL: tl.constexpr):
+    """%globaltimer (ns) in a traced concurrent launch; 0 otherwise (the interpreter has no clock)."""
+    if TRACE and not SERIAL:
+        now = globaltimer().to(tl.int64)
+    else:
+        now = tl.full((), 0, tl.int64)
+    return now
+
+
+@triton.jit
+def _store_trace(trace_ptr, start, wait_ns, a_ns, b_ns, a_items, b_items, role, TRACE: tl.constexpr,
+                 SERIAL: tl.constexpr):
+    """This program's trace row (TRACE_FIELDS); nothing without TRACE. SERIAL: its counts are added to the row's
+    (zero times), so that the phases' launches sum up."""
+    if TRACE:
+        tl.store(trace_ptr + 0, start)
+        tl.store(trace_ptr + 1, _clock(TRACE, SERIAL))
+        tl.store(trace_ptr + 2, wait_ns)
+        tl.store(trace_ptr + 3, a_ns)
+        tl.store(trace_ptr + 4, b_ns)
+        if SERIAL:
+            a_items += tl.load(trace_ptr + 5).to(tl.int32)
+            b_items += tl.load(trace_ptr + 6).to(tl.int32)
+        tl.store(trace_ptr + 5, a_items)  # (a store casts to int64)
+        tl.store(trace_ptr + 6, b_items)
+        tl.store(trace_ptr + 7, role)
 
 
 @triton.jit
@@ -434,11 +472,15 @@ def _first_tile(worker, workers, tile_lo):
 
 @triton.jit
 def _comm_program(c, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_table, group_end_ptr,
-                  tile_end_ptr, row_slot_ptr, err_ptr, epoch, stall_rank, timeout_us, tile_lo, tile_hi, P, L, N, K, H,
-                  Q, COMM, PHASE: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
+                  tile_end_ptr, row_slot_ptr, err_ptr, trace_ptr, epoch, stall_rank, timeout_us, tile_lo, tile_hi, P,
+                  L, N, K, H, Q, COMM, PHASE: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, TRACE: tl.constexpr):
     """Publishes x_ready, then pulls the routed tiles i in [tile_lo, tile_hi) dealt to it (module docstring)."""
     SERIAL: tl.constexpr = PHASE != 0
+    start = _clock(TRACE, SERIAL)
+    wait_ns = tl.full((), 0, tl.int64)
+    pull_ns = tl.full((), 0, tl.int64)
+    pulled = tl.full((), 0, tl.int32)
     alive = rank != stall_rank  # the stalled rank (a test hook) publishes nothing
     if PHASE == 0 or PHASE == 1:
         if alive & (c == 0):
@@ -452,22 +494,31 @@ def _comm_program(c, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_t
             # pulls are still there: it rewrites them only once every one of them was pushed back)
             alive = _wait(src_ready, epoch.to(tl.int64), err_ptr, WAIT_X_READY, rank, src, timeout_us, SERIAL, True)
             src += 1
+        if TRACE:
+            wait_ns = _clock(TRACE, SERIAL) - start
         tile_lo = tl.maximum(tile_lo, 0)
         end = tl.minimum(tl.load(tile_end_ptr + L - 1), tile_hi)
         i = _first_tile(c, COMM, tile_lo)
         while alive & (i < end):
             q = i % Q
             n = i // Q
+            t0 = _clock(TRACE, SERIAL)
             if n > 0:
                 alive = _wait(consumed_ptr + q, _stamp(epoch, n - 1), err_ptr, WAIT_RING_FREE, rank, i, timeout_us,
                               SERIAL)
+            t1 = _clock(TRACE, SERIAL)
             if alive:
                 _e, rows, ok = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
                 slot = q.to(tl.int64) * BLOCK_M
                 _pull_tile(ring_ptr + slot * H, x_table, row_slot_ptr, rows, ok, N, K, H, MX, BLOCK_M, BLOCK_H)
                 tl.debug_barrier()  # every thread's rows stored before the release
                 tl.atomic_xchg(ready_ptr + q, _stamp(epoch, n), sem="release", scope="sys")
+            if TRACE:
+                wait_ns += t1 - t0
+                pull_ns += _clock(TRACE, SERIAL) - t1
+                pulled += alive.to(tl.int32)
             i += COMM
+    _store_trace(trace_ptr, start, wait_ns, pull_ns, 0, pulled, 0, 0, TRACE, SERIAL)
 
 
 @triton.jit
@@ -530,16 +581,17 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
                      next_item_ptr, programs_done_ptr, x_table, slots_table, arrivals_table, group_end_ptr,
                      tile_end_ptr, row_slot_ptr, wg_ptr, wu_ptr, wd_ptr, shared_h_ptr, shared_out_ptr, wsg_ptr, wsu_ptr,
                      wsd_ptr, err_ptr, wg_scale_ptr, wu_scale_ptr, wd_scale_ptr, kept_g_ptr, kept_u_ptr, kept_h_ptr,
-                     epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, shared_limit, L, T, N, K, H, I,
-                     I_S, Q, COMPUTE, G, LAG, SG, PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, SHARED: tl.constexpr,
-                     HAS_SHARED_LIMIT: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr,
-                     KEEP_ROWS: tl.constexpr):
+                     trace_ptr, epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, shared_limit, L, T, N,
+                     K, H, I, I_S, Q, COMPUTE, G, LAG, SG, PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                     SHARED: tl.constexpr, HAS_SHARED_LIMIT: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                     TMA: tl.constexpr, KEEP_ROWS: tl.constexpr, TRACE: tl.constexpr):
     """Claims items until none is left (module docstring), running those of its launch's kind and window. MX: the
     routed experts' operands are MXFP8 (ring and h: bf16 MXFP8 values; weights: E4M3 bits with E8M0 bits at the
     *_scale_ptr), the shared expert's bf16. KEEP_ROWS: the routed A items also store g, u, h of their real rows into
     the grouped rows [R, I] at kept_*_ptr (the shared expert's items never do)."""
     SERIAL: tl.constexpr = PHASE != 0
+    start = _clock(TRACE, SERIAL)
     # The GEMM operands as 2D row-major [rows, K] sources (_operand_tile): the rank's ring [Q·M, H] and h [Q·M, I],
     # its experts' weights [L·I, H] and [L·H, I], the shared expert's x [T, H], h [SG·G·M, I_S] and weights. TMA: a
     # tensor descriptor of each, made once per program (128 bytes of the launch's global scratch each).
@@ -568,6 +620,11 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
     tile_lo = tl.maximum(tile_lo, 0)
     tile_hi = tl.minimum(tile_hi, first_routed + tiles)
     alive = tl.full((), 1, tl.int1)
+    wait_ns = tl.full((), 0, tl.int64)
+    a_ns = tl.full((), 0, tl.int64)
+    b_ns = tl.full((), 0, tl.int64)
+    a_items = tl.full((), 0, tl.int32)
+    b_items = tl.full((), 0, tl.int32)
     j = item_lo + tl.atomic_add(next_item_ptr, 1, sem="relaxed", scope="gpu")
     while alive & (j < end):
         is_a, u, block = _item(j, G, LAG, NB_I, NB_H, NB_IS, SG)
@@ -577,9 +634,13 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
         q = i % Q
         stamp = _stamp(epoch, tl.maximum(i, 0) // Q)  # a shared tile's: round 0
         n0 = block * BLOCK_N
+        t0 = _clock(TRACE, SERIAL)
+        waited = wait_ns
         if PHASE != 4:
             if is_a & mine & (u >= first_routed):
                 alive = _wait(ready_ptr + q, stamp, err_ptr, WAIT_RING_READY, rank, i, timeout_us, SERIAL)
+                if TRACE:
+                    wait_ns += _clock(TRACE, SERIAL) - t0
                 if alive:
                     _async_proxy_fence(FENCE)
                     e, rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
@@ -600,6 +661,8 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
         if PHASE != 3:
             if (is_a == 0) & mine & (u >= first_routed):
                 alive = _wait(h_ready_ptr + q, stamp, err_ptr, WAIT_H_READY, rank, i, timeout_us, SERIAL)
+                if TRACE:
+                    wait_ns += _clock(TRACE, SERIAL) - t0
                 if alive:
                     _async_proxy_fence(FENCE)
                     e, rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
@@ -614,6 +677,8 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
                 if (is_a == 0) & mine & (u < first_routed):
                     alive = _wait(h_ready_ptr + Q + u, stamp, err_ptr, WAIT_SHARED_H_READY, rank, u, timeout_us,
                                   SERIAL)
+                    if TRACE:
+                        wait_ns += _clock(TRACE, SERIAL) - t0
                     if alive:
                         _async_proxy_fence(FENCE)
                         rows = u * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -622,7 +687,17 @@ def _compute_program(rank, ring_ptr, h_ptr, ready_ptr, h_ready_ptr, consumed_ptr
                                    shared_out_ptr + rows.to(tl.int64) * H, arrivals + rows, rows < T, n0,
                                    consumed_ptr, down_done_ptr, H, I_S, NB_H, err_ptr, False, BLOCK_M, BLOCK_N,
                                    BLOCK_K, DOT_F32, TMA)
+        if TRACE:  # the item's time past its wait
+            spent = _clock(TRACE, SERIAL) - t0 - (wait_ns - waited)
+            ran = mine & alive
+            if PHASE != 4:
+                a_ns += tl.where(ran & is_a, spent, 0)
+                a_items += (ran & is_a).to(tl.int32)
+            if PHASE != 3:
+                b_ns += tl.where(ran & (is_a == 0), spent, 0)
+                b_items += (ran & (is_a == 0)).to(tl.int32)
         j = item_lo + tl.atomic_add(next_item_ptr, 1, sem="relaxed", scope="gpu")
+    _store_trace(trace_ptr, start, wait_ns, a_ns, b_ns, a_items, b_items, 1, TRACE, SERIAL)
     # this program claims nothing more; the last of the rank's programs to get here rearms the counter for the next
     # launch (stream order puts that launch after every claim of this one; acq_rel: the others' claims come before)
     if tl.atomic_add(programs_done_ptr, 1, sem="acq_rel", scope="gpu") == COMPUTE - 1:
@@ -654,13 +729,16 @@ def _megakernel(
     wg_scale_ptr, wu_scale_ptr, wd_scale_ptr,
     # KEEP_ROWS: the hosted ranks' kept g, u, h rows [V, R, I] bf16 (R = P·N, row r: schedule row r); else never read
     kept_g_ptr, kept_u_ptr, kept_h_ptr,
+    # TRACE: int64 [programs, 8], each program's row (TRACE_FIELDS); else never written
+    trace_ptr,
     first_rank, epoch, stall_rank, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, shared_limit,
     P, L, T, K, H, I, I_S, Q, COMM, COMPUTE, G, LAG, SG,
     PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, SHARED: tl.constexpr, HAS_SHARED_LIMIT: tl.constexpr,
     MX: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr, KEEP_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr, KEEP_ROWS: tl.constexpr, TRACE: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    trace_ptr += pid * 8
     local = pid // (COMM + COMPUTE)  # this program's rank, within the launch
     role = pid % (COMM + COMPUTE)
     rank = first_rank + local
@@ -677,8 +755,9 @@ def _megakernel(
     if role < COMM:
         if PHASE <= 2:
             _comm_program(role, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_table, group_end_ptr,
-                          tile_end_ptr, row_slot_ptr, err_ptr, epoch, stall_rank, timeout_us, tile_lo - first_tile,
-                          tile_hi - first_tile, P, L, N, K, H, Q, COMM, PHASE, MX, LOG_L, BLOCK_M, BLOCK_H)
+                          tile_end_ptr, row_slot_ptr, err_ptr, trace_ptr, epoch, stall_rank, timeout_us,
+                          tile_lo - first_tile, tile_hi - first_tile, P, L, N, K, H, Q, COMM, PHASE, MX, LOG_L,
+                          BLOCK_M, BLOCK_H, TRACE)
     else:
         if PHASE == 0 or PHASE >= 3:
             w_off = local64 * L * I * H  # the hosted rank's first expert (MX: its E4M3 bits; its E8M0 bits below)
@@ -691,10 +770,10 @@ def _megakernel(
                              shared_h_ptr + local64 * first_tile * BLOCK_M * I_S, shared_out_ptr + local64 * T * H,
                              wsg_ptr, wsu_ptr, wsd_ptr, err_ptr, wg_scale_ptr + ws_off, wu_scale_ptr + ws_off,
                              wd_scale_ptr + ws_off, kept_g_ptr + kept_off, kept_u_ptr + kept_off,
-                             kept_h_ptr + kept_off, epoch, timeout_us, tile_lo, tile_hi,
+                             kept_h_ptr + kept_off, trace_ptr, epoch, timeout_us, tile_lo, tile_hi,
                              item_lo, item_hi, limit, shared_limit, L, T, N, K, H, I, I_S, Q, COMPUTE, G, LAG, SG,
                              PHASE, HAS_LIMIT, SHARED, HAS_SHARED_LIMIT, MX, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K,
-                             DOT_F32, TMA, KEEP_ROWS)
+                             DOT_F32, TMA, KEEP_ROWS, TRACE)
 
 
 # debug: the device assertions below are compiled in
@@ -879,8 +958,8 @@ def _weight_bits(weights) -> tuple[tuple, tuple | None]:
     return tuple(w.data.view(torch.uint8) for w in weights), tuple(w.scale.view(torch.uint8) for w in weights)
 
 
-def _megakernel_args(bufs, schedule, weights, shared: SharedFFN | None, kept: KeptRows | None, shape: LaunchShape,
-                     epoch, stall_rank, timeout_us, tiles, items, limit):
+def _megakernel_args(bufs, schedule, weights, shared: SharedFFN | None, kept: KeptRows | None, trace,
+                     shape: LaunchShape, epoch, stall_rank, timeout_us, tiles, items, limit):
     group_end_VL, tile_end_VL, row_slot_VR = schedule
     weights, weight_scales = _weight_bits(weights)
     w_gate_XIH, w_up_XIH, w_down_XHI = weights
@@ -896,7 +975,7 @@ def _megakernel_args(bufs, schedule, weights, shared: SharedFFN | None, kept: Ke
         shared_limit = float(shared.swiglu_limit) if shared.swiglu_limit is not None else 0.0
     return (bufs.ring_VQMH, bufs.h_VQMI, *bufs.flags, t["x_TH"], t["slots_NH"], t["arrivals_T"], t["x_ready"],
             group_end_VL, tile_end_VL, row_slot_VR, w_gate_XIH, w_up_XIH, w_down_XHI, *shared_ptrs, bufs.errors,
-            *scale_ptrs, *kept_ptrs, shape.first_rank, epoch, stall_rank, timeout_us, *tiles, *items, limit,
+            *scale_ptrs, *kept_ptrs, bufs.errors if trace is None else trace, shape.first_rank, epoch, stall_rank, timeout_us, *tiles, *items, limit,
             shared_limit, shape.ep_degree, shape.num_local, shape.num_tokens, shape.top_k, dim_h, dim_i, shared_dim,
             bufs.ring_tiles, shape.comm_programs, shape.compute_programs, shape.group_tiles, shape.lag,
             shape.shared_groups)
@@ -922,22 +1001,25 @@ class KernelVariant:
     """The routed experts' operands in MXFP8 (the shared expert's stay bf16)."""
     keep_rows: bool = False
     """The routed A items also store g, u, h into the call's KeptRows (bf16 training)."""
+    trace: bool = False
+    """Every program records its timings (module docstring, Trace)."""
 
     def constexprs(self, phase: int) -> dict:
         return dict(PHASE=phase, HAS_LIMIT=self.has_limit, SHARED=self.shared_dim > 0,
                     HAS_SHARED_LIMIT=self.has_shared_limit, MX=self.mx, LOG_L=self.num_local.bit_length(),
                     BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K,
                     BLOCK_H=min(256, triton.next_power_of_2(self.dim_h)), DOT_F32=_DOT_F32, TMA=self.gemm == "tma",
-                    KEEP_ROWS=self.keep_rows, num_warps=self.num_warps, num_stages=self.num_stages)
+                    KEEP_ROWS=self.keep_rows, TRACE=self.trace, num_warps=self.num_warps,
+                    num_stages=self.num_stages)
 
 
-def _variant(bufs: MegakernelBuffers, weights, shared: SharedFFN | None, kept: KeptRows | None, shape: LaunchShape,
-             swiglu_limit: float | None) -> KernelVariant:
+def _variant(bufs: MegakernelBuffers, weights, shared: SharedFFN | None, kept: KeptRows | None, traced: bool,
+             shape: LaunchShape, swiglu_limit: float | None) -> KernelVariant:
     dim_i, dim_h = _weight_bits(weights)[0][0].shape[1:]
     return KernelVariant(dim_h, dim_i, 0 if shared is None else shared.dim, shape.num_local, bufs.block_m,
                          shape.block_n, shape.num_warps, shape.num_stages, swiglu_limit is not None,
                          shared is not None and shared.swiglu_limit is not None, shape.gemm,
-                         isinstance(weights[0], MXTensor), kept is not None)
+                         isinstance(weights[0], MXTensor), kept is not None, traced)
 
 
 def compile_megakernel(variant: KernelVariant):
@@ -946,7 +1028,7 @@ def compile_megakernel(variant: KernelVariant):
     weights = torch.uint8 if variant.mx else torch.bfloat16  # the routed weights: E4M3 bits or bf16
     ptrs = [torch.bfloat16] * 2 + [torch.int64] * 3 + [torch.int32] * 4 + [torch.int64] * 4 + [torch.int32] * 3 + [
         weights] * 3 + [torch.bfloat16] * 5 + [torch.int64] + [torch.uint8 if variant.mx else torch.int64] * 3 + [
-        torch.bfloat16] * 3
+        torch.bfloat16] * 3 + [torch.int64]
     # (pointer arguments as their dtypes: Triton's warmup takes those)
     # first_rank ... item_hi, limit, shared_limit, P ... K, H, I, I_S, Q ... SG
     ints = [2] * 8 + [0.0] * 2 + [2] * 4 + [variant.dim_h, variant.dim_i, variant.shared_dim or variant.dim_i] + [
@@ -981,17 +1063,17 @@ def co_resident_programs(device_index: int, variant: KernelVariant) -> int:
 
 def megakernel_phase(bufs: MegakernelBuffers, schedule, weights, shape: LaunchShape, phase: int, *, epoch: int,
                      swiglu_limit: float | None, shared: SharedFFN | None = None, kept: KeptRows | None = None,
-                     stall_rank: int | None = None, timeout_ms: float = 10_000.0,
+                     trace: torch.Tensor | None = None, stall_rank: int | None = None, timeout_ms: float = 10_000.0,
                      tiles: tuple[int, int] = (0, 2**31 - 1), items: tuple[int, int] = (0, 2**31 - 1)) -> None:
     """One launch of the grid in ``phase`` (PHASE_*): its communication programs pull the routed tiles, and its
     compute programs run the items in ``items`` (a half-open range of j) of the phase's kind, whose tiles of the item
     order (the shared expert's SG·G, then the routed) lie in ``tiles``. PHASE_ALL is the concurrent launch: refused
     when the device cannot hold every program at once. ``megakernel_launch`` makes the calls; tests call the
-    serialized phases one by one. kept: ``megakernel_launch``'s."""
+    serialized phases one by one. kept, trace: ``megakernel_launch``'s."""
     if (shared is not None) != (shape.shared_groups > 0):
         raise ValueError(f"megakernel_phase: a launch shaped for {shape.shared_groups} groups of shared-expert tiles "
                          f"{'needs' if shape.shared_groups else 'takes no'} shared expert weights")
-    variant = _variant(bufs, weights, shared, kept, shape, swiglu_limit)
+    variant = _variant(bufs, weights, shared, kept, trace is not None, shape, swiglu_limit)
     w_gate = _weight_bits(weights)[0][0]
     if variant.gemm == "tma" and w_gate.is_cuda:
         _set_triton_allocator()  # the compute programs make their TMA descriptors in the launch's global scratch
@@ -1002,7 +1084,7 @@ def megakernel_phase(bufs: MegakernelBuffers, schedule, weights, shape: LaunchSh
                 f"mok megakernel: {shape.programs} programs ({shape.hosted_ranks} ranks x ({shape.comm_programs} "
                 f"communication + {shape.compute_programs} compute)) exceed the {max_programs} this device runs "
                 "at once, so its spin-waits could deadlock: use fewer programs per rank")
-    args = _megakernel_args(bufs, schedule, weights, shared, kept, shape, epoch,
+    args = _megakernel_args(bufs, schedule, weights, shared, kept, trace, shape, epoch,
                             -1 if stall_rank is None else stall_rank, int(timeout_ms * 1000), tiles, items,
                             float(swiglu_limit) if swiglu_limit is not None else 0.0)
     _megakernel[(shape.programs,)](*args, **variant.constexprs(phase))
@@ -1046,7 +1128,8 @@ def _check_kept(kept: KeptRows, weights, shape: LaunchShape, dim_i: int) -> None
 
 def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchShape, *, epoch: int,
                       swiglu_limit: float | None, serialized: bool, shared: SharedFFN | None = None,
-                      kept: KeptRows | None = None, stall_rank: int | None = None, timeout_ms: float = 10_000.0,
+                      kept: KeptRows | None = None, trace: torch.Tensor | None = None,
+                      stall_rank: int | None = None, timeout_ms: float = 10_000.0,
                       phase_barrier: Callable[[], None] | None = None) -> None:
     """The forward's one launch (``serialized``: its phases one after another, see the module docstring).
 
@@ -1059,7 +1142,9 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
     w_up [V·L, I, H], w_down [V·L, H, I]) bf16 contiguous, or for an MXFP8 ring (``bufs.mx``) their MXFP8 operands
     (MXTensors blocked along K in MMA order: ``grouped_ffn.weight_operand(w, "mxfp8", 2, name)``); shared: the
     shared expert in the launch (exactly when shape.shared_groups > 0); kept: where the routed A items also store
-    each real row's g, u, h (bf16 launches only; None: nowhere, the inference launch). A concurrent launch with
+    each real row's g, u, h (bf16 launches only; None: nowhere, the inference launch); trace: int64
+    [shape.programs, 8], where every program writes its timings (module docstring, Trace; serialized: zeroed first,
+    then each phase adds its counts). A concurrent launch with
     more programs than the device runs at once raises instead of risking a deadlock. ``stall_rank``: a rank whose
     communication programs publish nothing (tests of the bounded waits)."""
     if not 1 <= epoch <= MAX_EPOCH:
@@ -1070,6 +1155,10 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
     weight_data = _weight_bits(weights)[0]
     if kept is not None:
         _check_kept(kept, weights, shape, weight_data[0].shape[1])
+    if trace is not None and (tuple(trace.shape) != (shape.programs, len(TRACE_FIELDS))
+                              or trace.dtype != torch.int64 or not trace.is_contiguous()):
+        raise ValueError(f"megakernel_launch: trace must be int64 contiguous [{shape.programs}, {len(TRACE_FIELDS)}] "
+                         f"(programs, TRACE_FIELDS), got {trace.dtype} {list(trace.shape)}")
     if shape.gemm == "tma":
         widths = {"H": weight_data[0].shape[2], "I": weight_data[0].shape[1],
                   "I_S": 8 if shared is None else shared.dim}
@@ -1091,10 +1180,12 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
         raise ValueError(f"megakernel_launch: (lag + 1) x group_tiles = ({shape.lag} + 1) x {group} must be <= the "
                          f"{ring} ring tiles (module docstring: deadlock freedom)")
     run = functools.partial(megakernel_phase, bufs, schedule, weights, shape, epoch=epoch, swiglu_limit=swiglu_limit,
-                            shared=shared, kept=kept, stall_rank=stall_rank, timeout_ms=timeout_ms)
+                            shared=shared, kept=kept, trace=trace, stall_rank=stall_rank, timeout_ms=timeout_ms)
     if not serialized:
         run(PHASE_ALL)
         return
+    if trace is not None:
+        trace.zero_()
     dims = (weight_data[0].shape[2], weight_data[0].shape[1], 0 if shared is None else shared.dim)
 
     def compute(window):  # the window's A items, then its B items (each from the steps that hold them)

@@ -297,10 +297,10 @@ def _megakernel_bwd(
     if role < COMM:
         if PHASE <= 2:
             # the forward's communication program, K = 1: tile row j is slot row s mod N of rank s div N's dy_NH
-            # bf16 rows (MX False: no scale buffer, the pointer is never read)
+            # bf16 rows (MX False: no scale buffer, the pointer is never read; no trace)
             _comm_program(role, rank, ring_ptr, ready_ptr, consumed_ptr, dy_table, dy_ready_table, group_end_ptr,
-                          tile_end_ptr, row_slot_ptr, err_ptr, epoch, stall_rank, timeout_us, tile_lo, tile_hi, P, L,
-                          N, 1, H, Q, COMM, PHASE, False, LOG_L, BLOCK_M, BLOCK_H)
+                          tile_end_ptr, row_slot_ptr, err_ptr, err_ptr, epoch, stall_rank, timeout_us, tile_lo,
+                          tile_hi, P, L, N, 1, H, Q, COMM, PHASE, False, LOG_L, BLOCK_M, BLOCK_H, False)
     else:
         if PHASE == 0 or PHASE >= 3:
             w_off = local64 * L * I * H  # the hosted rank's first expert

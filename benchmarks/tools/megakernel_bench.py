@@ -2,7 +2,7 @@
 
     python3 benchmarks/tools/megakernel_bench.py [--tokens 2048] [--ranks 1 2 4 8] [--experts 384] [--iters 30]
         [--comm-programs C] [--group-tiles G] [--lag LAG] [--ring-tiles Q] [--shared-dim I_S]
-        [--block-m 64 128] [--gemm ptr tma] [--num-stages 3 4] [--precision bf16|mxfp8]
+        [--block-m 64 128] [--gemm ptr tma] [--num-stages 3 4] [--precision bf16|mxfp8] [--trace]
 
 Legend: P virtual ranks, T tokens per rank, K top-k, H hidden, I expert FFN size, E experts (all on this GPU).
 
@@ -26,6 +26,13 @@ groups) and its ring per rank; TFLOP/s: the routed experts' GEMM FLOPs
 ``precision="mxfp8"``; the megakernel quantizing rows on the pull, its ring and h holding MXFP8 values in bf16), the
 shared expert bf16. Both read the same MXFP8 weight operands, made once before the timings (kept under one owner, as
 a training step's microbatches read them), so neither time holds a weight quantization.
+
+--trace: after each P=P timing, one more call of the traced kernel (``kernels/mok_megakernel.py``, Trace: each
+program's wait, A-item and B-item time by %globaltimer) and where the compute programs' time went, as fractions of
+the launch (first program start to last program end), averaged over every rank's compute programs: A items, B items,
+waits (a tile not yet pulled, a tile's h not yet complete), claims and bookkeeping, and the tail (ended before the
+launch did: no item left for it); then the mean time of one A and one B item, and the communication programs' pull
+and wait shares. The traced kernel is a separate compilation (its times are its own; the counts are exact).
 """
 
 import argparse
@@ -37,7 +44,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
-from titan_mok.kernels.mok_megakernel import GEMM_LOADS, SharedFFN
+from titan_mok.kernels.mok_megakernel import GEMM_LOADS, TRACE_FIELDS, SharedFFN
 from titan_mok.moe.fused import fused_routed_experts
 from titan_mok.kernels.tile_configs import PRECISIONS
 from titan_mok.moe.megakernel import MegakernelConfig, _WORKSPACES, megakernel_routed_experts
@@ -79,6 +86,7 @@ def main() -> None:
                         help="the item GEMMs' loads (default: the config's choice)")
     parser.add_argument("--shared-dim", type=int, default=0, help="I_S of a shared expert (0: none)")
     parser.add_argument("--precision", default="bf16", choices=PRECISIONS, help="the routed experts' GEMMs")
+    parser.add_argument("--trace", action="store_true", help="also where each P=P launch's time went (docstring)")
     opts = parser.parse_args()
     dim_h, dim_i, num_experts, top_k = opts.hidden, opts.expert_dim, opts.experts, opts.top_k
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -118,11 +126,11 @@ def main() -> None:
                 shared_TH = grouped_swiglu_ffn(x_TH, group_end, *(w[None] for w in shared_weights), use_triton=True)
             return fused_routed_experts(x_TH, weights_TK, ids_TK, shared_TH, None, experts, num_experts=num_experts)
 
-        def mega(parts, config):
+        def mega(parts, config, trace=None):
             out = megakernel_routed_experts(list(x_TH.chunk(parts)), list(weights_TK.chunk(parts)),
                                             list(ids_TK.chunk(parts)), [None] * parts, expert_weights,
                                             num_experts=num_experts, config=config, shared_expert=shared_expert,
-                                            **kept)
+                                            trace=trace, **kept)
             return torch.cat(out)
 
         ffn_flops = tokens * top_k * 3 * 2 * dim_h * dim_i  # the routed experts' GEMMs
@@ -151,8 +159,33 @@ def main() -> None:
                   f"{ffn_flops / row[1] / 1e9:7.0f}  "
                   f"{ws.shape.comm_programs}+{ws.shape.compute_programs}, {ws.shape.group_tiles} x {ws.shape.lag}, "
                   f"{ws.bufs.ring_tiles} tiles ({ring_mb:.0f} MB)", flush=True)
+            if opts.trace:
+                trace = torch.zeros(ws.shape.programs, len(TRACE_FIELDS), dtype=torch.int64, device="cuda")
+                with torch.no_grad():
+                    mega(ranks, config, trace)
+                print("   trace: " + trace_summary(trace.cpu(), ws.shape.comm_programs), flush=True)
             _WORKSPACES.clear()  # free this variant's buffers before the next
             torch.cuda.empty_cache()
+
+
+def trace_summary(trace, comm_programs: int) -> str:
+    """One line: where a traced launch's time went (module docstring, --trace)."""
+    f = {name: trace[:, i].double() for i, name in enumerate(TRACE_FIELDS)}
+    start, end = f["start_ns"].min(), f["end_ns"].max()
+    span = (end - start).item()
+    compute, comm = f["role"] == 1, f["role"] == 0
+    share = lambda name, rows: (f[name][rows].mean() / span).item()  # noqa: E731
+    busy = f["end_ns"] - f["start_ns"]
+    other = busy - f["wait_ns"] - f["a_ns"] - f["b_ns"]
+    per_item = lambda name, items: (f[name][compute].sum() / f[items][compute].sum() / 1e3).item()  # noqa: E731
+    return (f"span {span / 1e6:.3f} ms; compute programs: A {share('a_ns', compute):.3f}, "
+            f"B {share('b_ns', compute):.3f}, waits {share('wait_ns', compute):.3f}, "
+            f"claims/other {(other[compute].mean() / span).item():.3f}, "
+            f"head {((f['start_ns'][compute] - start).mean() / span).item():.3f}, "
+            f"tail {((end - f['end_ns'][compute]).mean() / span).item():.3f}; "
+            f"A item {per_item('a_ns', 'a_items'):.1f} us, B item {per_item('b_ns', 'b_items'):.1f} us; "
+            f"{comm_programs} comm/rank: pulls {share('a_ns', comm):.3f}, waits {share('wait_ns', comm):.3f}, "
+            f"{(f['a_ns'][comm].sum() / f['a_items'][comm].sum() / 1e3).item():.1f} us per tile")
 
 
 class WeightsOwner:

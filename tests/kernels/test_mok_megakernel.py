@@ -30,6 +30,7 @@ from titan_mok.kernels.mok_megakernel import (
     PHASE_DOWN,
     PHASE_GATE_UP,
     PHASE_PUBLISH,
+    TRACE_FIELDS,
     KeptRows,
     SharedFFN,
     _item,
@@ -288,6 +289,34 @@ def test_counters_rearm_and_flags_agree_after_a_call():
         assert torch.equal(flags[:, :ring], bufs.ready_VQ)
         assert flags[:, ring:].tolist() == [[ws.epoch << 32] * 2] * 2
     assert (bufs.ready_VQ >> 32 == ws.epoch).any()
+
+
+@interpreted
+def test_trace_counts_every_pull_and_item_once():
+    """A traced call (serialized: counts, no clock) at P = 2 with the shared expert in the launch: per rank, its
+    communication programs pulled each routed tile once and its compute programs ran each tile's A and B items
+    once; the output is the untraced call's."""
+    (x, weights, _), expert_weights = layer_inputs(2, 64, seed=19, tokens=20)
+    ids = routing("skewed", 2, tokens=20, seed=20)
+    shared_expert = SharedFFN(*shared_inputs(64, 32, seed=33))
+    want = megakernel(2, x, weights, ids, None, expert_weights, shared_expert=shared_expert)
+    per_rank = SMALL.comm_programs + SMALL.compute_programs
+    trace = torch.full((2 * per_rank, len(TRACE_FIELDS)), -1, dtype=torch.int64, device=DEVICE)
+    got = megakernel(2, x, weights, ids, None, expert_weights, shared_expert=shared_expert, trace=trace)
+    assert torch.equal(got, want)
+    field = {name: trace[:, f].reshape(2, per_rank) for f, name in enumerate(TRACE_FIELDS)}
+    assert field["role"].tolist() == [[0] * SMALL.comm_programs + [1] * SMALL.compute_programs] * 2
+    for name in ("start_ns", "end_ns", "wait_ns", "a_ns", "b_ns"):
+        assert not field[name].any(), name
+    _, tile_end, _ = mk.tile_schedules(list(ids.to(DEVICE).chunk(2)), E // 2, E, SMALL.block_m)
+    routed = tile_end[:, -1]  # per rank
+    shared_tiles = triton.cdiv(20, SMALL.block_m)
+    blocks = lambda d: triton.cdiv(d, SMALL.block_n)  # noqa: E731
+    comm, compute = slice(0, SMALL.comm_programs), slice(SMALL.comm_programs, per_rank)
+    assert torch.equal(field["a_items"][:, comm].sum(1), routed)
+    assert not field["b_items"][:, comm].any()
+    assert torch.equal(field["a_items"][:, compute].sum(1), routed * blocks(I) + shared_tiles * blocks(32))
+    assert torch.equal(field["b_items"][:, compute].sum(1), (routed + shared_tiles) * blocks(64))
 
 
 @interpreted

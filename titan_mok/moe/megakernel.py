@@ -416,6 +416,7 @@ def megakernel_routed_experts(
     precision: str = "bf16",
     weights_owner: object = None,
     weight_sources: tuple | None = None,
+    trace: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Routed experts' forward of P virtual ranks on this device: [T, H] → [T, H] in out_dtype (None: x's dtype),
     per rank (module docstring). One rank of a group, or one alone: ``megakernel_rank.megakernel_rank_routed_experts``.
@@ -437,6 +438,8 @@ def megakernel_routed_experts(
             grouped FFN's MXFP8 row: x quantized along H on the pull, h along I; the shared expert stays bf16).
         weights_owner, weight_sources: under mxfp8, ``grouped_swiglu_ffn``'s: the MXFP8 weight operands are kept
             under the owner per version of the sources (``launch_weights``); None: quantized on every call.
+        trace: int64 [P·(comm + compute programs), 8]: the launch records each program's timings there (a
+            diagnostic: ``kernels/mok_megakernel.py``, Trace; a separately compiled kernel).
 
     Returns:
         the list of P out_TH.
@@ -466,7 +469,7 @@ def megakernel_routed_experts(
     epoch = ws.next_epoch()
     operands = launch_weights(expert_weights, precision, weights_owner, weight_sources)
     megakernel_launch(ws.bufs, schedule, operands, ws.shape, epoch=epoch, swiglu_limit=swiglu_limit,
-                      serialized=call.serialized, shared=shared_expert, stall_rank=stall_rank,
+                      serialized=call.serialized, shared=shared_expert, trace=trace, stall_rank=stall_rank,
                       timeout_ms=cfg.timeout_ms)
     out_PTH = torch.empty(ranks, num_tokens, dim_h, dtype=out_dtype or xs[0].dtype, device=device)
     shared_PTH = torch.stack(shared) if shared[0] is not None else None
