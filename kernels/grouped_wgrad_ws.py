@@ -49,6 +49,12 @@ def _loader(a_ptr, b_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_p
     for t in range(gl.program_id(0), n_tiles * gl.load(prog_end_ptr + E - 1), gl.num_programs(0)):
         e, first_k_tile, k_tiles, row_start, rows = _wgrad_job(t // n_tiles, group_end_ptr, prog_end_ptr,
                                                                k_tiles_per_prog_ptr, K, E, LOG_E, BK)
+        # The descriptors below are rewritten in place (one scratch slot per call site and program), where a copy
+        # still in flight reads its own: first wait until the previous job's copies have landed (the last STAGES at
+        # most; the earlier ones have, their slots having come back empty), else a copy may read a half-written
+        # descriptor, a new base with an old shape, past the end of the rows.
+        for x in range(gl.maximum(c - STAGES, 0), c):
+            mbarrier.wait(full.index(x % STAGES), (x // STAGES) & 1)
         # a TMA box needs at least one row: an expert without rows gets a one-row descriptor and its single row
         # block starts past it, so it reads zeros and stores a zero gradient (as the Triton kernel)
         a_desc = tma.make_tensor_descriptor(a_ptr + row_start.to(gl.int64) * N, [gl.maximum(rows, 1), N], [N, 1],

@@ -290,6 +290,23 @@ def test_warp_specialized_wgrad_on_row_loop_programs_matches_triton_bits(monkeyp
         assert made[-1].key == "wgrad/rows_ws" and made[-1].kernel == "warp_specialized"  # the committed config
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warp_specialized_wgrad_heavy_experts_then_empty_ones():
+    """Kimi K2.7's w_gate gradient ([I, H] = dgate^T @ x over 4,096 tokens' 32,768 rows) under the routing that made
+    a program's next job start while its last job's copies were in flight: eight experts holding every row, then
+    forty empty ones whose descriptors start at the rows' end. After a balanced call (the allocator's blocks
+    reused), each of several calls gives the Triton flat loop's bits."""
+    g = torch.Generator().manual_seed(13)
+    rows, experts = 32768, 48
+    a, b = (torch.randn(rows, d, generator=g).to(torch.bfloat16).cuda() for d in (2048, 7168))
+    gg.grouped_wgrad(a, b, (torch.arange(1, experts + 1) * rows // experts).cuda(), "bf16")
+    group_end = torch.tensor([rows // 8 * (e + 1) for e in range(8)] + [rows] * (experts - 8)).cuda()
+    ref = gg.grouped_wgrad(a, b, group_end, "bf16", table=triton_only(chip_table()))
+    for _ in range(5):
+        assert torch.equal(gg.grouped_wgrad(a, b, group_end, "bf16"), ref)
+
+
 def test_wgrad_needs_aligned_rows():
     """Each expert's rows are read through a TMA descriptor: features must fill 16-byte rows."""
     a, b = torch.zeros(6, 12, dtype=torch.bfloat16), torch.zeros(6, 16, dtype=torch.bfloat16)

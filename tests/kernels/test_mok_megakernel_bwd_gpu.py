@@ -95,6 +95,6 @@ def test_no_host_sync():
     x, dout, weights, ids, expert_weights = _inputs(4, "skewed", seed=5)
     want, _, _ = megakernel_dgrad(4, x, dout, weights, ids, expert_weights, DEFAULT)  # compiled and allocated
     _, gates, ups = rank_rows(want, 4, ids)
-    split = lambda t: list(t.cuda().chunk(4))  # noqa: E731
-    run_without_host_sync(lambda: megakernel_routed_dgrad(split(dout), split(weights), split(ids), gates, ups,
-                                                          expert_weights, num_experts=E, config=DEFAULT))
+    dout_P, weights_P, ids_P = (list(t.cuda().chunk(4)) for t in (dout, weights, ids))  # copies sync: before
+    run_without_host_sync(lambda: megakernel_routed_dgrad(dout_P, weights_P, ids_P, gates, ups, expert_weights,
+                                                          num_experts=E, config=DEFAULT))

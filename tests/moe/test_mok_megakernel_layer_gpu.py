@@ -6,10 +6,10 @@ floats from the runs' metrics.jsonl):
 - the routed experts and combine at Kimi K2.7's sizes with the default config: every gradient (through the dgrad
   launch) on one GPU, and at EP = 2 (4, 8) GPUs;
 - the routed path (forward and backward) does no host sync;
-- training steps of the Kimi K2.7 Code debug flavor (one GPU, AMP, full activation checkpointing; on two GPUs
-  under FSDP, EP degree 1, whose hooks gather the experts' weights for the megakernel; and at EP degree 2, each
-  rank's launch reaching the other through symmetric memory), in bf16 and with MXFP8 routed experts: every step's
-  loss, gradient norm and loss checksum; no token dropped.
+- training steps of each model's debug flavor on one GPU (AMP, full activation checkpointing), and of Kimi K2.7
+  Code's with MXFP8 routed experts, on two GPUs under FSDP (EP degree 1, whose hooks gather the experts' weights
+  for the megakernel) and at EP degree 2 (each rank's launch reaching the other through symmetric memory): every
+  step's loss, gradient norm and loss checksum; no token dropped.
 - on 2 (4, 8) GPUs, one launch per rank over symmetric memory (``titan_mok.moe.megakernel_rank``): the layer at EP =
   the GPU count equals ``kernels = "triton"`` at the same EP degree, output and every gradient, run to run; its
   routed path does no host sync; a stalled peer ends in the bounded wait's error on both ranks, and with ``trap``
@@ -156,8 +156,9 @@ def test_routed_gradients_at_kimi_sizes_equal_the_triton_path(kind):
     assert_same_gradients(call("megakernel"), got, f"{kind}: run to run")
 
 
-def _train(folder, kernels: str, nproc: int, ep: int = 1, precision: str = "bf16") -> list[dict]:
-    torchrun.run("titan_mok.train", "train_configs/kimi_k2_7_code/debug.toml", "--training.steps", "4",
+def _train(folder, kernels: str, nproc: int, ep: int = 1, precision: str = "bf16",
+           model: str = "kimi_k2_7_code") -> list[dict]:
+    torchrun.run("titan_mok.train", f"train_configs/{model}/debug.toml", "--training.steps", "4",
                  "--parallelism.expert_parallel_degree", str(ep), "--training.mixed_precision_param", "bfloat16",
                  "--activation_checkpoint.mode", "full", "--metrics.log_freq", "1", "--mok.kernels", kernels,
                  "--mok.precision", precision, "--job.dump_folder", str(folder), nproc=nproc, timeout=600)
@@ -173,9 +174,11 @@ def _assert_same_steps(got: list[dict], want: list[dict]) -> None:
         assert mine["metrics"]["moe/tokens_dropped"] == 0
 
 
-def test_kimi_debug_training_steps_equal_the_triton_path(tmp_path):
-    """One GPU: no FSDP, TorchTitan's AMP (autocast to bf16 over fp32 weights)."""
-    _assert_same_steps(_train(tmp_path / "megakernel", "megakernel", 1), _train(tmp_path / "triton", "triton", 1))
+@pytest.mark.parametrize("model", ["kimi_k2_7_code", "glm_5_2", "qwen3_5_397b_a17b", "deepseek_v4_pro"])
+def test_debug_training_steps_equal_the_triton_path(tmp_path, model):
+    """One GPU, each model's debug flavor: no FSDP, TorchTitan's AMP (autocast to bf16 over fp32 weights)."""
+    _assert_same_steps(_train(tmp_path / "megakernel", "megakernel", 1, model=model),
+                       _train(tmp_path / "triton", "triton", 1, model=model))
 
 
 def test_kimi_debug_mxfp8_training_steps_equal_the_triton_path(tmp_path):
