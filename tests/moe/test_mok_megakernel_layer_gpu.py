@@ -9,7 +9,8 @@ floats from the runs' metrics.jsonl):
 - training steps of each model's debug flavor on one GPU (AMP, full activation checkpointing), and of Kimi K2.7
   Code's with MXFP8 routed experts, on two GPUs under FSDP (EP degree 1, whose hooks gather the experts' weights
   for the megakernel) and at EP degree 2 (each rank's launch reaching the other through symmetric memory): every
-  step's loss, gradient norm and loss checksum; no token dropped.
+  step's loss, gradient norm and loss checksum; no token dropped. A run resumed from a checkpoint continues the
+  run it was cut from bit for bit.
 - on 2 (4, 8) GPUs, one launch per rank over symmetric memory (``titan_mok.moe.megakernel_rank``): the layer at EP =
   the GPU count equals ``kernels = "triton"`` at the same EP degree, output and every gradient, run to run; its
   routed path does no host sync; a stalled peer ends in the bounded wait's error on both ranks, and with ``trap``
@@ -21,6 +22,7 @@ CPU (the interpreter's serialized megakernel): test_mok_megakernel_layer.py.
 import datetime
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -157,11 +159,11 @@ def test_routed_gradients_at_kimi_sizes_equal_the_triton_path(kind):
 
 
 def _train(folder, kernels: str, nproc: int, ep: int = 1, precision: str = "bf16",
-           model: str = "kimi_k2_7_code") -> list[dict]:
-    torchrun.run("titan_mok.train", f"train_configs/{model}/debug.toml", "--training.steps", "4",
+           model: str = "kimi_k2_7_code", steps: int = 4, *extra: str) -> list[dict]:
+    torchrun.run("titan_mok.train", f"train_configs/{model}/debug.toml", "--training.steps", str(steps),
                  "--parallelism.expert_parallel_degree", str(ep), "--training.mixed_precision_param", "bfloat16",
                  "--activation_checkpoint.mode", "full", "--metrics.log_freq", "1", "--mok.kernels", kernels,
-                 "--mok.precision", precision, "--job.dump_folder", str(folder), nproc=nproc, timeout=600)
+                 "--mok.precision", precision, "--job.dump_folder", str(folder), *extra, nproc=nproc, timeout=600)
     (jsonl,) = folder.glob("tb/*/metrics.jsonl")
     return [json.loads(line) for line in jsonl.read_text().splitlines()[1:]]
 
@@ -186,6 +188,19 @@ def test_kimi_debug_mxfp8_training_steps_equal_the_triton_path(tmp_path):
     optimizer step, its backward the triton path's MXFP8 backward."""
     _assert_same_steps(_train(tmp_path / "megakernel", "megakernel", 1, precision="mxfp8"),
                        _train(tmp_path / "triton", "triton", 1, precision="mxfp8"))
+
+
+def test_kimi_debug_training_resumed_from_a_checkpoint_continues_bitwise(tmp_path):
+    """One GPU, the megakernel: six steps straight, and the same run resumed from its step-3 checkpoint (model,
+    optimizer, schedule, data position), give the same steps 4-6 bit for bit (the megakernel's workspace, epochs
+    and flags start afresh in the resumed process)."""
+    checkpoint = ("--checkpoint.enable", "--checkpoint.interval", "3")
+    full = _train(tmp_path / "full", "megakernel", 1, 1, "bf16", "kimi_k2_7_code", 6, *checkpoint)
+    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-3", tmp_path / "resumed" / "checkpoint" / "step-3")
+    resumed = _train(tmp_path / "resumed", "megakernel", 1, 1, "bf16", "kimi_k2_7_code", 6, *checkpoint)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    keys = ("loss_metrics/global_avg_loss", "grad_norm", "determinism/loss_checksum")
+    assert [[r["metrics"][k] for k in keys] for r in resumed] == [[r["metrics"][k] for k in keys] for r in full[3:]]
 
 
 @pytest.mark.two_gpus
