@@ -79,12 +79,15 @@ def test_h100_forward_at_many_rows_compiles_the_cooperative_kernel():
 def test_weight_gradient_kernel_follows_rows_per_expert(rows_per_expert, kernels):
     """The weight gradients run the warp-specialized kernel from wgrad_ws rows per expert on (Qwen3.5
     EP=2: 80); below (EP=1: 40) the Triton kernel for w_gate's and w_up's, the warp-specialized one for w_down's
-    (more features than K columns). The warp-specialized one with wgmmas, no spill stack, one program per SM."""
+    (more features than K columns). The warp-specialized one with wgmmas, one program per SM, and at most the 8
+    bytes of stack ptxas gives it since its loader waits before rewriting descriptors: one 64-bit value stored
+    before the partitions start and loaded once at each one's entry, outside its work loop (the 48-register loader
+    is one short)."""
     wgrads = [r for r in _report("--shape", "qwen", "--rows-per-expert", str(rows_per_expert), "--precision", "bf16")
               if r["step"] == "wgrad"]
     assert [r["kernel"] for r in wgrads] == kernels, wgrads
     r = wgrads[-1]
-    assert r["opcodes"].get("HGMMA", 0) > 0 and r["stack_bytes"] == 0 and r["programs_per_sm"] == 1, r
+    assert r["opcodes"].get("HGMMA", 0) > 0 and r["stack_bytes"] <= 8 and r["programs_per_sm"] == 1, r
 
 
 def test_set_compiles_the_variant_and_names_a_bad_key():
