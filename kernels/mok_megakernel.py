@@ -975,10 +975,10 @@ def _megakernel_args(bufs, schedule, weights, shared: SharedFFN | None, kept: Ke
         shared_limit = float(shared.swiglu_limit) if shared.swiglu_limit is not None else 0.0
     return (bufs.ring_VQMH, bufs.h_VQMI, *bufs.flags, t["x_TH"], t["slots_NH"], t["arrivals_T"], t["x_ready"],
             group_end_VL, tile_end_VL, row_slot_VR, w_gate_XIH, w_up_XIH, w_down_XHI, *shared_ptrs, bufs.errors,
-            *scale_ptrs, *kept_ptrs, bufs.errors if trace is None else trace, shape.first_rank, epoch, stall_rank, timeout_us, *tiles, *items, limit,
-            shared_limit, shape.ep_degree, shape.num_local, shape.num_tokens, shape.top_k, dim_h, dim_i, shared_dim,
-            bufs.ring_tiles, shape.comm_programs, shape.compute_programs, shape.group_tiles, shape.lag,
-            shape.shared_groups)
+            *scale_ptrs, *kept_ptrs, bufs.errors if trace is None else trace, shape.first_rank, epoch, stall_rank,
+            timeout_us, *tiles, *items, limit, shared_limit, shape.ep_degree, shape.num_local, shape.num_tokens,
+            shape.top_k, dim_h, dim_i, shared_dim, bufs.ring_tiles, shape.comm_programs, shape.compute_programs,
+            shape.group_tiles, shape.lag, shape.shared_groups)
 
 
 @dataclass(frozen=True)

@@ -59,19 +59,26 @@ from titan_mok.moe.megakernel import MegakernelConfig
 from titan_mok.moe.megakernel_rank import megakernel_rank_dgrad, megakernel_rank_forward
 
 
-@dataclass(frozen=True)
 class TokenRouting:
     """What the megakernel needs beside the token rows and the expert weights: the router's choice, the shared
-    expert's output and the layer's output dtype."""
+    expert's output and the layer's output dtype.
 
-    weights_TK: torch.Tensor
-    """fp32 [T, K] combine weights."""
-    topk_idx_TK: torch.Tensor
-    """int [T, K] expert ids in [0, E)."""
-    shared_TH: torch.Tensor | None
-    """The shared expert's output [T, H] (bf16, or fp32 when gated), added before the one rounding; None: none."""
-    out_dtype: torch.dtype
-    """The layer's output dtype."""
+    Not a dataclass: it is a forward argument of the experts module, and FSDP2 casts the floating-point tensors of
+    those (dataclass fields included) to its parameter dtype, which would round the fp32 combine weights and gated
+    shared output to bf16. FSDP leaves an object of a plain class as it is."""
+
+    __slots__ = ("weights_TK", "topk_idx_TK", "shared_TH", "out_dtype")
+
+    def __init__(self, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor, shared_TH: torch.Tensor | None,
+                 out_dtype: torch.dtype):
+        self.weights_TK = weights_TK
+        """fp32 [T, K] combine weights."""
+        self.topk_idx_TK = topk_idx_TK
+        """int [T, K] expert ids in [0, E)."""
+        self.shared_TH = shared_TH
+        """The shared expert's output [T, H] (bf16, or fp32 when gated), added before the one rounding; None: none."""
+        self.out_dtype = out_dtype
+        """The layer's output dtype."""
 
 
 @dataclass(frozen=True)
