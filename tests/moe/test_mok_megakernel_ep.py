@@ -18,7 +18,8 @@ the two ranks. Compared bit for bit (torch.equal):
   restart;
 - the MoE layer with ``kernels = "megakernel"`` at EP = 2 equals ``kernels = "triton"`` at EP = 2 (the fused path
   over the same stand-in): output, input gradient and every parameter's gradient, run to run; its output and input
-  gradient equal the megakernel layer's at EP = 1 on the concatenated batch.
+  gradient equal the megakernel layer's at EP = 1 on the concatenated batch; and under FSDP as the trainer shards
+  it on two ranks (experts over the one-rank "efsdp" dim, the layer over both), every gradient shard too.
 What it does not prove: anything of the GPU: symmetric memory over NVLink, the concurrent launch's spinning waits
 and their memory ordering between devices, co-residency, the device barrier, timings, host-sync freedom
 (test_mok_megakernel_layer_gpu.py's two-GPU tests).
@@ -165,6 +166,33 @@ def _layer_runs(rank: int) -> dict:
     return results
 
 
+def _layer_runs_under_fsdp(rank: int) -> dict:
+    """The layer at EP = 2 under FSDP2 as the trainer shards it on two ranks: the experts (EP's Shard(0) DTensors on
+    the "ep" dim) fully sharded over the one-rank "efsdp" dim of the same mesh, the layer over both ranks; bf16
+    gathers, fp32 reduce-scatters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from tests.moe.test_mok_megakernel_layer import _inputs, _layer, run_layers
+    from titan_mok.moe.expert_parallel import MokExpertParallel
+
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("efsdp", "ep"))
+    dp_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    x, dy = (t[:, rank * T:(rank + 1) * T] for t in _inputs(tokens=WORLD * T, seed=6))  # [1, T, H]
+    results = {}
+    for kernels in ("triton", "megakernel"):
+        layer = _layer(kernels, seed=7)
+        parallelize_module(layer.experts, mesh["ep"], MokExpertParallel())
+        fully_shard(layer.experts, mesh=mesh["efsdp"], mp_policy=policy)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
+        layer.experts.weights_gathered = True  # as titan_mok.parallelize says after fully_shard
+        y, dx, grads = run_layers([layer], x, dy)
+        results[kernels] = (y, dx, {key: g.to_local() for key, g in grads.items()})
+    return results
+
+
 def _worker(rank: int, out_dir: str) -> None:
     import tests.conftest  # noqa: F401 - a spawned process needs the session's Triton-interpreter shims too
     from tests.shared_file_symmetric import shared_file_allocator
@@ -177,7 +205,8 @@ def _worker(rank: int, out_dir: str) -> None:
                             timeout=datetime.timedelta(seconds=300))
     workspace.SYMMETRIC_ALLOCATORS["cpu"] = shared_file_allocator(out_dir)  # the stand-in (module docstring)
     moe_module.has_cuda_capability = lambda major, minor: True  # the interpreter runs the Hopper kernels here
-    results = {"routed": _routed_calls(rank), "layer": _layer_runs(rank), "gradients": _routed_gradient_runs(rank)}
+    results = {"routed": _routed_calls(rank), "layer": _layer_runs(rank), "gradients": _routed_gradient_runs(rank),
+               "layer_fsdp": _layer_runs_under_fsdp(rank)}
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -273,3 +302,15 @@ def test_layer_equals_the_triton_path_at_ep_2_and_does_not_depend_on_p(ep_result
     for rank, results in enumerate(ep_results):
         y, dx, _ = results["layer"]["megakernel"][0]
         assert torch.equal(y, y_one[:, rank * T:(rank + 1) * T]) and torch.equal(dx, dx_one[:, rank * T:(rank + 1) * T])
+
+
+@interpreted
+def test_layer_at_ep_2_under_fsdp_equals_the_triton_path(ep_results):
+    """EP = 2 under FSDP (the trainer's sharding on two ranks): the megakernel layer's output, input gradient and
+    every reduce-scattered gradient shard equal the ``"triton"`` path's, bit for bit."""
+    for rank, results in enumerate(ep_results):
+        (y, dx, grads), (y_want, dx_want, grads_want) = (results["layer_fsdp"][k] for k in ("megakernel", "triton"))
+        assert torch.equal(y, y_want) and torch.equal(dx, dx_want), rank
+        assert grads.keys() == grads_want.keys() and (0, "experts.w_down") in grads
+        for key in grads_want:
+            assert torch.equal(grads[key], grads_want[key]), (rank, key)
