@@ -19,13 +19,15 @@ the two ranks. Compared bit for bit (torch.equal):
 - the MoE layer with ``kernels = "megakernel"`` at EP = 2 equals ``kernels = "triton"`` at EP = 2 (the fused path
   over the same stand-in): output, input gradient and every parameter's gradient, run to run; its output and input
   gradient equal the megakernel layer's at EP = 1 on the concatenated batch; and under FSDP as the trainer shards
-  it on two ranks (experts over the one-rank "efsdp" dim, the layer over both), every gradient shard too.
+  it on two ranks (experts over the one-rank "efsdp" dim, the layer over both), in bf16 and with the MXFP8 experts'
+  weights gathered as MXFP8, every gradient shard too.
 What it does not prove: anything of the GPU: symmetric memory over NVLink, the concurrent launch's spinning waits
 and their memory ordering between devices, co-residency, the device barrier, timings, host-sync freedom
 (test_mok_megakernel_layer_gpu.py's two-GPU tests).
 """
 
 import datetime
+import itertools
 import os
 
 import pytest
@@ -176,20 +178,23 @@ def _layer_runs_under_fsdp(rank: int) -> dict:
 
     from tests.moe.test_mok_megakernel_layer import _inputs, _layer, run_layers
     from titan_mok.moe.expert_parallel import MokExpertParallel
+    from titan_mok.moe.mxfp8_fsdp import gather_as_mxfp8, gather_layouts
 
     mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("efsdp", "ep"))
     dp_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     x, dy = (t[:, rank * T:(rank + 1) * T] for t in _inputs(tokens=WORLD * T, seed=6))  # [1, T, H]
     results = {}
-    for kernels in ("triton", "megakernel"):
-        layer = _layer(kernels, seed=7)
+    for kernels, precision in itertools.product(("triton", "megakernel"), ("bf16", "mxfp8")):
+        layer = _layer(kernels, seed=7, precision=precision)
         parallelize_module(layer.experts, mesh["ep"], MokExpertParallel())
+        if precision == "mxfp8":  # gathered as MXFP8 over the one-rank dim (titan_mok.parallelize)
+            gather_as_mxfp8(layer.experts, 1, gather_layouts(True, layer.experts.backward_recomputes_forward))
         fully_shard(layer.experts, mesh=mesh["efsdp"], mp_policy=policy)
         fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
         layer.experts.weights_gathered = True  # as titan_mok.parallelize says after fully_shard
         y, dx, grads = run_layers([layer], x, dy)
-        results[kernels] = (y, dx, {key: g.to_local() for key, g in grads.items()})
+        results[kernels, precision] = (y, dx, {key: g.to_local() for key, g in grads.items()})
     return results
 
 
@@ -304,12 +309,15 @@ def test_layer_equals_the_triton_path_at_ep_2_and_does_not_depend_on_p(ep_result
         assert torch.equal(y, y_one[:, rank * T:(rank + 1) * T]) and torch.equal(dx, dx_one[:, rank * T:(rank + 1) * T])
 
 
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @interpreted
-def test_layer_at_ep_2_under_fsdp_equals_the_triton_path(ep_results):
-    """EP = 2 under FSDP (the trainer's sharding on two ranks): the megakernel layer's output, input gradient and
-    every reduce-scattered gradient shard equal the ``"triton"`` path's, bit for bit."""
+def test_layer_at_ep_2_under_fsdp_equals_the_triton_path(ep_results, precision):
+    """EP = 2 under FSDP (the trainer's sharding on two ranks; MXFP8: the experts' weights gathered as MXFP8): the
+    megakernel layer's output, input gradient and every reduce-scattered gradient shard equal the ``"triton"``
+    path's, bit for bit."""
     for rank, results in enumerate(ep_results):
-        (y, dx, grads), (y_want, dx_want, grads_want) = (results["layer_fsdp"][k] for k in ("megakernel", "triton"))
+        (y, dx, grads), (y_want, dx_want, grads_want) = (results["layer_fsdp"][k, precision]
+                                                         for k in ("megakernel", "triton"))
         assert torch.equal(y, y_want) and torch.equal(dx, dx_want), rank
         assert grads.keys() == grads_want.keys() and (0, "experts.w_down") in grads
         for key in grads_want:
