@@ -111,6 +111,23 @@ def test_forward_and_every_gradient_equal_the_triton_path(case):
     _assert_bitwise(run_layers([mega_layer], x, dy, CASES[case]["amp"]), got)  # run to run
 
 
+@interpreted
+def test_hash_routed_layer_equals_the_triton_path():
+    """DeepSeek-V4's hash-routed layers (each token's experts from its token id, sqrtsoftplus scores): the output and
+    every gradient equal the triton path's."""
+    x, dy = _inputs(seed=9)
+    token_ids = torch.randint(0, 50, (1, T), generator=torch.Generator().manual_seed(9))
+
+    def run(kernels):
+        layer = _layer(kernels, score_func="sqrtsoftplus", hash_routing=True, hash_vocab_size=50)
+        xs = x.clone().requires_grad_()
+        y = layer(xs, token_ids)
+        y.backward(dy)
+        return y.detach(), xs.grad, {(0, n): p.grad for n, p in layer.named_parameters() if p.grad is not None}
+
+    _assert_bitwise(run("megakernel"), run("triton"))
+
+
 @pytest.mark.parametrize("frozen", ["input", "experts", "experts_and_input"])
 @interpreted
 def test_gradients_of_what_requires_them(frozen):
