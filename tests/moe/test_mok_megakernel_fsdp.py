@@ -2,7 +2,8 @@
 mode): each rank's MoE layer, sharded over both ranks as TorchTitan's trainer shards it (fp32 parameters gathered
 in bf16, gradients reduce-scattered in fp32; the routed experts a unit of their own), runs the megakernel on its
 own tokens with the gathered weights; in bf16, and with MXFP8 routed experts (the weights gathered as MXFP8,
-``titan_mok.moe.mxfp8_fsdp``, as the trainer gathers them). Its output, input gradient and every parameter's
+``titan_mok.moe.mxfp8_fsdp``, as the trainer gathers them); eager, and wrapped for activation checkpointing (the
+forward launch run again in the backward). Its output, input gradient and every parameter's
 reduce-scattered gradient shard equal, bit for bit, the same layer's with ``kernels = "triton"`` sharded the same
 way; each gradient lands as FSDP keeps it, a shard of its parameter's placement. On two GPUs:
 test_mok_megakernel_layer_gpu.py."""
@@ -14,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -30,8 +32,9 @@ KERNELS = ("megakernel", "triton")
 PRECISIONS = ("bf16", "mxfp8")
 
 
-def _sharded(kernels: str, precision: str) -> MoE:
-    """The layer with fp32 weights drawn from one seed (the same on both ranks and for both kernels), sharded."""
+def _sharded(kernels: str, precision: str, checkpointed: bool) -> torch.nn.Module:
+    """The layer with fp32 weights drawn from one seed (the same on both ranks and for both kernels), sharded;
+    checkpointed: wrapped for activation checkpointing first, as TorchTitan's apply_ac wraps a block."""
     torch.manual_seed(0)
     moe = MoE(MoEArgs(num_experts=E, top_k=K, expert_dim=I, shared_expert_dim=32, kernels=kernels,
                       precision=precision, route_scale=2.5), H)
@@ -40,17 +43,20 @@ def _sharded(kernels: str, precision: str) -> MoE:
         for p in moe.parameters():
             p.normal_(0, 0.2)
     mesh = init_device_mesh("cpu", (WORLD,))
-    if precision == "mxfp8":  # a block's experts, resharded after forward, not checkpointed (titan_mok.parallelize)
-        recomputes = moe.experts.backward_recomputes_forward
+    if precision == "mxfp8":  # a block's experts, resharded after forward (titan_mok.parallelize's rule)
+        recomputes = checkpointed or moe.experts.backward_recomputes_forward
         gather_as_mxfp8(moe.experts, WORLD, gather_layouts(reshards_after_forward=True, recomputes_forward=recomputes))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     fully_shard(moe.experts, mesh=mesh, mp_policy=policy)
+    experts = moe.experts
+    if checkpointed:
+        moe = checkpoint_wrapper(moe)
     fully_shard(moe, mesh=mesh, mp_policy=policy)
-    moe.experts.weights_gathered = True  # as titan_mok.parallelize says after fully_shard
+    experts.weights_gathered = True  # as titan_mok.parallelize says after fully_shard
     return moe
 
 
-def _step(moe: MoE, rank: int) -> dict:
+def _step(moe: torch.nn.Module, rank: int) -> dict:
     g = torch.Generator().manual_seed(10 + rank)  # each rank its own tokens
     x = torch.randn(1, T, H, generator=g).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(1, T, H, generator=g).to(torch.bfloat16)
@@ -72,8 +78,8 @@ def _worker(rank: int, out_dir: str) -> None:
     moe_module.has_cuda_capability = lambda major, minor: True  # Hopper's check: the interpreter runs the kernels
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=300))
-    results = {(kernels, precision): _step(_sharded(kernels, precision), rank)
-               for kernels in KERNELS for precision in PRECISIONS}
+    results = {(kernels, precision, checkpointed): _step(_sharded(kernels, precision, checkpointed), rank)
+               for kernels in KERNELS for precision in PRECISIONS for checkpointed in (False, True)}
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -85,10 +91,12 @@ def results(tmp_path_factory):
     return [torch.load(f"{out_dir}/rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["eager", "checkpointed"])
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_sharded_layer_equals_the_triton_path_and_its_gradients_land_as_fsdp_keeps_them(results, precision):
+def test_sharded_layer_equals_the_triton_path_and_its_gradients_land_as_fsdp_keeps_them(results, precision,
+                                                                                        checkpointed):
     for rank, result in enumerate(results):
-        got, want = result["megakernel", precision], result["triton", precision]
+        got, want = result["megakernel", precision, checkpointed], result["triton", precision, checkpointed]
         assert torch.equal(got["y"], want["y"]), (rank, "output")
         assert torch.equal(got["dx"], want["dx"]), (rank, "input gradient")
         assert got["grads"].keys() == want["grads"].keys() and "experts.w_down" in got["grads"], rank
@@ -96,4 +104,5 @@ def test_sharded_layer_equals_the_triton_path_and_its_gradients_land_as_fsdp_kee
             assert torch.equal(got["grads"][name], want["grads"][name]), (rank, name)
         assert all(got["placed"].values()), (rank, got["placed"])
     # the two ranks' tokens differ, so their outputs do: each rank ran its own rows
-    assert not torch.equal(results[0]["megakernel", precision]["y"], results[1]["megakernel", precision]["y"])
+    mine = [result["megakernel", precision, checkpointed]["y"] for result in results]
+    assert not torch.equal(*mine)
