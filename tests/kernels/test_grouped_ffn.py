@@ -296,7 +296,7 @@ def test_warp_specialized_wgrad_heavy_experts_then_empty_ones():
     """Kimi K2.7's w_gate gradient ([I, H] = dgate^T @ x over 4,096 tokens' 32,768 rows) under the routing that made
     a program's next job start while its last job's copies were in flight: eight experts holding every row, then
     forty empty ones whose descriptors start at the rows' end. After a balanced call (the allocator's blocks
-    reused), each of several calls gives the Triton flat loop's bits."""
+    reused), each of several calls gives the Triton kernel's bits (the same programs)."""
     g = torch.Generator().manual_seed(13)
     rows, experts = 32768, 48
     a, b = (torch.randn(rows, d, generator=g).to(torch.bfloat16).cuda() for d in (2048, 7168))
