@@ -293,9 +293,10 @@ def test_warp_specialized_wgrad_on_row_loop_programs_matches_triton_bits(monkeyp
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_warp_specialized_wgrad_heavy_experts_then_empty_ones():
-    """Kimi K2.7's w_gate gradient ([I, H] = dgate^T @ x over 4,096 tokens' 32,768 rows) under the routing that made
-    a program's next job start while its last job's copies were in flight: eight experts holding every row, then
-    forty empty ones whose descriptors start at the rows' end. After a balanced call (the allocator's blocks
+    """Kimi K2.7's w_gate gradient ([I, H] = dgate^T @ x over 4,096 tokens' 32,768 rows) under the routing that
+    stopped the kernel on an illegal memory access before its loader waited for a job's copies before rewriting
+    their descriptors: eight experts holding every row, then forty empty ones whose descriptors start at the rows'
+    end. After a balanced call (the allocator's blocks
     reused), each of several calls gives the Triton kernel's bits (the same programs)."""
     g = torch.Generator().manual_seed(13)
     rows, experts = 32768, 48
