@@ -20,11 +20,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torchtitan.distributed.expert_parallel import ExpertParallel
 
+from tests.spawned_ranks import rank_file, spawn_ranks
 from titan_mok import cpu_compat
 from titan_mok.moe import MoE, MoEArgs
 from titan_mok.moe.expert_parallel import MokExpertParallel
@@ -149,15 +149,13 @@ def _worker(rank: int, out_dir: str) -> None:
             if CPU_ONLY and ep > 1 and name != "mxfp8":  # the torchtitan baseline is bf16 only
                 results[(name, ep, "torchtitan")] = _run_ep(name, mesh, rank, backend="torchtitan")
     results["bad"] = _bad_inputs(rank)
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    torch.save(results, rank_file(out_dir, rank))
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("moe_ep"))
-    mp.spawn(_worker, args=(out_dir,), nprocs=WORLD, join=True)
-    return [torch.load(f"{out_dir}/rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, str(tmp_path_factory.mktemp("moe_ep")))
 
 
 def _reference(name: str, ranks: list[int]) -> dict:

@@ -33,9 +33,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.kernels.test_mok_megakernel import SMALL, E, K, T, layer_inputs, routing, triton_path
+from tests.spawned_ranks import rank_file, spawn_ranks
 
 WORLD = 2
 KINDS = ("balanced", "skewed", "one_expert", "all_remote")
@@ -212,16 +212,14 @@ def _worker(rank: int, out_dir: str) -> None:
     moe_module.has_cuda_capability = lambda major, minor: True  # the interpreter runs the Hopper kernels here
     results = {"routed": _routed_calls(rank), "layer": _layer_runs(rank), "gradients": _routed_gradient_runs(rank),
                "layer_fsdp": _layer_runs_under_fsdp(rank)}
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    torch.save(results, rank_file(out_dir, rank))
     dist.barrier()
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("megakernel_ep"))
-    mp.spawn(_worker, args=(out_dir,), nprocs=WORLD, join=True)
-    return [torch.load(f"{out_dir}/rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, str(tmp_path_factory.mktemp("megakernel_ep")))
 
 
 @interpreted

@@ -14,12 +14,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from tests.spawned_ranks import rank_file, spawn_ranks
 from titan_mok.moe import MoE, MoEArgs
 from titan_mok.moe import moe as moe_module
 from titan_mok.moe.mxfp8_fsdp import gather_as_mxfp8, gather_layouts
@@ -80,15 +80,13 @@ def _worker(rank: int, out_dir: str) -> None:
                             timeout=datetime.timedelta(seconds=300))
     results = {(kernels, precision, checkpointed): _step(_sharded(kernels, precision, checkpointed), rank)
                for kernels in KERNELS for precision in PRECISIONS for checkpointed in (False, True)}
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    torch.save(results, rank_file(out_dir, rank))
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("megakernel_fsdp"))
-    mp.spawn(_worker, args=(out_dir,), nprocs=WORLD, join=True)
-    return [torch.load(f"{out_dir}/rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, str(tmp_path_factory.mktemp("megakernel_fsdp")))
 
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["eager", "checkpointed"])

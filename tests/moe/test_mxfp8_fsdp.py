@@ -21,13 +21,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from torch.distributed.tensor import DTensor
 
+from tests.spawned_ranks import rank_file, spawn_ranks
 from titan_mok.kernels import weight_cache
 from titan_mok.kernels.grouped_ffn import interpreting, weight_operand
 from titan_mok.kernels.mxfp8_gathered import MXFP8GatheredWeight
@@ -226,7 +226,7 @@ def _worker(rank: int, out_dir: str) -> None:
         # one layout per gather, but FSDP keeps the forward's gather for the backward: refused when read
         "no_regather": _expect_error(lambda: _step_results(_one_layout_never_regathered())),
     }
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    torch.save(results, rank_file(out_dir, rank))
     dist.destroy_process_group()
 
 
@@ -238,9 +238,7 @@ def _one_layout_never_regathered():
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("mxfp8_fsdp"))
-    mp.spawn(_worker, args=(out_dir,), nprocs=WORLD, join=True)
-    return [torch.load(f"{out_dir}/rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, str(tmp_path_factory.mktemp("mxfp8_fsdp")))
 
 
 def _unsharded_step(kernels: str) -> dict:
