@@ -370,8 +370,9 @@ def _wgrad_program(n_tile, p, a_ptr, b_ptr, c_ptr, group_end_ptr, prog_end_ptr, 
     n0 = n_tile * BN
     offs_n = n0 + tl.arange(0, BN)
     n_ok = offs_n < N
-    # A TMA box needs at least one row: an expert without rows gets a one-row descriptor and its
-    # single row block starts past it (skip), so it too reads zeros and stores a zero gradient.
+    # A TMA box needs at least one row: an expert without rows gets a one-row descriptor at the operands'
+    # first row (_wgrad_job) and its single row block starts past it (skip), so it too reads zeros and
+    # stores a zero gradient.
     skip = tl.where(rows == 0, BR, 0)
     a_desc = tl.make_tensor_descriptor(a_ptr + row_start.to(tl.int64) * N, shape=[tl.maximum(rows, 1), N],
                                        strides=[N, 1], block_shape=[BR, BN])
@@ -706,6 +707,8 @@ def _grouped_wgrad_values(a_RN, b_RK, group_end_E, precision: str, table) -> tor
                              f"a 16-byte aligned start), got {tuple(t.shape)} at {t.data_ptr() % 16} bytes past 16")
     num_experts, n, k = group_end_E.shape[0], a_RN.shape[1], b_RK.shape[1]
     c_ENK = torch.empty(num_experts, n, k, dtype=torch.bfloat16, device=a_RN.device)
+    if not a_RN.shape[0]:  # no rows: no row for the kernels' TMA descriptors to start at
+        return c_ENK.zero_()
     if num_experts:
         kernel, cfg, _ = tile_configs.select("wgrad", precision, a_RN.shape[0] / num_experts,
                                              tile_configs.chip_of(a_RN), n=n, k=k, table=table)

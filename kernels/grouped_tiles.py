@@ -49,7 +49,10 @@ def _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E: tl.constexpr, 
 @triton.jit
 def _wgrad_job(p, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, K, E, LOG_E: tl.constexpr, BK: tl.constexpr):
     """The weight gradient's program p (of one column of features) -> (expert, first K tile, K tiles, first row,
-    rows): the expert's K tiles from (p - prog_end[e - 1]) * k_tiles_per_prog[e] (grouped_gemm._wgrad_programs)."""
+    rows): the expert's K tiles from (p - prog_end[e - 1]) * k_tiles_per_prog[e] (grouped_gemm._wgrad_programs).
+    An expert without rows gets first row 0: its TMA descriptors start there, not at its group end, which for
+    experts after the last row is the operands' end, an address the TMA unit faulted on (H100, illegal memory
+    access) whenever no other allocation followed it, although every box it loads lies outside the descriptor."""
     e = _group_of(p, prog_end_ptr, E, LOG_E)
     chunk = p - tl.load(prog_end_ptr + e - 1, mask=e > 0, other=0)
     k_tiles_per_prog = tl.load(k_tiles_per_prog_ptr + e)
@@ -57,7 +60,7 @@ def _wgrad_job(p, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, K, E, LOG_E
     k_tiles = tl.minimum(k_tiles_per_prog, tl.cdiv(K, BK) - first_k_tile)
     row_start = tl.load(group_end_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
     rows = tl.load(group_end_ptr + e).to(tl.int32) - row_start
-    return e, first_k_tile, k_tiles, row_start, rows
+    return e, first_k_tile, k_tiles, tl.where(rows == 0, 0, row_start), rows
 
 
 @triton.jit

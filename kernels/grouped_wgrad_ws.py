@@ -55,8 +55,9 @@ def _loader(a_ptr, b_ptr, a_bufs, b_bufs, full, empty, group_end_ptr, prog_end_p
         # descriptor, a new base with an old shape, past the end of the rows.
         for x in range(gl.maximum(c - STAGES, 0), c):
             mbarrier.wait(full.index(x % STAGES), (x // STAGES) & 1)
-        # a TMA box needs at least one row: an expert without rows gets a one-row descriptor and its single row
-        # block starts past it, so it reads zeros and stores a zero gradient (as the Triton kernel)
+        # a TMA box needs at least one row: an expert without rows gets a one-row descriptor at the operands' first
+        # row (_wgrad_job) and its single row block starts past it, so it reads zeros and stores a zero gradient
+        # (as the Triton kernel)
         a_desc = tma.make_tensor_descriptor(a_ptr + row_start.to(gl.int64) * N, [gl.maximum(rows, 1), N], [N, 1],
                                             [BR, BN], A_LAYOUT)
         b_desc = tma.make_tensor_descriptor(b_ptr + row_start.to(gl.int64) * K, [gl.maximum(rows, 1), K], [K, 1],

@@ -290,14 +290,26 @@ def test_warp_specialized_wgrad_on_row_loop_programs_matches_triton_bits(monkeyp
         assert made[-1].key == "wgrad/rows_ws" and made[-1].kernel == "warp_specialized"  # the committed config
 
 
+def test_wgrad_of_experts_after_the_last_row_and_of_no_rows_is_zero():
+    """Experts whose group end is the operands' end (their TMA descriptors start at the operands' first row,
+    _wgrad_job) get zero gradients, and so does every expert when there are no rows at all."""
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randn(45, n, generator=g).to(torch.bfloat16).to(DEVICE) for n in (32, 48))
+    out = gg.grouped_wgrad(a, b, torch.tensor([40, 45, 45, 45]).to(DEVICE), "bf16")
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    assert rel_err(out[:2], gg.ref_grouped_wgrad(a, b, torch.tensor([40, 45]).to(DEVICE), "bf16")) < 1e-2
+    none = gg.grouped_wgrad(a[:0], b[:0], torch.zeros(3, dtype=torch.int32).to(DEVICE), "bf16")
+    assert none.shape == (3, 32, 48) and torch.equal(none, torch.zeros_like(none))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_warp_specialized_wgrad_heavy_experts_then_empty_ones():
     """Kimi K2.7's w_gate gradient ([I, H] = dgate^T @ x over 4,096 tokens' 32,768 rows) under the routing that
-    stopped the kernel on an illegal memory access before its loader waited for a job's copies before rewriting
-    their descriptors: eight experts holding every row, then forty empty ones whose descriptors start at the rows'
-    end. After a balanced call (the allocator's blocks
-    reused), each of several calls gives the Triton kernel's bits (the same programs)."""
+    stopped both wgrad kernels on an illegal memory access while an empty expert's TMA descriptors started at its
+    group end: eight experts holding every row, then forty empty ones whose group end is the operands' end (freshly
+    allocated, so nothing need be mapped after them). After a balanced call, each of several calls gives the Triton
+    kernel's bits (the same programs)."""
     g = torch.Generator().manual_seed(13)
     rows, experts = 32768, 48
     a, b = (torch.randn(rows, d, generator=g).to(torch.bfloat16).cuda() for d in (2048, 7168))
