@@ -127,10 +127,11 @@ the gated SharedExpert's fp32 output). Each output element is computed by one it
 on values), so a token's output does not depend on the tile (or M), the item order, the program, the ring size,
 the group, the lag, the batch, P or the loads.
 
-Kept rows (the KEEP_ROWS constexpr, ``KeptRows``; bf16 training launches only): each routed A item also stores the
-g, u and h columns of its real rows into per-call grouped rows [V, R, I] (R = P·N; tile row m at schedule row
-tile_start + m, none past its expert's end), the values its h comes from, so the bits ``grouped_gate_up_swiglu``
-returns on those rows: the backward reads them instead of running the gate/up GEMM again. The shared expert's items
+Kept rows (the KEEP_ROWS constexpr, ``KeptRows``; training launches, bf16 or MXFP8): each routed A item also
+stores the g, u and h columns of its real rows into per-call grouped rows [V, R, I] (R = P·N; tile row m at schedule
+row tile_start + m, none past its expert's end), the values its h comes from, so the bits
+``grouped_gate_up_swiglu`` returns on those rows (MXFP8: h before its quantization along I, as that function returns
+it and the Triton path's backward reads it): the backward reads them instead of running the gate/up GEMM again. The shared expert's items
 never store there; without the flag the stores are not compiled in (the inference launch is unchanged).
 
 MXFP8 (the MX constexpr: the routed weights given as MXTensors): the routed experts' operands as the Triton
@@ -383,9 +384,9 @@ def _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, l
     grouped FFN's MXFP8 step), each step's scales loaded one step ahead; h is stored as the down GEMM's operand, its
     MXFP8 values along I (_mx_values of its bf16 values).
 
-    KEEP_ROWS (bf16 only): also g, u and h of the real rows (a_ok) into the grouped rows [R, I] at kept_g_ptr,
-    kept_u_ptr, kept_h_ptr, tile row m at row kept_rows[m]: the bits ``grouped_gate_up_swiglu`` returns, for the
-    backward."""
+    KEEP_ROWS: also g, u and h of the real rows (a_ok) into the grouped rows [R, I] at kept_g_ptr, kept_u_ptr,
+    kept_h_ptr, tile row m at row kept_rows[m]: the bits ``grouped_gate_up_swiglu`` returns, for the backward (MX:
+    h before its quantization, as that function returns it)."""
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -409,7 +410,13 @@ def _gate_up_block(a_src, a_row, a_ok, wg_src, wu_src, w_row, h_ptr, n0, H, I, l
             su = su_next
             su_next = _scale_bits(su_rows, k0 + 32, n_ok, H)
             acc2t = _dot(_mx_weight_tile(wu_src, w_row + n0, k0, n_ok, H, su, BLOCK_N, TMA), at, acc2t, DOT_F32)
-        _, _, ht = _swiglu_out(acc1t, acc2t, limit, HAS_LIMIT)
+        gt, ut, ht = _swiglu_out(acc1t, acc2t, limit, HAS_LIMIT)
+        if KEEP_ROWS:  # h as the SwiGLU gave it, before its quantization (the Triton path keeps that h too)
+            kept = kept_rows.to(tl.int64)[None, :] * I + offs_n[:, None]
+            kept_ok = n_ok[:, None] & a_ok[None, :]
+            tl.store(kept_g_ptr + kept, gt, mask=kept_ok)
+            tl.store(kept_u_ptr + kept, ut, mask=kept_ok)
+            tl.store(kept_h_ptr + kept, ht, mask=kept_ok)
         # BLOCK_N and I are multiples of 32: the item's blocks along I are whole
         h = _mx_values(tl.trans(ht), BLOCK_M, BLOCK_N)
     else:
@@ -876,9 +883,10 @@ class MegakernelBuffers(RingBuffers):
 
 @dataclass(frozen=True)
 class KeptRows:
-    """Where a training launch (bf16) keeps each routed row's g, u and h for the backward: [V, R, I] bf16 contiguous
-    (R = P·N, row r of rank v: its schedule's row r; rows past its end are not written), the bits the Triton grouped
-    FFN's ``grouped_gate_up_swiglu`` returns. Per call (the backward holds them), 3·V·R·I·2 bytes."""
+    """Where a training launch (bf16 or MXFP8) keeps each routed row's g, u and h for the backward: [V, R, I] bf16
+    contiguous (R = P·N, row r of rank v: its schedule's row r; rows past its end are not written), the bits the
+    Triton grouped FFN's ``grouped_gate_up_swiglu`` returns (MXFP8: h before its quantization). Per call (the backward
+    holds them), 3·V·R·I·2 bytes."""
 
     gate_VRI: torch.Tensor
     up_VRI: torch.Tensor
@@ -1000,7 +1008,7 @@ class KernelVariant:
     mx: bool = False
     """The routed experts' operands in MXFP8 (the shared expert's stay bf16)."""
     keep_rows: bool = False
-    """The routed A items also store g, u, h into the call's KeptRows (bf16 training)."""
+    """The routed A items also store g, u, h into the call's KeptRows (training)."""
     trace: bool = False
     """Every program records its timings (module docstring, Trace)."""
 
@@ -1115,10 +1123,7 @@ def _check_precision(bufs: MegakernelBuffers, weights, shape: LaunchShape) -> No
         raise ValueError(f"megakernel_launch: MXFP8 needs H ({dim_h}) and I ({dim_i}) to be multiples of {MX_BLOCK}")
 
 
-def _check_kept(kept: KeptRows, weights, shape: LaunchShape, dim_i: int) -> None:
-    if isinstance(weights[0], MXTensor):
-        raise ValueError("megakernel_launch: kept rows are bf16 g, u, h; an MXFP8 launch keeps none (its backward "
-                         "recomputes the Triton path's MXFP8 forward)")
+def _check_kept(kept: KeptRows, shape: LaunchShape, dim_i: int) -> None:
     want = (shape.hosted_ranks, shape.ep_degree * shape.num_tokens * shape.top_k, dim_i)
     for name, t in zip(("gate_VRI", "up_VRI", "h_VRI"), kept):
         if tuple(t.shape) != want or t.dtype != torch.bfloat16 or not t.is_contiguous():
@@ -1142,7 +1147,7 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
     w_up [V·L, I, H], w_down [V·L, H, I]) bf16 contiguous, or for an MXFP8 ring (``bufs.mx``) their MXFP8 operands
     (MXTensors blocked along K in MMA order: ``grouped_ffn.weight_operand(w, "mxfp8", 2, name)``); shared: the
     shared expert in the launch (exactly when shape.shared_groups > 0); kept: where the routed A items also store
-    each real row's g, u, h (bf16 launches only; None: nowhere, the inference launch); trace: int64
+    each real row's g, u, h (None: nowhere, the inference launch); trace: int64
     [shape.programs, 8], where every program writes its timings (module docstring, Trace; serialized: zeroed first,
     then each phase adds its counts). A concurrent launch with
     more programs than the device runs at once raises instead of risking a deadlock. ``stall_rank``: a rank whose
@@ -1154,7 +1159,7 @@ def megakernel_launch(bufs: MegakernelBuffers, schedule, weights, shape: LaunchS
     _check_precision(bufs, weights, shape)
     weight_data = _weight_bits(weights)[0]
     if kept is not None:
-        _check_kept(kept, weights, shape, weight_data[0].shape[1])
+        _check_kept(kept, shape, weight_data[0].shape[1])
     if trace is not None and (tuple(trace.shape) != (shape.programs, len(TRACE_FIELDS))
                               or trace.dtype != torch.int64 or not trace.is_contiguous()):
         raise ValueError(f"megakernel_launch: trace must be int64 contiguous [{shape.programs}, {len(TRACE_FIELDS)}] "

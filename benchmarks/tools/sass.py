@@ -20,8 +20,8 @@ registers among themselves (``setmaxnreg``, listed).
 ``--megakernel``: the forward MoK megakernel's concurrent launch instead (``kernels/mok_megakernel.py``), one kernel
 per combination of routed-expert precision (``--precision``; default both), tile rows, GEMM loads and pipeline depth,
 with its TMA loads (UTMALDG), cp.async copies (LDGSTS), wgmmas (HGMMA) and the spill loads/stores inside its K loops
-(a spill elsewhere costs little). ``--keep-rows``: the bf16 training launch's, whose gate/up items also store g, u,
-h for the backward (``KernelVariant.keep_rows``).
+(a spill elsewhere costs little). ``--keep-rows``: the training launch's, whose gate/up items also store g, u, h
+for the backward (``KernelVariant.keep_rows``).
 """
 
 import argparse
@@ -142,7 +142,7 @@ def megakernel_kernels(shape: str, block_ms, gemms, stages, shared_dim: int = 0,
                        precisions=("bf16",), keep_rows: bool = False) -> list[dict]:
     """The forward megakernel's concurrent launch compiled for each (precision, block_m, gemm, num_stages), at the
     shape's H and I, the default config's other sizes and 8 ranks' local experts; one report per variant. keep_rows:
-    the bf16 variants' training launch (it stores g, u, h)."""
+    the training launch (it stores g, u, h)."""
     dim_h, dim_i, num_experts, _ = SHAPES[shape]
     reports = []
     for precision in precisions:
@@ -152,7 +152,7 @@ def megakernel_kernels(shape: str, block_ms, gemms, stages, shared_dim: int = 0,
                     variant = mok_megakernel.KernelVariant(
                         dim_h, dim_i, shared_dim, num_experts // 8, block_m, MegakernelConfig.block_n,
                         MegakernelConfig.num_warps, num_stages, False, gemm=gemm, mx=precision == "mxfp8",
-                        keep_rows=keep_rows and precision == "bf16")
+                        keep_rows=keep_rows)
                     with compiling_for_sm90():
                         kernel = mok_megakernel.compile_megakernel(variant)
                     report = kernel_report("_megakernel", kernel)
@@ -234,7 +234,7 @@ def main() -> None:
                         help="--megakernel: K-loop pipeline depths")
     parser.add_argument("--shared-dim", type=int, default=0, help="--megakernel: I_S of a shared expert (0: none)")
     parser.add_argument("--keep-rows", action="store_true",
-                        help="--megakernel: the bf16 training launch, which also stores g, u, h for the backward")
+                        help="--megakernel: the training launch, which also stores g, u, h for the backward")
     opts = parser.parse_args()
     try:
         table = variant_table(tc.table_for(opts.chip), opts.sets, opts.unsets)

@@ -17,8 +17,11 @@ import torch
 
 from tests.kernels.test_mok_megakernel import (
     DEVICE,
-    E,
     SMALL,
+    E,
+    I,
+    K,
+    T,
     interpreted,
     layer_inputs,
     megakernel,
@@ -27,13 +30,16 @@ from tests.kernels.test_mok_megakernel import (
     shared_inputs,
 )
 from titan_mok.kernels import weight_cache
-from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
-from titan_mok.kernels.mok_megakernel import SharedFFN
+from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, weight_operand
+from titan_mok.kernels.grouped_gemm import grouped_gate_up_swiglu
+from titan_mok.kernels.mok_megakernel import KeptRows, SharedFFN, megakernel_launch
 from titan_mok.kernels.mxfp8_gathered import GatheredOperands, MXFP8GatheredWeight
 from titan_mok.kernels.mxfp8_quant import ref_mxfp8_fake_quantize
 from titan_mok.moe import megakernel as mk
 from titan_mok.moe.dispatch import build_dispatch_handle, combine, dispatch
+from titan_mok.moe.fused import fused_dispatch
 from titan_mok.moe.megakernel import MegakernelConfig
+from titan_mok.moe.megakernel_rank import megakernel_rank_forward
 
 
 NAMES = ("w_gate_EIH", "w_up_EIH", "w_down_EHI")
@@ -133,6 +139,67 @@ def test_mxfp8_reads_the_kept_weight_operands_or_the_gathered_ones():
                 for w, n in zip(expert_weights, NAMES)]
     assert torch.equal(mx_megakernel(1, x, weights, ids, shared, tuple(gathered)), first)
     assert all(weight_cache._kept[owner][key].operand is entry.operand for key, entry in kept.items())
+
+
+def triton_gate_up(x_RH, group_end, expert_weights, swiglu_limit=None):
+    """The Triton MXFP8 forward's saved g, u, h on grouped rows (``grouped_gate_up_swiglu`` on the MXFP8 forward
+    operands; h before its quantization, as the backward reads it)."""
+    operands = [weight_operand(w, "mxfp8", 2, n) for w, n in zip(expert_weights[:2], NAMES)]
+    return grouped_gate_up_swiglu(x_RH, group_end, *operands, swiglu_limit)
+
+
+@pytest.mark.parametrize("kind, tokens, limit", [("skewed", T, None), ("one_expert", T - 3, 0.5)])
+@interpreted
+def test_mxfp8_kept_rows_are_the_triton_forwards_and_the_output_is_unchanged(kind, tokens, limit):
+    """A training launch under mxfp8 (``megakernel_rank_forward(keep_rows=True)``, one rank): its kept g, u, h on
+    the schedule's rows are the Triton MXFP8 forward's ``grouped_gate_up_swiglu`` on those x rows bit for bit (h
+    unquantized), tiles running past their expert's end and experts without rows included; the output is the
+    launch's without kept rows."""
+    (x, weights, shared), expert_weights = layer_inputs(1, 64, seed=80, tokens=tokens)
+    ids = routing(kind, 1, tokens=tokens, seed=81).to(DEVICE)
+    call = lambda keep: megakernel_rank_forward(  # noqa: E731
+        x, weights, ids, shared, expert_weights, num_experts=E, group=None, swiglu_limit=limit, config=SMALL,
+        precision="mxfp8", keep_rows=keep)
+    with torch.no_grad():
+        plain, _, none = call(False)
+        out, handle, kept = call(True)
+        want = triton_gate_up(fused_dispatch(x, handle), handle.group_end, expert_weights, limit)
+    assert none is None and torch.equal(out, plain)
+    sizes = torch.diff(handle.group_end, prepend=handle.group_end.new_zeros(1))
+    assert (sizes % SMALL.block_m != 0).any() and (sizes == 0).any(), sizes
+    rows = int(handle.group_end[-1])
+    for name, got_RI, want_RI in zip(("gate", "up", "h"), kept, want):
+        assert torch.equal(got_RI[:rows], want_RI[:rows]), name
+    # h is kept as the SwiGLU gave it: its MXFP8 values (what the down items read) differ
+    assert not torch.equal(ref_mxfp8_fake_quantize(kept[2][:rows]), kept[2][:rows])
+
+
+@interpreted
+def test_mxfp8_kept_rows_at_virtual_ep_are_the_real_rows_only():
+    """Virtual EP = 2, skewed, the (bf16) shared expert in the launch: each rank's kept rows are the Triton MXFP8
+    forward's on its schedule's rows; the rows past its schedule's end keep what they held."""
+    (x, weights, _), expert_weights = layer_inputs(2, 64, seed=82)
+    ids = routing("skewed", 2, seed=83)
+    shared_expert = SharedFFN(*shared_inputs(64, 32, seed=84))
+    mx_megakernel(2, x, weights, ids, None, expert_weights, shared_expert=shared_expert)  # the workspace, x published
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 2, T, K, 64, I, E // 2, SMALL, 32, "mxfp8")]
+    schedule = mk.tile_schedules([i.to(DEVICE) for i in ids.chunk(2)], E // 2, E, SMALL.block_m)
+    group_end_PL, _, row_slot_PR = schedule
+    rows = 2 * T * K
+    kept = KeptRows(*(torch.full((2, rows, I), float("nan"), dtype=torch.bfloat16, device=DEVICE) for _ in range(3)))
+    megakernel_launch(ws.bufs, schedule, mk.launch_weights(expert_weights, "mxfp8"), ws.shape, epoch=ws.next_epoch(),
+                      swiglu_limit=None, serialized=True, shared=shared_expert, kept=kept)
+    ws.reset()  # no finish ran: the arrivals are ahead of the workspace's count
+    local = E // 2
+    for p in range(2):
+        end = int(group_end_PL[p, -1])
+        s = row_slot_PR[p, :end].long()  # gathered slot: rank s // N, token (s % N) // K
+        x_RH = torch.zeros(rows, 64, dtype=torch.bfloat16, device=DEVICE)
+        x_RH[:end] = x[(s // (T * K)) * T + (s % (T * K)) // K]
+        want = triton_gate_up(x_RH, group_end_PL[p], [w[p * local:(p + 1) * local] for w in expert_weights[:2]])
+        for name, got_VRI, want_RI in zip(("gate", "up", "h"), kept, want):
+            assert torch.equal(got_VRI[p, :end], want_RI[:end]), (p, name)
+            assert got_VRI[p, end:].isnan().all(), (p, name)
 
 
 @interpreted

@@ -202,17 +202,15 @@ def megakernel_rank_forward(
 ) -> tuple[torch.Tensor, FusedHandle, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
     """(out_TH, this call's schedule as the ``"triton"`` path's handle: its rows, on the same workspace, and with
     keep_rows its rows' g, u, h), for the backward (``titan_mok.moe.megakernel_autograd``). Arguments:
-    ``megakernel_rank_routed_experts``'s; keep_rows (bf16 only): the launch also stores each schedule row's g, u and
-    h, bf16 [R, I] each (R = P·T·K, row r: schedule row r, rows past the schedule's end unwritten), the bits
-    ``grouped_gate_up_swiglu`` gives on the schedule's rows; allocated per call, 3·R·I·2 bytes."""
+    ``megakernel_rank_routed_experts``'s; keep_rows: the launch also stores each schedule row's g, u and h, bf16
+    [R, I] each (R = P·T·K, row r: schedule row r, rows past the schedule's end unwritten), the bits
+    ``grouped_gate_up_swiglu`` gives on the schedule's rows (MXFP8: h before its quantization); allocated per call,
+    3·R·I·2 bytes."""
     ep_degree = 1 if group is None else dist.get_world_size(group)
     caller = "megakernel_rank_routed_experts"
     call = check_call(caller, [x_TH], [weights_TK], [topk_idx_TK], [shared_TH], [shared_scale_T1], expert_weights,
                       shared_expert, num_experts=num_experts, ep_degree=ep_degree, swiglu_limit=swiglu_limit,
                       config=config, serialized=serialized, stall_rank=stall_rank, precision=precision)
-    if keep_rows and precision != "bf16":
-        raise ValueError(f"{caller}: keep_rows keeps bf16 g, u, h rows; precision {precision!r} keeps none (its "
-                         "backward recomputes the triton path's forward)")
     cfg, num_tokens, top_k, dim_h = call.config, call.num_tokens, call.top_k, call.dim_h
     device = x_TH.device
     num_local = num_experts // ep_degree
