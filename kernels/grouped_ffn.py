@@ -319,12 +319,24 @@ def forward_weight_operands(weights: tuple, precision: str, *, weights_owner: ob
     name)``): bf16 as given; MXFP8 kept under ``weights_owner`` per version of ``weight_sources``, exactly as ``grouped_swiglu_ffn(use_triton=True)`` keeps them (so a
     later call of it finds them); MXFP8-gathered weights as gathered. For other kernels that read the FFN's
     operands (the MoK megakernel)."""
+    return _kept_operands(weights, precision, 2, weights_owner, weight_sources)
+
+
+def dgrad_weight_operands(weights: tuple, precision: str, *, weights_owner: object = None,
+                          weight_sources: tuple | None = None) -> tuple:
+    """(w_gate, w_up, w_down) as the Triton path's input-gradient GEMMs read them (``weight_operand(w, precision, 1,
+    name)``: bf16 the transposed views, MXFP8 blocked along the other axis), kept and gathered as
+    ``forward_weight_operands``'s. For the MoK megakernel's dgrad launch."""
+    return _kept_operands(weights, precision, 1, weights_owner, weight_sources)
+
+
+def _kept_operands(weights: tuple, precision: str, along: int, weights_owner, weight_sources) -> tuple:
     gathered = _gathered_as_mxfp8(weights, precision)
     keeps = precision == "mxfp8" and not gathered
     stamps = _source_stamps(weights_owner, weight_sources, weights) if keeps else {}
     ops = _TritonOps(weights_owner if keeps else None, stamps, weight_sources if keeps else None)
-    return tuple(ops._operand(w, precision, 2, name) for w, name in zip(weights, ("w_gate_EIH", "w_up_EIH",
-                                                                                   "w_down_EHI")))
+    return tuple(ops._operand(w, precision, along, name) for w, name in zip(weights, ("w_gate_EIH", "w_up_EIH",
+                                                                                       "w_down_EHI")))
 
 
 def _gathered_as_mxfp8(weights, precision: str) -> bool:

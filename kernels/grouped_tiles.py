@@ -93,6 +93,22 @@ def _swiglu_out(acc1, acc2, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _swiglu_grads(dh, g_ptr, u_ptr, c_off, c_ok, limit, HAS_LIMIT: tl.constexpr):
+    """(dg, du) in fp32 (the caller rounds them to bf16) of h = silu(clamp(g)) * clamp(u) from the fp32 dh tile and the
+    stored g, u at c_off (zeros where not c_ok); the clamp passes the gradient only where it did not clip."""
+    g = tl.load(g_ptr + c_off, mask=c_ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + c_off, mask=c_ok, other=0.0).to(tl.float32)
+    gc, uc = _swiglu_clamped(g, u, limit, HAS_LIMIT)
+    sig = tl.sigmoid(gc)
+    dg = dh * uc * sig * (1 + gc * (1 - sig))
+    du = dh * gc * sig
+    if HAS_LIMIT:
+        dg = tl.where(g <= limit, dg, 0.0)
+        du = tl.where(tl.abs(u) <= limit, du, 0.0)
+    return dg, du
+
+
+@triton.jit
 def _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, limit, MODE: tl.constexpr,
               HAS_LIMIT: tl.constexpr):
     """Stores of one output tile (either orientation: c_off/c_ok give each element's place)."""
@@ -101,16 +117,8 @@ def _epilogue(acc1, acc2, c_off, c_ok, c1_ptr, c2_ptr, c3_ptr, g_ptr, u_ptr, lim
         tl.store(c1_ptr + c_off, g, mask=c_ok)
         tl.store(c2_ptr + c_off, u, mask=c_ok)
         tl.store(c3_ptr + c_off, h, mask=c_ok)
-    elif MODE == 2:  # acc1 = dh; dg, du of h = silu(clamp(g)) * clamp(u)
-        g = tl.load(g_ptr + c_off, mask=c_ok, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + c_off, mask=c_ok, other=0.0).to(tl.float32)
-        gc, uc = _swiglu_clamped(g, u, limit, HAS_LIMIT)
-        sig = tl.sigmoid(gc)
-        dg = acc1 * uc * sig * (1 + gc * (1 - sig))
-        du = acc1 * gc * sig
-        if HAS_LIMIT:  # the clamp passes the gradient only where it did not clip
-            dg = tl.where(g <= limit, dg, 0.0)
-            du = tl.where(tl.abs(u) <= limit, du, 0.0)
+    elif MODE == 2:  # acc1 = dh
+        dg, du = _swiglu_grads(acc1, g_ptr, u_ptr, c_off, c_ok, limit, HAS_LIMIT)
         tl.store(c1_ptr + c_off, _bf16_rne(dg), mask=c_ok)
         tl.store(c2_ptr + c_off, _bf16_rne(du), mask=c_ok)
     else:

@@ -286,11 +286,12 @@ def _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
-def _pull_tile(tile_ptr, x_table, row_slot_ptr, rows, ok, N, K, H, MX: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_H: tl.constexpr):
+def _pull_tile(tile_ptr, x_table, row_slot_ptr, rows, ok, pulled_ptr, N, K, H, MX: tl.constexpr,
+               KEEP_PULLED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     """tile [M, H] = the rows' token rows from their source ranks' x_TH; rows past the expert's end zero. MX: the
     rows' MXFP8 values instead (_mx_values along H: the Triton grouped FFN's A operand, as its
-    ``mxfp8_fake_quantize`` makes it; zero rows stay zero)."""
+    ``mxfp8_fake_quantize`` makes it; zero rows stay zero). KEEP_PULLED: the real rows also, as pulled (before any
+    quantization), into the grouped rows [R, H] at pulled_ptr, row rows[m] (the dgrad launch's dy rows)."""
     s = tl.load(row_slot_ptr + rows, mask=ok, other=0)  # gathered slot p·N + t·K + j
     src_base = tl.load(x_table + s // N, mask=ok, other=0).to(tl.pointer_type(tl.bfloat16))
     src_ptrs = src_base + ((s % N) // K).to(tl.int64) * H  # [M] token rows on the source ranks
@@ -299,6 +300,8 @@ def _pull_tile(tile_ptr, x_table, row_slot_ptr, rows, ok, N, K, H, MX: tl.conste
         cols = h0 + tl.arange(0, BLOCK_H)
         col_ok = (cols < H)[None, :]
         v = tl.load(src_ptrs[:, None] + cols[None, :], mask=ok[:, None] & col_ok, other=0.0)
+        if KEEP_PULLED:
+            tl.store(pulled_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v, mask=ok[:, None] & col_ok)
         if MX:  # H is a multiple of 32: a block lies wholly inside the row or wholly past it (zeros, not stored)
             v = _mx_values(v, BLOCK_M, BLOCK_H)
         tl.store(dst_ptrs[:, None] + cols[None, :], v, mask=col_ok)
@@ -479,10 +482,11 @@ def _first_tile(worker, workers, tile_lo):
 
 @triton.jit
 def _comm_program(c, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_table, group_end_ptr,
-                  tile_end_ptr, row_slot_ptr, err_ptr, trace_ptr, epoch, stall_rank, timeout_us, tile_lo, tile_hi, P,
-                  L, N, K, H, Q, COMM, PHASE: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, TRACE: tl.constexpr):
-    """Publishes x_ready, then pulls the routed tiles i in [tile_lo, tile_hi) dealt to it (module docstring)."""
+                  tile_end_ptr, row_slot_ptr, pulled_ptr, err_ptr, trace_ptr, epoch, stall_rank, timeout_us, tile_lo,
+                  tile_hi, P, L, N, K, H, Q, COMM, PHASE: tl.constexpr, MX: tl.constexpr, KEEP_PULLED: tl.constexpr,
+                  LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, TRACE: tl.constexpr):
+    """Publishes x_ready, then pulls the routed tiles i in [tile_lo, tile_hi) dealt to it (module docstring;
+    KEEP_PULLED: _pull_tile's)."""
     SERIAL: tl.constexpr = PHASE != 0
     start = _clock(TRACE, SERIAL)
     wait_ns = tl.full((), 0, tl.int64)
@@ -517,7 +521,8 @@ def _comm_program(c, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_t
             if alive:
                 _e, rows, ok = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
                 slot = q.to(tl.int64) * BLOCK_M
-                _pull_tile(ring_ptr + slot * H, x_table, row_slot_ptr, rows, ok, N, K, H, MX, BLOCK_M, BLOCK_H)
+                _pull_tile(ring_ptr + slot * H, x_table, row_slot_ptr, rows, ok, pulled_ptr, N, K, H, MX,
+                           KEEP_PULLED, BLOCK_M, BLOCK_H)
                 tl.debug_barrier()  # every thread's rows stored before the release
                 tl.atomic_xchg(ready_ptr + q, _stamp(epoch, n), sem="release", scope="sys")
             if TRACE:
@@ -761,9 +766,10 @@ def _megakernel(
     first_tile = SG * G  # the item order's tiles: the shared expert's first, then the routed (tile i: first_tile + i)
     if role < COMM:
         if PHASE <= 2:
+            # (no pulled rows kept: the pointer is never read)
             _comm_program(role, rank, ring_ptr, ready_ptr, consumed_ptr, x_table, x_ready_table, group_end_ptr,
-                          tile_end_ptr, row_slot_ptr, err_ptr, trace_ptr, epoch, stall_rank, timeout_us,
-                          tile_lo - first_tile, tile_hi - first_tile, P, L, N, K, H, Q, COMM, PHASE, MX, LOG_L,
+                          tile_end_ptr, row_slot_ptr, ring_ptr, err_ptr, trace_ptr, epoch, stall_rank, timeout_us,
+                          tile_lo - first_tile, tile_hi - first_tile, P, L, N, K, H, Q, COMM, PHASE, MX, False, LOG_L,
                           BLOCK_M, BLOCK_H, TRACE)
     else:
         if PHASE == 0 or PHASE >= 3:

@@ -65,8 +65,8 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_mok.kernels.grouped_gemm import _DOT_F32, SWIGLU_BWD, _dot
-from titan_mok.kernels.grouped_tiles import _bf16_rne, _epilogue
+from titan_mok.kernels.grouped_gemm import _DOT_F32, _dot
+from titan_mok.kernels.grouped_tiles import _bf16_rne, _swiglu_grads
 from titan_mok.kernels.mok_combine import _round_to, _slot_term
 from titan_mok.kernels.mok_megakernel import (
     BLOCK_K,
@@ -84,15 +84,21 @@ from titan_mok.kernels.mok_megakernel import (
     RingBuffers,
     _comm_program,
     _item,
+    _mx_values,
+    _mx_weight_tile,
+    _operand_tile,
+    _scale_bits,
     _stamp,
     _tile_rows,
     _wait,
+    _weight_bits,
     resident_programs,
 )
+from titan_mok.kernels.mxfp8 import BLOCK as MX_BLOCK
+from titan_mok.kernels.mxfp8 import MXTensor
 
 # Launch phases: the forward's (the kernels compare PHASE with literals: 0 all, 1 publish, 2 pull, 3 D1, 4 D2).
 PHASE_D1, PHASE_D2 = PHASE_GATE_UP, PHASE_DOWN
-_SWIGLU_BWD = tl.constexpr(SWIGLU_BWD)  # grouped_tiles._epilogue's SwiGLU backward
 
 WAIT_NAMES = {
     1: "dy_ready: rank {rank}'s communication program waited for rank {index} to publish its w·dY rows",
@@ -105,74 +111,116 @@ WAIT_NAMES = {
 
 
 @triton.jit
-def _down_dgrad_block(a_ptr, wd_ptr, g_ptr, u_ptr, dgate_ptr, dup_ptr, rows, real, n0, H, I, limit,
-                      HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      DOT_F32: tl.constexpr):
+def _down_dgrad_block(a_ptr, wd_ptr, wd_scales, g_ptr, u_ptr, dgate_ptr, dup_ptr, dgate_mx_ptr, dup_mx_ptr, rows,
+                      real, n0, H, I, limit, HAS_LIMIT: tl.constexpr, MX: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     """dh[:, n0:n0 + BLOCK_N] = a @ w_down[:, n0:n0 + BLOCK_N] for one ring tile a [M, H] (w_down [H, I]), through
-    the SwiGLU backward with the rows' g, u: dgate, dup stored at the real rows of the grouped [R, I] buffers."""
+    the SwiGLU backward with the rows' g, u: dgate, dup stored at the real rows of the grouped [R, I] buffers.
+
+    MX: a holds the dy rows' MXFP8 values along H (the pull's), w_down is its dgrad operand [I, H] (E4M3 rows blocked
+    along H, E8M0 bits [I, H / 32] at wd_scales), dequantized per 32-wide K step with the scales loaded a step ahead,
+    the product transposed (the forward's MX items); dgate and dup also go, as their MXFP8 values along I (whole
+    32-blocks: BLOCK_N and I multiples of 32), into the slot's [M, I] tiles at dgate_mx_ptr, dup_mx_ptr, every tile
+    row (the rows past the expert's end are zeros: zero dy, zero g, u), D2's A operands."""
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < H
-        # .cg: another SM wrote the tile; read it from L2, never from a line this SM cached in an earlier round
-        a = tl.load(a_ptr + offs_m[:, None] * H + offs_k[None, :], mask=k_ok[None, :], other=0.0,
-                    cache_modifier=".cg")
-        b = tl.load(wd_ptr + offs_k[:, None].to(tl.int64) * I + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :],
-                    other=0.0)
-        acc = _dot(a, b, acc, DOT_F32)
+    if MX:
+        acct = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        scale_rows = wd_scales + offs_n * (H // 32)  # int32: the expert's [I, H / 32] bits
+        s_next = _scale_bits(scale_rows, 0, n_ok, H)
+        every_row = tl.full((BLOCK_M,), 1, tl.int1)
+        for k0 in range(0, H, 32):
+            # .cg: another SM wrote the tile (as below)
+            at = tl.trans(_operand_tile(a_ptr, 0, k0, every_row, H, BLOCK_M, 32, False, ".cg"))
+            s = s_next
+            s_next = _scale_bits(scale_rows, k0 + 32, n_ok, H)
+            acct = _dot(_mx_weight_tile(wd_ptr, n0, k0, n_ok, H, s, BLOCK_N, False), at, acct, DOT_F32)
+        acc = tl.trans(acct)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < H
+            # .cg: another SM wrote the tile; read it from L2, never from a line this SM cached in an earlier round
+            a = tl.load(a_ptr + offs_m[:, None] * H + offs_k[None, :], mask=k_ok[None, :], other=0.0,
+                        cache_modifier=".cg")
+            b = tl.load(wd_ptr + offs_k[:, None].to(tl.int64) * I + offs_n[None, :],
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = _dot(a, b, acc, DOT_F32)
     # the tile's rows are consecutive: int32 offsets from its first row (int64 ones spill registers on sm_90)
     first = tl.min(rows, axis=0).to(tl.int64) * I
     c_off = offs_m[:, None].to(tl.int32) * I + offs_n[None, :]
-    _epilogue(acc, acc, c_off, real[:, None] & n_ok[None, :], dgate_ptr + first, dup_ptr + first, dup_ptr + first,
-              g_ptr + first, u_ptr + first, limit, _SWIGLU_BWD, HAS_LIMIT)
+    c_ok = real[:, None] & n_ok[None, :]
+    dgate, dup = _swiglu_grads(acc, g_ptr + first, u_ptr + first, c_off, c_ok, limit, HAS_LIMIT)
+    dgate = _bf16_rne(dgate)
+    tl.store(dgate_ptr + first + c_off, dgate, mask=c_ok)
+    dup = _bf16_rne(dup)
+    tl.store(dup_ptr + first + c_off, dup, mask=c_ok)
+    if MX:
+        tl.store(dgate_mx_ptr + c_off, _mx_values(dgate, BLOCK_M, BLOCK_N), mask=n_ok[None, :])
+        tl.store(dup_mx_ptr + c_off, _mx_values(dup, BLOCK_M, BLOCK_N), mask=n_ok[None, :])
 
 
 @triton.jit
-def _gate_up_dgrad_block(dgate_ptr, dup_ptr, wg_ptr, wu_ptr, dst_ptrs, rows, real, n0, H, I,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+def _gate_up_dgrad_block(dgate_ptr, dup_ptr, wg_ptr, wu_ptr, wg_scales, wu_scales, dst_ptrs, rows, real, n0, H, I,
+                         MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_F32: tl.constexpr):
     """dx[:, n0:n0 + BLOCK_N] = dgate @ w_gate[:, cols] + dup @ w_up[:, cols] in one fp32 accumulator (dgate's K
     steps over I, then dup's, each ascending), rounded to bf16; real row r's columns stored at dst_ptrs[r] (its
-    (token, slot) row). dgate, dup: grouped rows [R, I]; w_gate, w_up [I, H]."""
+    (token, slot) row). dgate, dup: grouped rows [R, I]; w_gate, w_up [I, H].
+
+    MX: dgate, dup are the slot's [M, I] tiles of their MXFP8 values along I (D1's), w_gate, w_up their dgrad
+    operands [H, I] (E4M3 rows blocked along I, E8M0 bits [H, I / 32] at wg_scales, wu_scales), dequantized per
+    32-wide K step with the scales loaded a step ahead (across the switch from w_gate to w_up too), the product
+    transposed."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
-    a_rows = rows[:, None].to(tl.int64) * I
-    steps = tl.cdiv(I, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # one loop over both products, the same steps in the same order (two loops, each software-pipelined, spill
     # 400+ bytes of registers on sm_90)
-    for step in range(0, 2 * steps):
-        up = step >= steps
-        offs_k = (step - tl.where(up, steps, 0)) * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < I
-        # .cg: other SMs wrote these rows in this launch
-        a = tl.load(tl.where(up, dup_ptr, dgate_ptr) + a_rows + offs_k[None, :], mask=real[:, None] & k_ok[None, :],
-                    other=0.0, cache_modifier=".cg")
-        b = tl.load(tl.where(up, wu_ptr, wg_ptr) + offs_k[:, None].to(tl.int64) * H + offs_n[None, :],
-                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = _dot(a, b, acc, DOT_F32)
-    tl.store(dst_ptrs[:, None] + offs_n[None, :], _bf16_rne(acc), mask=real[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _copy_rows(tile_ptr, dst_ptr, rows, real, H, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    """dst[rows[r]] = tile[r] for the real rows (tile [M, H], dst grouped rows [R, H])."""
-    src = tile_ptr + tl.arange(0, BLOCK_M).to(tl.int64) * H
-    dst = dst_ptr + rows.to(tl.int64) * H
-    for h0 in range(0, H, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        ok = real[:, None] & (cols < H)[None, :]
-        tl.store(dst[:, None] + cols[None, :], tl.load(src[:, None] + cols[None, :], mask=ok, cache_modifier=".cg"),
-                 mask=ok)
+    if MX:
+        steps = I // 32
+        every_row = tl.full((BLOCK_M,), 1, tl.int1)
+        scale_off = offs_n * (I // 32)  # int32: an expert's [H, I / 32] bits (the bases carry the expert's offset)
+        s_next = _scale_bits(wg_scales + scale_off, 0, n_ok, I)
+        acct = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for step in range(0, 2 * steps):
+            up = step >= steps
+            k0 = (step - tl.where(up, steps, 0)) * 32
+            # .cg: other SMs wrote these rows in this launch
+            at = tl.trans(_operand_tile(tl.where(up, dup_ptr, dgate_ptr), 0, k0, every_row, I, BLOCK_M, 32, False,
+                                        ".cg"))
+            s = s_next
+            up_next = step + 1 >= steps  # past the last step: k = I, so the scales read as 2^0 (never used)
+            s_next = _scale_bits(tl.where(up_next, wu_scales, wg_scales) + scale_off,
+                                 (step + 1 - tl.where(up_next, steps, 0)) * 32, n_ok, I)
+            acct = _dot(_mx_weight_tile(tl.where(up, wu_ptr, wg_ptr), n0, k0, n_ok, I, s, BLOCK_N, False), at, acct,
+                        DOT_F32)
+        dx = tl.trans(_bf16_rne(acct))
+    else:
+        a_rows = rows[:, None].to(tl.int64) * I
+        steps = tl.cdiv(I, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(0, 2 * steps):
+            up = step >= steps
+            offs_k = (step - tl.where(up, steps, 0)) * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < I
+            # .cg: other SMs wrote these rows in this launch
+            a = tl.load(tl.where(up, dup_ptr, dgate_ptr) + a_rows + offs_k[None, :],
+                        mask=real[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
+            b = tl.load(tl.where(up, wu_ptr, wg_ptr) + offs_k[:, None].to(tl.int64) * H + offs_n[None, :],
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = _dot(a, b, acc, DOT_F32)
+        dx = _bf16_rne(acc)
+    tl.store(dst_ptrs[:, None] + offs_n[None, :], dx, mask=real[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _d1_item(i, b, rank, ring_ptr, ready_ptr, dgrad_ready_ptr, d1_done_ptr, group_end_ptr, tile_end_ptr, wd_ptr,
-             g_ptr, u_ptr, dy_rows_ptr, dgate_ptr, dup_ptr, err_ptr, epoch, timeout_us, limit, L, H, I, Q, NB_I,
-             SERIAL: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr):
+             wd_scale_ptr, g_ptr, u_ptr, dgate_ptr, dup_ptr, dgate_mx_ptr, dup_mx_ptr, err_ptr, epoch, timeout_us,
+             limit, L, H, I, Q, NB_I, SERIAL: tl.constexpr, HAS_LIMIT: tl.constexpr, MX: tl.constexpr,
+             LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             DOT_F32: tl.constexpr):
     """D1(i, b) (module docstring); False when its wait ran out."""
     q = i % Q
     n = i // Q
@@ -180,10 +228,10 @@ def _d1_item(i, b, rank, ring_ptr, ready_ptr, dgrad_ready_ptr, d1_done_ptr, grou
     if ok:
         e, rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
         tile_ptr = ring_ptr + q.to(tl.int64) * BLOCK_M * H
-        _down_dgrad_block(tile_ptr, wd_ptr + e.to(tl.int64) * H * I, g_ptr, u_ptr, dgate_ptr, dup_ptr, rows, real,
-                          b * BLOCK_N, H, I, limit, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-        if b == 0:
-            _copy_rows(tile_ptr, dy_rows_ptr, rows, real, H, BLOCK_M, BLOCK_H)
+        slot_i = q.to(tl.int64) * BLOCK_M * I  # the slot's [M, I] tiles (MX)
+        _down_dgrad_block(tile_ptr, wd_ptr + e.to(tl.int64) * H * I, wd_scale_ptr + e.to(tl.int64) * I * (H // 32),
+                          g_ptr, u_ptr, dgate_ptr, dup_ptr, dgate_mx_ptr + slot_i, dup_mx_ptr + slot_i, rows, real,
+                          b * BLOCK_N, H, I, limit, HAS_LIMIT, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
         tl.debug_barrier()  # every thread's stores, and its reads of the ring tile, done before the count
         if tl.atomic_add(d1_done_ptr + q, 1, sem="acq_rel", scope="sys") == NB_I - 1:
             # the tile's last D1 item: every other's dgate/dup rows are ordered before this (acq_rel)
@@ -194,9 +242,10 @@ def _d1_item(i, b, rank, ring_ptr, ready_ptr, dgrad_ready_ptr, d1_done_ptr, grou
 
 @triton.jit
 def _d2_item(i, c, rank, dgrad_ready_ptr, consumed_ptr, d2_done_ptr, slots_table, arrivals_table, group_end_ptr,
-             tile_end_ptr, row_slot_ptr, wg_ptr, wu_ptr, dgate_ptr, dup_ptr, err_ptr, epoch, timeout_us, L, N, K, H, I,
-             Q, NB_H, SERIAL: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+             tile_end_ptr, row_slot_ptr, wg_ptr, wu_ptr, wg_scale_ptr, wu_scale_ptr, dgate_ptr, dup_ptr, dgate_mx_ptr,
+             dup_mx_ptr, err_ptr, epoch, timeout_us, L, N, K, H, I, Q, NB_H, SERIAL: tl.constexpr, MX: tl.constexpr,
+             LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             DOT_F32: tl.constexpr):
     """D2(i, c) (module docstring); False when its wait ran out."""
     q = i % Q
     n = i // Q
@@ -207,8 +256,14 @@ def _d2_item(i, c, rank, dgrad_ready_ptr, consumed_ptr, d2_done_ptr, slots_table
         src = s // N
         slot_ptrs = tl.load(slots_table + src, mask=real, other=0).to(tl.pointer_type(tl.bfloat16))
         w_off = e.to(tl.int64) * I * H
-        _gate_up_dgrad_block(dgate_ptr, dup_ptr, wg_ptr + w_off, wu_ptr + w_off, slot_ptrs + (s % N).to(tl.int64) * H,
-                             rows, real, c * BLOCK_N, H, I, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+        if MX:  # the A operands: the slot's tiles of their MXFP8 values
+            slot_i = q.to(tl.int64) * BLOCK_M * I
+            a_gate, a_up = dgate_mx_ptr + slot_i, dup_mx_ptr + slot_i
+        else:  # the grouped rows
+            a_gate, a_up = dgate_ptr, dup_ptr
+        _gate_up_dgrad_block(a_gate, a_up, wg_ptr + w_off, wu_ptr + w_off, wg_scale_ptr + w_off // 32,
+                             wu_scale_ptr + w_off // 32, slot_ptrs + (s % N).to(tl.int64) * H, rows, real,
+                             c * BLOCK_N, H, I, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
         tl.debug_barrier()  # every thread's slot stores and row reads done before the count
         if tl.atomic_add(d2_done_ptr + q, 1, sem="acq_rel", scope="sys") == NB_H - 1:
             # the tile's last D2 item: every other's slot stores are ordered before this (acq_rel)
@@ -223,10 +278,11 @@ def _d2_item(i, c, rank, dgrad_ready_ptr, consumed_ptr, d2_done_ptr, slots_table
 @triton.jit
 def _compute_program(rank, ring_ptr, ready_ptr, dgrad_ready_ptr, consumed_ptr, d1_done_ptr, d2_done_ptr,
                      next_item_ptr, programs_done_ptr, slots_table, arrivals_table, group_end_ptr, tile_end_ptr,
-                     row_slot_ptr, wg_ptr, wu_ptr, wd_ptr, g_ptr, u_ptr, dy_rows_ptr, dgate_ptr, dup_ptr, err_ptr,
-                     epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, L, N, K, H, I, Q, COMPUTE, G, LAG,
-                     PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr):
+                     row_slot_ptr, wg_ptr, wu_ptr, wd_ptr, wg_scale_ptr, wu_scale_ptr, wd_scale_ptr, g_ptr, u_ptr,
+                     dgate_ptr, dup_ptr, dgate_mx_ptr, dup_mx_ptr, err_ptr, epoch, timeout_us, tile_lo, tile_hi,
+                     item_lo, item_hi, limit, L, N, K, H, I, Q, COMPUTE, G, LAG, PHASE: tl.constexpr,
+                     HAS_LIMIT: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     SERIAL: tl.constexpr = PHASE != 0
     NB_I = tl.cdiv(I, BLOCK_N)
     NB_H = tl.cdiv(H, BLOCK_N)
@@ -242,15 +298,16 @@ def _compute_program(rank, ring_ptr, ready_ptr, dgrad_ready_ptr, consumed_ptr, d
         if PHASE != 4:
             if is_d1 & mine:
                 alive = _d1_item(i, block, rank, ring_ptr, ready_ptr, dgrad_ready_ptr, d1_done_ptr, group_end_ptr,
-                                 tile_end_ptr, wd_ptr, g_ptr, u_ptr, dy_rows_ptr, dgate_ptr, dup_ptr, err_ptr, epoch,
-                                 timeout_us, limit, L, H, I, Q, NB_I, SERIAL, HAS_LIMIT, LOG_L, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, BLOCK_H, DOT_F32)
+                                 tile_end_ptr, wd_ptr, wd_scale_ptr, g_ptr, u_ptr, dgate_ptr, dup_ptr, dgate_mx_ptr,
+                                 dup_mx_ptr, err_ptr, epoch, timeout_us, limit, L, H, I, Q, NB_I, SERIAL, HAS_LIMIT,
+                                 MX, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
         if PHASE != 3:
             if (is_d1 == 0) & mine:
                 alive = _d2_item(i, block, rank, dgrad_ready_ptr, consumed_ptr, d2_done_ptr, slots_table,
-                                 arrivals_table, group_end_ptr, tile_end_ptr, row_slot_ptr, wg_ptr, wu_ptr, dgate_ptr,
-                                 dup_ptr, err_ptr, epoch, timeout_us, L, N, K, H, I, Q, NB_H, SERIAL, LOG_L, BLOCK_M,
-                                 BLOCK_N, BLOCK_K, DOT_F32)
+                                 arrivals_table, group_end_ptr, tile_end_ptr, row_slot_ptr, wg_ptr, wu_ptr,
+                                 wg_scale_ptr, wu_scale_ptr, dgate_ptr, dup_ptr, dgate_mx_ptr, dup_mx_ptr, err_ptr,
+                                 epoch, timeout_us, L, N, K, H, I, Q, NB_H, SERIAL, MX, LOG_L, BLOCK_M, BLOCK_N,
+                                 BLOCK_K, DOT_F32)
         j = item_lo + tl.atomic_add(next_item_ptr, 1, sem="relaxed", scope="gpu")
     # the last of the rank's programs to run out of items rearms the counter for the next launch (acq_rel: the
     # others' claims are ordered before the reset)
@@ -268,18 +325,23 @@ def _megakernel_bwd(
     # ... int64 [V, Q]: ready, dgrad_ready, consumed; int32 [V, Q]: d1_done, d2_done; int32 [V]: next_item,
     # programs_done
     ready_ptr, dgrad_ready_ptr, consumed_ptr, d1_done_ptr, d2_done_ptr, next_item_ptr, programs_done_ptr,
+    # MX: the slots' dgate, dup tiles of MXFP8 values [V, Q, M, I] bf16; else never read
+    dgate_mx_ptr, dup_mx_ptr,
     # int64 [P] addresses of every rank's symmetric buffers
     dy_table, slots_table, arrivals_table, dy_ready_table,
     # the hosted ranks' schedules: group_end, tile_end int32 [V, L], row_slot int32 [V, R]
     group_end_ptr, tile_end_ptr, row_slot_ptr,
-    # the hosted ranks' expert weights: w_gate, w_up [V·L, I, H], w_down [V·L, H, I] bf16
+    # the hosted ranks' expert weights: w_gate, w_up [V·L, I, H], w_down [V·L, H, I] bf16; MX: their dgrad operands'
+    # E4M3 bits, w_gate, w_up [V·L, H, I], w_down [V·L, I, H] (uint8)
     wg_ptr, wu_ptr, wd_ptr,
+    # MX: their E8M0 bits (uint8) [V·L, H, I / 32], [V·L, H, I / 32], [V·L, I, H / 32]; else never read
+    wg_scale_ptr, wu_scale_ptr, wd_scale_ptr,
     # grouped rows of the hosted ranks' schedules: g, u in; dgate, dup out [V, R, I]; dy out [V, R, H] (bf16)
     g_ptr, u_ptr, dgate_ptr, dup_ptr, dy_rows_ptr,
     err_ptr,
     first_rank, epoch, stall_rank, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit,
     P, L, T, K, H, I, Q, COMM, COMPUTE, G, LAG,
-    PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
+    PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -297,21 +359,25 @@ def _megakernel_bwd(
     if role < COMM:
         if PHASE <= 2:
             # the forward's communication program, K = 1: tile row j is slot row s mod N of rank s div N's dy_NH
-            # bf16 rows (MX False: no scale buffer, the pointer is never read; no trace)
+            # (MX: its MXFP8 values along H, as the forward's x); each real row also into the grouped dy rows, as
+            # pulled (no trace)
             _comm_program(role, rank, ring_ptr, ready_ptr, consumed_ptr, dy_table, dy_ready_table, group_end_ptr,
-                          tile_end_ptr, row_slot_ptr, err_ptr, err_ptr, epoch, stall_rank, timeout_us, tile_lo,
-                          tile_hi, P, L, N, 1, H, Q, COMM, PHASE, False, LOG_L, BLOCK_M, BLOCK_H, False)
+                          tile_end_ptr, row_slot_ptr, dy_rows_ptr + local64 * P * N * H, err_ptr, err_ptr, epoch,
+                          stall_rank, timeout_us, tile_lo, tile_hi, P, L, N, 1, H, Q, COMM, PHASE, MX, True, LOG_L,
+                          BLOCK_M, BLOCK_H, False)
     else:
         if PHASE == 0 or PHASE >= 3:
-            w_off = local64 * L * I * H  # the hosted rank's first expert
+            w_off = local64 * L * I * H  # the hosted rank's first expert (MX: its E4M3 bits; its E8M0 bits / 32)
             rows_i = local64 * P * N * I  # the hosted rank's grouped rows
+            slots_i = local64 * Q * BLOCK_M * I  # its slots' [M, I] tiles (MX)
             _compute_program(rank, ring_ptr, ready_ptr, dgrad_ready_ptr + local64 * Q, consumed_ptr,
                              d1_done_ptr + local64 * Q, d2_done_ptr + local64 * Q, next_item_ptr + local,
                              programs_done_ptr + local, slots_table, arrivals_table, group_end_ptr, tile_end_ptr,
-                             row_slot_ptr, wg_ptr + w_off, wu_ptr + w_off, wd_ptr + w_off, g_ptr + rows_i,
-                             u_ptr + rows_i, dy_rows_ptr + local64 * P * N * H, dgate_ptr + rows_i, dup_ptr + rows_i,
+                             row_slot_ptr, wg_ptr + w_off, wu_ptr + w_off, wd_ptr + w_off, wg_scale_ptr + w_off // 32,
+                             wu_scale_ptr + w_off // 32, wd_scale_ptr + w_off // 32, g_ptr + rows_i, u_ptr + rows_i,
+                             dgate_ptr + rows_i, dup_ptr + rows_i, dgate_mx_ptr + slots_i, dup_mx_ptr + slots_i,
                              err_ptr, epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, L, N, K, H, I, Q,
-                             COMPUTE, G, LAG, PHASE, HAS_LIMIT, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H, DOT_F32)
+                             COMPUTE, G, LAG, PHASE, HAS_LIMIT, MX, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
 
 
 # debug: the device assertions below are compiled in
@@ -360,6 +426,15 @@ class BackwardBuffers(RingBuffers):
     """"dy_NH", "dx_slots_NH", "arrivals_T", "dy_ready": int64 [P] addresses of every rank's buffer."""
     errors: torch.Tensor
     """int64 [6]: code, waiting rank, index, seen, expected (0: no error)."""
+    dgate_mx_VQMI: torch.Tensor | None = None
+    """MXFP8 launches: each slot's tile of dgate's MXFP8 values along I (D1 writes, D2 reads), bf16; None: bf16."""
+    dup_mx_VQMI: torch.Tensor | None = None
+    """Likewise dup's."""
+
+    @property
+    def mx(self) -> bool:
+        """Whether the buffers serve MXFP8 launches."""
+        return self.dgate_mx_VQMI is not None
 
     @property
     def flags(self) -> list[torch.Tensor]:
@@ -381,7 +456,7 @@ class GroupedRows:
     dup_VRI: torch.Tensor
     """Out: its dup rows."""
     dy_VRH: torch.Tensor
-    """Out: the pulled w·dY rows."""
+    """Out: the pulled w·dY rows, as pulled (under MXFP8 too: the weight gradient quantizes its own operands)."""
 
 
 def read_error(errors: torch.Tensor) -> str | None:
@@ -393,30 +468,40 @@ def read_error(errors: torch.Tensor) -> str | None:
     return f"mok megakernel backward: timed out: {what} (flag held {seen}, expected {expected})"
 
 
+def _dims(weights) -> tuple[int, int]:
+    """(H, I) of the launch's weights: bf16 w_gate [V·L, I, H], or the MXFP8 dgrad operand of w_gate [V·L, H, I]."""
+    if isinstance(weights[0], MXTensor):
+        return tuple(weights[0].data.shape[1:])
+    dim_i, dim_h = weights[0].shape[1:]
+    return dim_h, dim_i
+
+
 def _args(bufs, schedule, weights, rows: GroupedRows, shape: LaunchShape, epoch, stall_rank, timeout_us, tiles,
           items, limit):
     group_end_VL, tile_end_VL, row_slot_VR = schedule
-    w_gate_XIH, w_up_XIH, w_down_XHI = weights
-    _, dim_i, dim_h = w_gate_XIH.shape
+    dim_h, dim_i = _dims(weights)
+    weights, weight_scales = _weight_bits(weights)
+    scale_ptrs = (bufs.errors,) * 3 if weight_scales is None else weight_scales  # bf16: pointers never read
+    mx_tiles = (bufs.dgate_mx_VQMI, bufs.dup_mx_VQMI) if bufs.mx else (bufs.ring_VQMH,) * 2  # bf16: never read
     t = bufs.tables
-    return (bufs.ring_VQMH, *bufs.flags, t["dy_NH"], t["dx_slots_NH"], t["arrivals_T"], t["dy_ready"], group_end_VL,
-            tile_end_VL, row_slot_VR, w_gate_XIH, w_up_XIH, w_down_XHI, rows.gate_VRI, rows.up_VRI, rows.dgate_VRI,
+    return (bufs.ring_VQMH, *bufs.flags, *mx_tiles, t["dy_NH"], t["dx_slots_NH"], t["arrivals_T"], t["dy_ready"],
+            group_end_VL, tile_end_VL, row_slot_VR, *weights, *scale_ptrs, rows.gate_VRI, rows.up_VRI, rows.dgate_VRI,
             rows.dup_VRI, rows.dy_VRH, bufs.errors, shape.first_rank, epoch, stall_rank, timeout_us, *tiles, *items,
             limit, shape.ep_degree, shape.num_local, shape.num_tokens, shape.top_k, dim_h, dim_i, bufs.ring_tiles,
             shape.comm_programs, shape.compute_programs, shape.group_tiles, shape.lag)
 
 
 def _constexprs(variant: KernelVariant, phase: int) -> dict:
-    return dict(PHASE=phase, HAS_LIMIT=variant.has_limit, LOG_L=variant.num_local.bit_length(),
+    return dict(PHASE=phase, HAS_LIMIT=variant.has_limit, MX=variant.mx, LOG_L=variant.num_local.bit_length(),
                 BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BLOCK_K=BLOCK_K,
                 BLOCK_H=min(256, triton.next_power_of_2(variant.dim_h)), DOT_F32=_DOT_F32, num_warps=variant.num_warps,
                 num_stages=variant.num_stages)
 
 
 def _variant(bufs: BackwardBuffers, weights, shape: LaunchShape, swiglu_limit: float | None) -> KernelVariant:
-    dim_i, dim_h = weights[0].shape[1:]
+    dim_h, dim_i = _dims(weights)
     return KernelVariant(dim_h, dim_i, 0, shape.num_local, bufs.block_m, shape.block_n, shape.num_warps,
-                         shape.num_stages, swiglu_limit is not None)
+                         shape.num_stages, swiglu_limit is not None, mx=isinstance(weights[0], MXTensor))
 
 
 def compile_megakernel_bwd(variant: KernelVariant):
@@ -424,8 +509,10 @@ def compile_megakernel_bwd(variant: KernelVariant):
     expert: ``variant.shared_dim`` is 0), launching nothing: the current driver's target."""
     if variant.shared_dim:
         raise ValueError(f"compile_megakernel_bwd: the dgrad launch has no shared expert, got {variant}")
-    ptrs = [torch.bfloat16] + [torch.int64] * 3 + [torch.int32] * 4 + [torch.int64] * 4 + [torch.int32] * 3 + [
-        torch.bfloat16] * 8 + [torch.int64]  # pointer arguments as their dtypes (Triton's warmup takes those)
+    weights = torch.uint8 if variant.mx else torch.bfloat16  # E4M3 bits or bf16
+    ptrs = [torch.bfloat16] + [torch.int64] * 3 + [torch.int32] * 4 + [torch.bfloat16] * 2 + [torch.int64] * 4 + [
+        torch.int32] * 3 + [weights] * 3 + [torch.uint8 if variant.mx else torch.int64] * 3 + [torch.bfloat16] * 5 + [
+        torch.int64]  # pointer arguments as their dtypes (Triton's warmup takes those)
     ints = [2] * 8 + [0.0] + [2] * 4 + [variant.dim_h, variant.dim_i] + [2] * 5  # first_rank ... LAG
     return _megakernel_bwd.warmup(*ptrs, *ints, grid=(1,), **_constexprs(variant, PHASE_ALL))
 
@@ -448,7 +535,7 @@ def megakernel_bwd_phase(bufs: BackwardBuffers, schedule, weights, rows: Grouped
     variant = _variant(bufs, weights, shape, swiglu_limit)
     has_limit = swiglu_limit is not None
     if phase == PHASE_ALL:
-        max_programs = co_resident_programs_bwd(weights[0].device.index, variant)
+        max_programs = co_resident_programs_bwd(rows.dy_VRH.device.index, variant)
         if shape.programs > max_programs:
             raise RuntimeError(
                 f"mok megakernel backward: {shape.programs} programs ({shape.hosted_ranks} ranks x "
@@ -459,6 +546,36 @@ def megakernel_bwd_phase(bufs: BackwardBuffers, schedule, weights, rows: Grouped
     _megakernel_bwd[(shape.programs,)](*args, **_constexprs(variant, phase))
 
 
+def _check_precision(bufs: BackwardBuffers, weights, shape: LaunchShape) -> None:
+    """bf16 buffers take bf16 weights; MXFP8 buffers the weights' MXFP8 dgrad operands, as the Triton grouped FFN's
+    backward reads them (blocked along K in MMA order, contiguous), with H, I and block_n multiples of 32."""
+    names = ("w_gate", "w_up", "w_down")
+    mx = [isinstance(w, MXTensor) for w in weights]
+    if mx != [bufs.mx] * 3:
+        raise TypeError(f"megakernel_bwd_launch: {'MXFP8' if bufs.mx else 'bf16'} buffers need the weights "
+                        f"{'all as MXTensors (their dgrad operands)' if bufs.mx else 'all bf16'}; got MXTensor: "
+                        f"{dict(zip(names, mx))}")
+    if not bufs.mx:
+        return
+    dim_h, dim_i = _dims(weights)
+    for name, w, shape_nk in zip(names, weights, ((dim_h, dim_i), (dim_h, dim_i), (dim_i, dim_h))):
+        if (w.dim != 2 or not w.mma_order or tuple(w.data.shape[1:]) != shape_nk
+                or w.scale.shape != (*w.data.shape[:2], w.data.shape[2] // MX_BLOCK)
+                or not (w.data.is_contiguous() and w.scale.is_contiguous())):
+            raise ValueError(f"megakernel_bwd_launch: {name} must be its MXFP8 dgrad operand [V·L, {shape_nk[0]}, "
+                             f"{shape_nk[1]}], blocked along K (dim 2) in MMA order, contiguous, as "
+                             f"grouped_ffn.weight_operand(w, 'mxfp8', 1, name) makes it; got dim {w.dim}, mma_order "
+                             f"{w.mma_order}, data {tuple(w.data.shape)}, scale {tuple(w.scale.shape)}")
+    if dim_h % MX_BLOCK or dim_i % MX_BLOCK or shape.block_n % MX_BLOCK:
+        raise ValueError(f"megakernel_bwd_launch: MXFP8 needs H ({dim_h}), I ({dim_i}) and block_n "
+                         f"({shape.block_n}) to be multiples of {MX_BLOCK}")
+    want = (shape.hosted_ranks, bufs.ring_tiles, bufs.block_m, dim_i)
+    for name, t in (("dgate_mx_VQMI", bufs.dgate_mx_VQMI), ("dup_mx_VQMI", bufs.dup_mx_VQMI)):
+        if tuple(t.shape) != want or t.dtype != torch.bfloat16 or not t.is_contiguous():
+            raise ValueError(f"megakernel_bwd_launch: bufs.{name} must be bf16 contiguous {list(want)}, got "
+                             f"{t.dtype} {list(t.shape)}")
+
+
 def megakernel_bwd_launch(bufs: BackwardBuffers, schedule, weights, rows: GroupedRows, shape: LaunchShape, *,
                           epoch: int, swiglu_limit: float | None, serialized: bool, stall_rank: int | None = None,
                           timeout_ms: float = 10_000.0, phase_barrier: Callable[[], None] | None = None) -> None:
@@ -466,10 +583,13 @@ def megakernel_bwd_launch(bufs: BackwardBuffers, schedule, weights, rows: Groupe
     the group's barrier after the publish and after the last round, as the forward's ``megakernel_launch``).
 
     schedule: (group_end_VL, tile_end_VL, row_slot_VR) int32 of the hosted ranks; weights: (w_gate [V·L, I, H],
-    w_up [V·L, I, H], w_down [V·L, H, I]) bf16 contiguous; rows: [V, R, ·] bf16 contiguous. ``stall_rank``: a rank
-    whose communication programs publish nothing (tests of the bounded waits)."""
+    w_up [V·L, I, H], w_down [V·L, H, I]) bf16 contiguous, or for MXFP8 buffers (``bufs.mx``) their dgrad operands
+    (``grouped_ffn.weight_operand(w, "mxfp8", 1, name)``: MXTensors [V·L, H, I], [V·L, H, I], [V·L, I, H] blocked
+    along K in MMA order); rows: [V, R, ·] bf16 contiguous. ``stall_rank``: a rank whose communication programs
+    publish nothing (tests of the bounded waits)."""
     if not 1 <= epoch <= MAX_EPOCH:
         raise ValueError(f"megakernel_bwd_launch: epoch = {epoch} must be in [1, {MAX_EPOCH}]")
+    _check_precision(bufs, weights, shape)
     ring, group = bufs.ring_tiles, shape.group_tiles
     if (shape.lag + 1) * group > ring:
         raise ValueError(f"megakernel_bwd_launch: (lag + 1) x group_tiles = ({shape.lag} + 1) x {group} must be <= "
@@ -484,8 +604,8 @@ def megakernel_bwd_launch(bufs: BackwardBuffers, schedule, weights, rows: Groupe
     sync_peers()
     # the host knows an upper bound of the tiles (no sync): every row in its own expert's tiles
     max_tiles = triton.cdiv(shape.ep_degree * shape.num_tokens * shape.top_k, bufs.block_m) + shape.num_local
-    first_item = functools.partial(shape.first_item, dim_h=weights[0].shape[2], dim_i=weights[0].shape[1],
-                                   shared_dim=0)
+    dim_h, dim_i = _dims(weights)
+    first_item = functools.partial(shape.first_item, dim_h=dim_h, dim_i=dim_i, shared_dim=0)
     for n in range(triton.cdiv(max_tiles, ring)):  # a round: the ring's tiles pulled, their D1 items, their D2 items
         lo, hi = n * ring, (n + 1) * ring
         steps = (lo // group, triton.cdiv(hi, group))  # the steps holding the window's D1 items

@@ -23,6 +23,8 @@ import torch
 
 from tests.torchrun import REPO
 from tests.kernels.test_mok_megakernel import DEVICE, E, I, K, ORDERS, SMALL, T, routing
+from titan_mok.kernels import weight_cache
+from titan_mok.kernels.grouped_ffn import weight_operand
 from titan_mok.kernels.grouped_gemm import grouped_down_dgrad_swiglu, grouped_gate_up_swiglu, grouped_mm_sum
 from titan_mok.kernels.mok_combine import slot_reduce, slot_scale
 from titan_mok.kernels.mok_megakernel_bwd import (
@@ -35,10 +37,12 @@ from titan_mok.kernels.mok_megakernel_bwd import (
     read_error,
 )
 from titan_mok.kernels.mok_schedule import mok_schedule
+from titan_mok.kernels.mxfp8_gathered import GatheredOperands, MXFP8GatheredWeight
 from titan_mok.moe import megakernel_bwd as mkb
 from titan_mok.moe.megakernel import MegakernelConfig, tile_schedules
-from titan_mok.moe.megakernel_bwd import megakernel_routed_dgrad, raise_on_megakernel_bwd_error
+from titan_mok.moe.megakernel_bwd import dgrad_launch_weights, megakernel_routed_dgrad, raise_on_megakernel_bwd_error
 
+NAMES = ("w_gate_EIH", "w_up_EIH", "w_down_EHI")
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="the interpreter's serialized mode; on a GPU see test_mok_megakernel_bwd_gpu.py")
@@ -56,17 +60,19 @@ def backward_inputs(ranks: int, dim_h: int, seed: int = 1, tokens: int = T, dim_
     return [t.to(DEVICE) for t in (x, dout, weights)], tuple(w.contiguous().to(DEVICE) for w in (w_gate, w_up, w_down))
 
 
-def triton_dgrad(x, dout, weights, ids, expert_weights, swiglu_limit=None) -> dict:
-    """The "triton" path's dgrad at EP = 1 on all the tokens: its grouped rows (by the schedule) and dx."""
-    w_gate, w_up, w_down = expert_weights
+def triton_dgrad(x, dout, weights, ids, expert_weights, swiglu_limit=None, precision="bf16") -> dict:
+    """The "triton" path's dgrad at EP = 1 on all the tokens, as its grouped FFN's backward runs it in
+    ``precision`` (the forward's g, u; the weights' dgrad operands): its grouped rows (by the schedule) and dx."""
+    forward = [weight_operand(w, precision, 2, n) for w, n in zip(expert_weights, NAMES)]
+    w_gate, w_up, w_down = (weight_operand(w, precision, 1, n) for w, n in zip(expert_weights, NAMES))
     num_tokens, dim_h = x.shape
     group_end, row_slot = mok_schedule(ids.reshape(1, -1).to(torch.int32).contiguous(), 0, E, E)
-    gate, up, _ = grouped_gate_up_swiglu(x.index_select(0, row_slot // K), group_end, w_gate, w_up, swiglu_limit)
+    gate, up, _ = grouped_gate_up_swiglu(x.index_select(0, row_slot // K), group_end, *forward[:2], swiglu_limit)
     dy_TKH = torch.empty(num_tokens, K, dim_h, dtype=torch.bfloat16, device=x.device)
     slot_scale(weights, dout, dy_TKH)
     dy = dy_TKH.view(-1, dim_h).index_select(0, row_slot)
-    dgate, dup = grouped_down_dgrad_swiglu(dy, group_end, w_down.transpose(1, 2), gate, up, swiglu_limit)
-    dx_rows = grouped_mm_sum(dgate, dup, group_end, w_gate.transpose(1, 2), w_up.transpose(1, 2))
+    dgate, dup = grouped_down_dgrad_swiglu(dy, group_end, w_down, gate, up, swiglu_limit)
+    dx_rows = grouped_mm_sum(dgate, dup, group_end, w_gate, w_up)
     rows_of_slots = torch.empty_like(row_slot).scatter_(0, row_slot.long(), torch.arange(
         row_slot.numel(), dtype=row_slot.dtype, device=row_slot.device))
     dx = slot_reduce(dx_rows.index_select(0, rows_of_slots).view(num_tokens, K, dim_h), None, None, torch.bfloat16)
@@ -91,13 +97,14 @@ def rank_rows(want: dict, ranks: int, ids: torch.Tensor):
     return index, gates, ups
 
 
-def megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config=SMALL, swiglu_limit=None, **kw):
+def megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config=SMALL, swiglu_limit=None,
+                     precision="bf16", **kw):
     """(want, got): the triton path's and the megakernel's at virtual EP = ranks (rank p: the p-th T tokens)."""
-    want = triton_dgrad(x, dout, weights, ids.to(DEVICE), expert_weights, swiglu_limit)
+    want = triton_dgrad(x, dout, weights, ids.to(DEVICE), expert_weights, swiglu_limit, precision)
     index, gates, ups = rank_rows(want, ranks, ids)
     got = megakernel_routed_dgrad(list(dout.chunk(ranks)), list(weights.chunk(ranks)),
                                   list(ids.to(DEVICE).chunk(ranks)), gates, ups, expert_weights, num_experts=E,
-                                  config=config, trap=False, swiglu_limit=swiglu_limit, **kw)
+                                  config=config, trap=False, swiglu_limit=swiglu_limit, precision=precision, **kw)
     raise_on_megakernel_bwd_error()
     return want, got, index
 
@@ -137,6 +144,56 @@ def test_partial_blocks_clamp_and_smallest_ring():
     for kind in ("skewed", "one_expert"):
         ids = routing(kind, 2, seed=16)
         assert_bitwise(*megakernel_dgrad(2, x, dout, weights, ids, expert_weights, config, swiglu_limit=0.5))
+
+
+@pytest.mark.parametrize("ranks, kind", [(1, "skewed"), (2, "one_expert"), (2, "empty_experts"), (4, "all_remote")])
+@interpreted
+def test_mxfp8_dgrad_equals_triton_path_bitwise(ranks, kind):
+    """precision = "mxfp8": the Triton grouped FFN's MXFP8 dgrad (dy's MXFP8 values along H in the ring, dgate's
+    and dup's along I in the slots' tiles, the weights' dgrad operands dequantized per 32-wide K step), its bits:
+    dgate, dup, dy (as pulled) and each row's dx, and dX after the finish."""
+    (x, dout, weights), expert_weights = backward_inputs(ranks, 64, seed=30 + ranks)
+    ids = routing(kind, ranks, seed=ranks)
+    assert_bitwise(*megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, precision="mxfp8"))
+
+
+@interpreted
+def test_mxfp8_partial_blocks_clamp_and_smallest_ring():
+    """mxfp8 with H = 96 and I = 96 in 64-column items (each GEMM's last column block half past the row: its last
+    32-block of dgate, dup never stored), the SwiGLU clamp, one ring tile per rank (every tile waits for the previous
+    one's slot and its dgate, dup tiles) with every row to two experts of rank 0."""
+    (x, dout, weights), expert_weights = backward_inputs(2, 96, seed=35, dim_i=96)
+    config = MegakernelConfig(comm_programs=2, compute_programs=2, group_tiles=1, lag=0, ring_tiles=1, block_m=16,
+                              block_n=64)
+    for kind in ("skewed", "one_expert"):
+        ids = routing(kind, 2, seed=36)
+        assert_bitwise(*megakernel_dgrad(2, x, dout, weights, ids, expert_weights, config, swiglu_limit=0.5,
+                                         precision="mxfp8"))
+
+
+@interpreted
+def test_mxfp8_dgrad_reads_the_kept_dgrad_operands_or_the_gathered_ones():
+    """With an owner and sources, the launch reads the weights' MXFP8 dgrad operands kept for the Triton FFN's
+    backward (made once per weight version, along dim 1) and quantizes none again; given FSDP's MXFP8-gathered
+    weights, their dgrad operands as gathered: the same bits."""
+    (x, dout, weights), expert_weights = backward_inputs(1, 64, seed=37)
+    ids = routing("skewed", 1, seed=38)
+    owner = torch.nn.Module()
+    want, first, index = megakernel_dgrad(1, x, dout, weights, ids, expert_weights, precision="mxfp8",
+                                          weights_owner=owner, weight_sources=expert_weights)
+    assert_bitwise(want, first, index)
+    kept = dict(weight_cache._kept[owner])
+    assert sorted(kept) == [(n, 1) for n in ("w_down_EHI", "w_gate_EIH", "w_up_EIH")]
+    operands = dgrad_launch_weights(expert_weights, "mxfp8", owner, expert_weights)
+    assert [o is kept[(n, 1)].operand for o, n in zip(operands, NAMES)] == [True] * 3
+    gathered = tuple(MXFP8GatheredWeight(GatheredOperands({1: kept[(n, 1)].operand}), w.shape, w.dtype, w.device)
+                     for w, n in zip(expert_weights, NAMES))
+    _, gates, ups = rank_rows(want, 1, ids)
+    again = megakernel_routed_dgrad(dout, weights, ids.to(DEVICE), gates[0], ups[0], gathered, num_experts=E,
+                                    config=SMALL, trap=False, precision="mxfp8")
+    raise_on_megakernel_bwd_error()
+    assert_bitwise(want, [again], index)
+    assert all(weight_cache._kept[owner][key].operand is entry.operand for key, entry in kept.items())
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -189,7 +246,7 @@ def test_a_missing_phase_is_a_named_error(skipped, wait):
     ids = routing("balanced", 1)
     want, got, index = megakernel_dgrad(1, x, dout, weights, ids, expert_weights)  # allocates the workspace
     assert_bitwise(want, got, index)
-    ws = next(w for key, w in mkb._WORKSPACES.items() if key[1:3] == (1, T) and key[-1] == SMALL)
+    ws = next(w for key, w in mkb._WORKSPACES.items() if key[1:3] == (1, T) and key[-2:] == (SMALL, "bf16"))
     schedule = tile_schedules([ids.to(DEVICE)], E, E, SMALL.block_m)
     _, gates, ups = rank_rows(want, 1, ids)
     rows = GroupedRows(torch.stack(gates), torch.stack(ups), torch.empty_like(torch.stack(gates)),
@@ -237,29 +294,42 @@ def test_bad_inputs_are_named():
         call(config=dataclasses.replace(SMALL, gemm="tma"))
     with pytest.raises(ValueError, match="spin forever"):
         call(serialized=False)
+    with pytest.raises(ValueError, match=r"precision = 'fp8' must be one of \('bf16', 'mxfp8'\)"):
+        call(precision="fp8")
+    (_, dout80, _), weights80 = backward_inputs(2, 80)
+    with pytest.raises(ValueError, match=r"precision 'mxfp8' needs H \(80\) and I \(64\) to be multiples of 32"):
+        call(dout_TH=list(dout80.chunk(2)), expert_weights=weights80, precision="mxfp8")
+    with pytest.raises(ValueError, match=r"block_n = 16: precision 'mxfp8'"):
+        call(config=dataclasses.replace(SMALL, block_n=16), precision="mxfp8")
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(__import__("triton").__file__), "backends",
                                                     "nvidia", "bin", "cuobjdump")),
                     reason="Triton's wheel has no ptxas/cuobjdump here")
 def test_compiles_for_sm90_with_wgmma_and_no_spills():
-    """The concurrent launch's kernel at Kimi K2.7's sizes and the default config, compiled for sm_90 on the CPU
-    (benchmarks/tools/sass.py's stand-in driver; the interpreter cannot compile, hence a subprocess): wgmmas, one
-    program per SM at least (the occupancy the launch checks), and at most the 8 bytes of spill stack ptxas gives
-    it today at 255 registers (two loops for D2, or int64 offsets in D1's epilogue, gave 400+)."""
+    """The concurrent launch's kernel at Kimi K2.7's sizes and the default config, bf16 and MXFP8, at 64- and 128-row
+    tiles, compiled for sm_90 on the CPU (benchmarks/tools/sass.py's stand-in driver; the interpreter cannot compile,
+    hence a subprocess): wgmmas, one program per SM at least (the occupancy the launch checks), no spill inside a K
+    loop, and at 64-row tiles at most the 80 bytes of spill stack (loop-invariant values, reloaded per item) ptxas
+    gives the bf16 kernel today at 255 registers (two loops for D2, or int64 offsets in D1's epilogue, gave 400+;
+    MXFP8: 0)."""
     script = (
         "import json; from benchmarks.tools import sass; from titan_mok.kernels import mok_megakernel_bwd as m\n"
         "from titan_mok.kernels.mok_megakernel import KernelVariant\n"
         "from titan_mok.moe.megakernel import MegakernelConfig as C\n"
-        "with sass.compiling_for_sm90():\n"
-        "    k = m.compile_megakernel_bwd(KernelVariant(7168, 2048, 0, 48, 64, C.block_n, C.num_warps,"
-        " C.num_stages, False))\n"
-        "r = sass.kernel_report('_megakernel_bwd', k)\n"
-        "print(json.dumps(dict(hgmma=r['opcodes'].get('HGMMA', 0), stack=r['stack_bytes'],"
-        " per_sm=sass.programs_per_sm(r))))\n")
+        "for mx in (False, True):\n"
+        "    for block_m in (64, 128):\n"
+        "        with sass.compiling_for_sm90():\n"
+        "            k = m.compile_megakernel_bwd(KernelVariant(7168, 2048, 0, 48, block_m, C.block_n, C.num_warps,"
+        " C.num_stages, False, mx=mx))\n"
+        "        r = sass.kernel_report('_megakernel_bwd', k)\n"
+        "        print(json.dumps(dict(mx=mx, block_m=block_m, hgmma=r['opcodes'].get('HGMMA', 0),"
+        " stack=r['stack_bytes'], k_loop_spills=sass.k_loop_spills(r['sass']), per_sm=sass.programs_per_sm(r))))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
                          cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["hgmma"] > 0 and report["stack"] <= 8 and report["per_sm"] >= 1, report
+    for line in out.stdout.strip().splitlines()[-4:]:  # each variant
+        report = json.loads(line)
+        assert report["hgmma"] > 0 and report["k_loop_spills"] == 0 and report["per_sm"] >= 1, report
+        assert report["block_m"] == 128 or report["stack"] <= 80, report

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_mok.kernels.grouped_ffn import interpreting
+from titan_mok.kernels.grouped_ffn import dgrad_weight_operands, interpreting
 from titan_mok.kernels.mok_combine import slot_scale
 from titan_mok.kernels.mok_megakernel_bwd import (
     BackwardBuffers,
@@ -37,6 +37,8 @@ from titan_mok.kernels.mok_megakernel_bwd import (
     megakernel_bwd_launch,
     read_error,
 )
+from titan_mok.kernels.mxfp8 import BLOCK as MX_BLOCK
+from titan_mok.kernels.tile_configs import PRECISIONS
 from titan_mok.moe.megakernel import (
     MegakernelConfig,
     _resolve,
@@ -66,11 +68,14 @@ class RoutedDgrad:
 _WORKSPACES: dict[tuple, _Workspace] = {}
 
 
-def backward_buffers(ranks: int, ring_tiles: int, block_m: int, dim_h: int, tables: dict[str, torch.Tensor],
-                     device) -> BackwardBuffers:
+def backward_buffers(ranks: int, ring_tiles: int, block_m: int, dim_h: int, dim_i: int, precision: str,
+                     tables: dict[str, torch.Tensor], device) -> BackwardBuffers:
     """The dgrad launch's buffers of ``ranks`` hosted ranks, zeroed, on the given symmetric buffers' address
-    tables ("dy_NH", "dx_slots_NH", "arrivals_T", "dy_ready")."""
+    tables ("dy_NH", "dx_slots_NH", "arrivals_T", "dy_ready"); under mxfp8 with the slots' dgate, dup tiles of
+    MXFP8 values (2·Q·M·I·2 bytes per rank more)."""
     flag = lambda *shape, dtype: torch.zeros(ranks, *shape, dtype=dtype, device=device)  # noqa: E731
+    mx_tile = lambda: (torch.zeros(ranks, ring_tiles, block_m, dim_i, dtype=torch.bfloat16, device=device)  # noqa: E731
+                       if precision == "mxfp8" else None)
     return BackwardBuffers(
         ring_VQMH=torch.zeros(ranks, ring_tiles, block_m, dim_h, dtype=torch.bfloat16, device=device),
         ready_VQ=flag(ring_tiles, dtype=torch.int64),
@@ -82,18 +87,33 @@ def backward_buffers(ranks: int, ring_tiles: int, block_m: int, dim_h: int, tabl
         programs_done_V=flag(dtype=torch.int32),
         tables=tables,
         errors=torch.zeros(6, dtype=torch.int64, device=device),
+        dgate_mx_VQMI=mx_tile(),
+        dup_mx_VQMI=mx_tile(),
     )
 
 
-def _allocate(ranks, num_tokens, top_k, dim_h, num_local, cfg: MegakernelConfig, device) -> _Workspace:
+def _allocate(ranks, num_tokens, top_k, dim_h, dim_i, num_local, precision, cfg: MegakernelConfig,
+              device) -> _Workspace:
     slots = num_tokens * top_k
     symmetric, tables = virtual_symmetric(ranks, {
         "dy_NH": ((slots, dim_h), torch.bfloat16), "dx_slots_NH": ((slots, dim_h), torch.bfloat16),
         "arrivals_T": ((num_tokens,), torch.int32), "dy_ready": ((1,), torch.int64)}, device)
-    bufs = backward_buffers(ranks, cfg.ring_tiles, cfg.block_m, dim_h, tables, device)
+    bufs = backward_buffers(ranks, cfg.ring_tiles, cfg.block_m, dim_h, dim_i, precision, tables, device)
     shape = launch_shape(cfg, ranks, num_tokens, top_k, num_local)
     return _Workspace(shape, bufs, symmetric, [*bufs.flags, *symmetric["arrivals_T"], *symmetric["dy_ready"]],
                       cfg.timeout_ms)
+
+
+def dgrad_launch_weights(expert_weights: tuple, precision: str, weights_owner: object = None,
+                         weight_sources: tuple | None = None) -> tuple:
+    """The routed weights as the dgrad launch reads them: bf16 as given (it reads them transposed), or under mxfp8
+    the very dgrad operands the Triton grouped FFN's backward reads (``grouped_ffn.dgrad_weight_operands``: kept
+    under ``weights_owner`` per weight version; FSDP's MXFP8-gathered weights as gathered). The launch quantizes no
+    weight."""
+    if precision == "bf16":
+        return tuple(expert_weights)
+    return dgrad_weight_operands(tuple(expert_weights), precision, weights_owner=weights_owner,
+                                 weight_sources=weight_sources)
 
 
 def raise_on_megakernel_bwd_error() -> None:
@@ -131,9 +151,12 @@ class CheckedDgrad:
 
 def check_dgrad_call(caller: str, douts, weights, gates, ups, expert_weights, *, num_experts: int, ep_degree: int,
                      swiglu_limit: float | None, config: MegakernelConfig, serialized: bool | None,
-                     stall_rank: int | None) -> CheckedDgrad:
+                     stall_rank: int | None, precision: str = "bf16") -> CheckedDgrad:
     """Every check of a dgrad call, of one rank (douts etc. one entry) or of every virtual rank (P entries); the
-    expert weights: all E experts when every rank is given, else the L = E / ep_degree of the rank."""
+    expert weights: all E experts when every rank is given, else the L = E / ep_degree of the rank (under mxfp8
+    also FSDP's MXFP8-gathered weights)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"{caller}: precision = {precision!r} must be one of {PRECISIONS}")
     num_tokens, dim_h = douts[0].shape if douts[0].dim() == 2 else (-1, -1)
     top_k = weights[0].shape[1] if weights[0].dim() == 2 else -1
     device = douts[0].device
@@ -172,11 +195,14 @@ def check_dgrad_call(caller: str, douts, weights, gates, ups, expert_weights, *,
                          "would spin forever; use serialized=True (or None)")
     if stall_rank is not None and not 0 <= stall_rank < ep_degree:
         raise ValueError(f"{caller}: stall_rank = {stall_rank} is not a rank of {ep_degree}")
+    if precision == "mxfp8" and (dim_h % MX_BLOCK or dim_i % MX_BLOCK):
+        raise ValueError(f"{caller}: precision 'mxfp8' needs H ({dim_h}) and I ({dim_i}) to be multiples of "
+                         f"{MX_BLOCK} (the MXFP8 block)")
     if config.gemm not in (None, "ptr"):
         raise ValueError(f"{caller}: MegakernelConfig.gemm = {config.gemm!r}: the dgrad launch's GEMMs read by pointer "
                          "only (gemm = 'ptr')")
     cfg = _resolve(config, len(douts), dim_h, dim_i, num_experts // ep_degree, swiglu_limit is not None, None, device,
-                   serialized, co_resident=co_resident_programs_bwd)
+                   serialized, co_resident=co_resident_programs_bwd, mx=precision == "mxfp8")
     return CheckedDgrad(num_tokens, top_k, dim_h, dim_i, serialized, cfg)
 
 
@@ -194,6 +220,9 @@ def megakernel_routed_dgrad(
     serialized: bool | None = None,
     trap: bool = True,
     stall_rank: int | None = None,
+    precision: str = "bf16",
+    weights_owner: object = None,
+    weight_sources: tuple | None = None,
 ):
     """Routed experts' input gradient, per rank (module docstring). Not differentiable (a backward's piece).
 
@@ -206,6 +235,9 @@ def megakernel_routed_dgrad(
         trap: a wait that ran out stops the device with an assertion naming it; False: the launch ends and
             ``raise_on_megakernel_bwd_error()`` names it.
         stall_rank: a rank that never publishes (tests the bounded waits).
+        precision: the GEMMs' operands, "bf16" or "mxfp8" (the Triton grouped FFN's MXFP8 dgrad: dy quantized
+            along H on the pull, dgate and dup along I, the weights' dgrad operands, ``dgrad_weight_operands``).
+        weights_owner, weight_sources: under mxfp8, where those operands are kept (``grouped_swiglu_ffn``'s).
 
     Returns:
         RoutedDgrad, or the list of P of them.
@@ -219,7 +251,7 @@ def megakernel_routed_dgrad(
     ranks = len(douts)
     call = check_dgrad_call("megakernel_routed_dgrad", douts, weights, gates, ups, expert_weights,
                             num_experts=num_experts, ep_degree=ranks, swiglu_limit=swiglu_limit, config=config,
-                            serialized=serialized, stall_rank=stall_rank)
+                            serialized=serialized, stall_rank=stall_rank, precision=precision)
     num_tokens, top_k, dim_h, dim_i, serialized, cfg = (call.num_tokens, call.top_k, call.dim_h, call.dim_i,
                                                         call.serialized, call.config)
     for p, t in enumerate(ids):
@@ -230,9 +262,9 @@ def megakernel_routed_dgrad(
                              f"{t.device}")
     device = douts[0].device
     num_local = num_experts // ranks
-    key = (device, ranks, num_tokens, top_k, dim_h, dim_i, num_local, cfg)
+    key = (device, ranks, num_tokens, top_k, dim_h, dim_i, num_local, cfg, precision)
     if key not in _WORKSPACES:
-        _WORKSPACES[key] = _allocate(ranks, num_tokens, top_k, dim_h, num_local, cfg, device)
+        _WORKSPACES[key] = _allocate(ranks, num_tokens, top_k, dim_h, dim_i, num_local, precision, cfg, device)
     ws = _WORKSPACES[key]
 
     for dy_NH, w_TK, dout in zip(ws.symmetric["dy_NH"], weights, douts):
@@ -243,7 +275,8 @@ def megakernel_routed_dgrad(
     rows = GroupedRows(torch.stack(gates).contiguous(), torch.stack(ups).contiguous(), grouped(dim_i),
                        grouped(dim_i), grouped(dim_h))
     epoch = ws.next_epoch()
-    megakernel_bwd_launch(ws.bufs, schedule, expert_weights, rows, ws.shape, epoch=epoch, swiglu_limit=swiglu_limit,
+    operands = dgrad_launch_weights(expert_weights, precision, weights_owner, weight_sources)
+    megakernel_bwd_launch(ws.bufs, schedule, operands, rows, ws.shape, epoch=epoch, swiglu_limit=swiglu_limit,
                           serialized=serialized, stall_rank=stall_rank, timeout_ms=cfg.timeout_ms)
     dx_PTH = torch.empty(ranks, num_tokens, dim_h, dtype=torch.bfloat16, device=device)
     megakernel_bwd_finish(ws.bufs, dx_PTH, ws.shape, arrivals=epoch * top_k, serialized=serialized, trap=trap,

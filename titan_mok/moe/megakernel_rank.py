@@ -73,7 +73,7 @@ from titan_mok.kernels.mok_megakernel_bwd import read_error as read_dgrad_error
 from titan_mok.kernels.mok_schedule import mok_schedule
 from titan_mok.moe.fused import FusedHandle
 from titan_mok.moe.megakernel import MegakernelConfig, check_call, launch_shape, launch_weights, tile_ends
-from titan_mok.moe.megakernel_bwd import RoutedDgrad, backward_buffers, check_dgrad_call
+from titan_mok.moe.megakernel_bwd import RoutedDgrad, backward_buffers, check_dgrad_call, dgrad_launch_weights
 from titan_mok.moe.workspace import MokWorkspace, get_workspace
 
 
@@ -128,13 +128,13 @@ def _allocate_forward(group_ws: MokWorkspace, num_tokens, top_k, dim_h, dim_i, s
     return _RankWorkspace(shape, bufs, group_ws, read_error)
 
 
-def _allocate_dgrad(group_ws: MokWorkspace, num_tokens, top_k, dim_h, num_local, cfg: MegakernelConfig,
-                    device) -> _RankWorkspace:
+def _allocate_dgrad(group_ws: MokWorkspace, num_tokens, top_k, dim_h, dim_i, num_local, precision,
+                    cfg: MegakernelConfig, device) -> _RankWorkspace:
     # the input-gradient rows go where the forward's expert rows went (slots_NH), counted by the same arrival
     # counters: the calls' epochs and running total are the workspace's, whichever launch makes them
     tables = {"dy_NH": group_ws.tables["dy_NH"], "dx_slots_NH": group_ws.tables["slots_NH"],
               "arrivals_T": group_ws.tables["arrivals_T"], "dy_ready": group_ws.tables["dy_ready"]}
-    bufs = backward_buffers(1, cfg.ring_tiles, cfg.block_m, dim_h, tables, device)
+    bufs = backward_buffers(1, cfg.ring_tiles, cfg.block_m, dim_h, dim_i, precision, tables, device)
     shape = launch_shape(cfg, group_ws.ep_degree, num_tokens, top_k, num_local, rank=group_ws.ep_rank)
     return _RankWorkspace(shape, bufs, group_ws, read_dgrad_error)
 
@@ -292,6 +292,9 @@ def megakernel_rank_dgrad(
     serialized: bool | None = None,
     trap: bool = True,
     stall_rank: int | None = None,
+    precision: str = "bf16",
+    weights_owner: object = None,
+    weight_sources: tuple | None = None,
 ) -> RoutedDgrad:
     """This rank's input gradient through the dgrad launch (module docstring, Dgrad; ``megakernel_bwd``'s contract:
     bitwise the ``"triton"`` path's) and the grouped rows its weight gradients read. Not differentiable (a backward's
@@ -301,17 +304,20 @@ def megakernel_rank_dgrad(
         dout_TH, weights_TK: this rank's output gradient bf16 or fp32 [T, H] and combine weights fp32 [T, K].
         gate_RI, up_RI: the forward's g and u rows bf16 [R, I] (R = P·T·K) in the order of its schedule (rows past
             its end: any values): ``megakernel_rank_forward(keep_rows=True)``'s.
-        expert_weights: (w_gate [L, I, H], w_up [L, I, H], w_down [L, H, I]) bf16 contiguous: this rank's experts.
+        expert_weights: (w_gate [L, I, H], w_up [L, I, H], w_down [L, H, I]) bf16 contiguous: this rank's experts
+            (under mxfp8 also FSDP's MXFP8-gathered weights).
         schedule: the forward call's (``megakernel_rank_forward``'s handle): its rows, on the group's workspace.
         group: the expert-parallel group (None: this rank alone, P = 1).
         config: the launch's sizes; its ``gemm`` must be None or "ptr" (the dgrad launch reads by pointer).
         serialized, trap, stall_rank: as ``megakernel_rank_routed_experts``'s (``raise_on_megakernel_rank_error()``
             names a wait of either launch).
+        precision, weights_owner, weight_sources: ``megakernel_routed_dgrad``'s (mxfp8: the Triton grouped FFN's
+            MXFP8 dgrad, on the dgrad operands kept under weights_owner or gathered).
     """
     ep_degree = 1 if group is None else dist.get_world_size(group)
     call = check_dgrad_call("megakernel_rank_dgrad", [dout_TH], [weights_TK], [gate_RI], [up_RI], expert_weights,
                             num_experts=num_experts, ep_degree=ep_degree, swiglu_limit=swiglu_limit, config=config,
-                            serialized=serialized, stall_rank=stall_rank)
+                            serialized=serialized, stall_rank=stall_rank, precision=precision)
     cfg, num_tokens, top_k, dim_h, dim_i = call.config, call.num_tokens, call.top_k, call.dim_h, call.dim_i
     device = dout_TH.device
     num_local, rows = num_experts // ep_degree, ep_degree * num_tokens * top_k
@@ -323,8 +329,9 @@ def megakernel_rank_dgrad(
                          f"{tuple(schedule.group_end.shape)} and {tuple(schedule.row_slot_R.shape)}"
                          f"{'' if schedule.workspace is group_ws else ' on another workspace'}")
     key = ("dgrad", device, None if group is None else group.group_name, num_tokens, top_k, dim_h, dim_i, num_local,
-           cfg)
-    ws = _rank_workspace(key, lambda: _allocate_dgrad(group_ws, num_tokens, top_k, dim_h, num_local, cfg, device))
+           cfg, precision)
+    ws = _rank_workspace(key, lambda: _allocate_dgrad(group_ws, num_tokens, top_k, dim_h, dim_i, num_local, precision,
+                                                      cfg, device))
 
     slot_scale(weights_TK.contiguous(), dout_TH.contiguous(), group_ws.dy_NH.view(num_tokens, top_k, dim_h))
     group_end_1L = schedule.group_end[None]
@@ -333,7 +340,8 @@ def megakernel_rank_dgrad(
     grouped_rows = GroupedRows(gate_RI.contiguous()[None], up_RI.contiguous()[None], grouped(dim_i), grouped(dim_i),
                                grouped(dim_h))
     epoch, arrivals = _next_call(ws)
-    megakernel_bwd_launch(ws.bufs, tiles, expert_weights, grouped_rows, ws.shape, epoch=epoch,
+    operands = dgrad_launch_weights(expert_weights, precision, weights_owner, weight_sources)
+    megakernel_bwd_launch(ws.bufs, tiles, operands, grouped_rows, ws.shape, epoch=epoch,
                           swiglu_limit=swiglu_limit, serialized=call.serialized, stall_rank=stall_rank,
                           timeout_ms=cfg.timeout_ms, phase_barrier=group_ws.barrier)
     dx_1TH = torch.empty(1, num_tokens, dim_h, dtype=torch.bfloat16, device=device)
