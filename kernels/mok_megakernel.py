@@ -127,11 +127,11 @@ the gated SharedExpert's fp32 output). Each output element is computed by one it
 on values), so a token's output does not depend on the tile (or M), the item order, the program, the ring size,
 the group, the lag, the batch, P or the loads.
 
-Kept rows (the KEEP_ROWS constexpr, ``KeptRows``; training launches, bf16 or MXFP8): each routed A item also
-stores the g, u and h columns of its real rows into per-call grouped rows [V, R, I] (R = P·N; tile row m at schedule
-row tile_start + m, none past its expert's end), the values its h comes from, so the bits
-``grouped_gate_up_swiglu`` returns on those rows (MXFP8: h before its quantization along I, as that function returns
-it and the Triton path's backward reads it): the backward reads them instead of running the gate/up GEMM again. The shared expert's items
+Kept rows (the KEEP_ROWS constexpr, ``KeptRows``; training launches, bf16 or MXFP8): each routed A item also stores
+the g, u and h columns of its real rows into per-call grouped rows [V, R, I] (R = P·N; tile row m at schedule row
+tile_start + m, none past its expert's end), the values its h comes from, so the bits ``grouped_gate_up_swiglu``
+returns on those rows (MXFP8: h before its quantization along I, as that function returns it and the Triton path's
+backward reads it): the backward reads them instead of running the gate/up GEMM again. The shared expert's items
 never store there; without the flag the stores are not compiled in (the inference launch is unchanged).
 
 MXFP8 (the MX constexpr: the routed weights given as MXTensors): the routed experts' operands as the Triton

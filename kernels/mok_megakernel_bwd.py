@@ -15,15 +15,15 @@ ring slot i mod Q during round i div Q), the communication program (``_comm_prog
 source's ready flag, then per tile wait for its ring slot, pull, release ready[q]), the item order and its
 counter (``_item``: D1 items where the forward has A items, D2 where it has B), the stamps, bounded waits, error
 record and serialized phases. The pull reads a slot row, not a token row: the forward's pull with K = 1 reads row
-s mod N of the source's ``dy_NH`` (gathered slot s = p·N + t·K + j).
+s mod N of the source's ``dy_NH`` (gathered slot s = p·N + t·K + j); it also stores each real row, as pulled, into
+the grouped rows ``dy_VRH`` (the weight gradient of w_down reads them).
 
 Work items of tile i (slot q, round n of call e; its rows: its schedule rows, the real ones those before its
 expert's end):
 - D1(i, b), b < NB_I: acquire ready[q] = stamp(e, n); dh[:, cols b] = dy_tile @ w_down[:, cols b] (its
   expert's) over all of H (fp32, BLOCK_K steps), then the SwiGLU backward with the rows' g, u (``gate_VRI``,
   ``up_VRI``: grouped rows of this rank's schedule) → dgate, dup (bf16, ``grouped_tiles._epilogue``'s SwiGLU
-  backward) stored into the grouped rows ``dgate_VRI``, ``dup_VRI`` at the real rows; D1(i, 0) also copies the
-  tile's real dy rows into ``dy_VRH`` (the weight gradient of w_down reads them). Then old = d1_done[q]++
+  backward) stored into the grouped rows ``dgate_VRI``, ``dup_VRI`` at the real rows. Then old = d1_done[q]++
   (acq_rel); the last arriver rearms it and stores dgrad_ready[q] = stamp(e, n) (release).
 - D2(i, c), c < NB_H: acquire dgrad_ready[q] = stamp(e, n); dx[:, cols c] = dgate @ w_gate[:, cols c] +
   dup @ w_up[:, cols c] (its expert's), one fp32 accumulator (all of dgate's K steps, then dup's:
@@ -42,8 +42,9 @@ program of call e has none of its rows left to pull).
 Buffers. Symmetric (int64 [P] address tables): ``dy_NH`` (w·dY per (token, slot), written by the owner before the
 launch: ``mok_combine.slot_scale``), ``dx_slots_NH``, ``arrivals_T`` int32, ``dy_ready`` int64 [1]. Local to a
 rank: ``ring_VQMH``, int64 ``ready_VQ`` / ``dgrad_ready_VQ`` / ``consumed_VQ``, int32 ``d1_done_VQ`` /
-``d2_done_VQ`` / ``next_item_V`` / ``programs_done_V``, ``errors`` int64 [6]. Per call (the caller's, for the
-weight gradients): ``dy_VRH``, ``dgate_VRI``, ``dup_VRI``; rows past the rank's last expert's end are not written.
+``d2_done_VQ`` / ``next_item_V`` / ``programs_done_V``, ``errors`` int64 [6]; MXFP8: ``dgate_mx_VQMI``,
+``dup_mx_VQMI`` (each slot's tile of dgate's, dup's MXFP8 values). Per call (the caller's, for the weight
+gradients): ``dy_VRH``, ``dgate_VRI``, ``dup_VRI``; rows past the rank's last expert's end are not written.
 Memory: the ring Q·M·H·2 bytes per rank (Kimi K2.7, H 7168, the default Q = 32, M = 64: 29 MB); the grouped rows
 V·R·(H + 2·I)·2 bytes per call, with the g, u inputs V·R·2·I·2 more (one rank: R = N; under virtual EP every
 rank's rows are sized for all P·N, P times the tokens' slots).
@@ -53,7 +54,22 @@ Bits: dgate and dup are ``grouped_gemm.grouped_down_dgrad_swiglu``'s, the groupe
 ``slot_reduce``'s: each output element is computed by one item, so a token's gradient does not depend on the
 tile, the item order, the program, the ring, the batch or P.
 
-Not here: MXFP8, the weight gradients (``grouped_gemm.grouped_wgrads`` on the grouped rows this launch writes),
+MXFP8 (the MX constexpr: the weights given as their dgrad operands, ``grouped_ffn.weight_operand(w, "mxfp8", 1,
+name)``: w_gate, w_up [L·H, I] blocked along I, w_down [L·I, H] blocked along H, E4M3 in MMA order with E8M0 bits
+per row): the Triton grouped FFN's MXFP8 dgrad (``grouped_down_dgrad_swiglu`` and ``grouped_mm_sum`` on MXFP8
+operands), as the forward launch runs its MXFP8 forward. Its A operands hold their MXFP8 values (bf16,
+``mxfp8_fake_quantize``'s code): the pull quantizes each dy row along H on its way into the ring (``dy_VRH`` gets the
+row as pulled: the weight gradient quantizes its operands along the token axis itself), and D1 quantizes its dgate
+and dup columns along I (BLOCK_N and I multiples of 32: whole blocks) into the slot's ``dgate_mx_VQMI``,
+``dup_mx_VQMI`` tiles, every tile row (zeros past the expert's end), besides storing their bf16 values into the
+grouped rows. D2 reads those tiles: they are the slot's, written by D1 after ready[q] (so after the previous tile's
+D2 items freed the slot) and read after dgrad_ready[q], as the forward's h. The items dequantize the weights'
+blocks in registers per 32-wide K step (the Triton path's MXFP8 step; each step's scales loaded a step ahead, D2's
+across its switch from w_gate to w_up) and compute the product transposed (acc^T = w @ a^T, the forward's MX
+items). So dgate, dup, the rows' dx and dX are the Triton MXFP8 path's bits. Memory: 2·Q·M·I·2 bytes per rank
+more (Kimi K2.7, Q = 32, M = 64: 16.8 MB).
+
+Not here: the weight gradients (``grouped_gemm.grouped_wgrads`` on the grouped rows this launch writes),
 the combine weights' gradient.
 """
 

@@ -24,10 +24,9 @@ class Mok:
     anywhere. "triton": the symmetric-memory dispatch/combine kernels plus the
     Triton expert FFN (Hopper, needs a CUDA GPU; no host sync). "megakernel": the
     routed experts' forward as one persistent launch per rank (the MoK megakernel; under
-    EP its peers through the same symmetric memory as "triton"); its bf16 backward
-    through the megakernel's dgrad launch per rank, its mxfp8 backward "triton"'s on
-    the recomputed forward (gradients bitwise "triton"'s either way); Hopper, any
-    expert_parallel_degree.
+    EP its peers through the same symmetric memory as "triton"); its backward (bf16
+    and mxfp8) through the megakernel's dgrad launch per rank (gradients bitwise
+    "triton"'s); Hopper, any expert_parallel_degree.
     "auto": the fastest measured path for the device: "triton" on SM90+ GPUs; the
     reference dispatch/combine with the Triton expert FFN there when the model sets
     a receive-buffer capacity (MoEArgs.max_rows_per_rank) and in RL rollouts (token

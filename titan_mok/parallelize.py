@@ -65,8 +65,8 @@ def gather_mxfp8_experts(model: torch.nn.Module, parallel_dims, job_config) -> N
     """Before FSDP: the mxfp8 routed experts' weights are all-gathered as MXFP8 (titan_mok.moe.mxfp8_fsdp),
     each gather carrying the layouts its pass reads. A block's experts: FSDP reshards the block after
     forward unless ``fsdp_reshard_after_forward = "never"`` (no pipeline parallelism here), a checkpointed
-    block recomputes its forward in the backward (so does the megakernel's MXFP8 backward), and they are sharded
-    over the expert-FSDP ranks (EP) or the FSDP ranks. Experts outside the blocks (an MTP module's): in FSDP's
+    block recomputes its forward in the backward, and they are sharded over the expert-FSDP ranks (EP) or the
+    FSDP ranks. Experts outside the blocks (an MTP module's): in FSDP's
     root group, which FSDP never reshards after forward, not expert-parallel, sharded over the FSDP ranks."""
     experts = [m for m in model.modules() if isinstance(m, RoutedExperts) and m.precision == "mxfp8"]
     if not experts:
@@ -81,8 +81,7 @@ def gather_mxfp8_experts(model: torch.nn.Module, parallel_dims, job_config) -> N
         if block is None:
             layouts, mesh = gather_layouts(False, False), parallel_dims.get_mesh("fsdp")
         else:
-            recomputes = isinstance(block, CheckpointWrapper) or module.backward_recomputes_forward
-            layouts = gather_layouts(reshards, recomputes_forward=recomputes)
+            layouts = gather_layouts(reshards, recomputes_forward=isinstance(block, CheckpointWrapper))
             mesh = parallel_dims.get_mesh("efsdp" if parallel_dims.ep_enabled else "fsdp")
         gather_as_mxfp8(module, mesh.size(), layouts)
 

@@ -3,12 +3,11 @@ routed experts and combine on given router outputs, through ``megakernel_routed_
 ``"triton"`` path (``fused_routed_experts`` with the Triton grouped FFN) on the same rows, every gradient (x, the
 combine weights, the shared output, w_gate, w_up, w_down) bit for bit (torch.equal), under the routing extremes
 (skewed, everything to two experts, experts with no rows), with and without a shared output (bf16, or fp32 with an
-fp32 output), with and without the SwiGLU clamp; that the bf16 backward is the dgrad launch (one megakernel call
-per backward, no recomputed forward, no gate/up GEMM) on the forward launch's kept g, u, h rows, and that those
-equal ``grouped_gate_up_swiglu``'s on the schedule's rows bit for bit. EP = 2 (two gloo processes):
-test_mok_megakernel_ep.py; the layer
-(router, shared expert, activation checkpointing, run to run, MXFP8): test_mok_megakernel_layer.py; GPUs:
-test_mok_megakernel_layer_gpu.py.
+fp32 output), with and without the SwiGLU clamp, bf16 and MXFP8; that the backward is the dgrad launch (one
+megakernel call per backward, no recomputed forward, no gate/up GEMM) on the forward launch's kept g, u, h rows, and
+that those equal ``grouped_gate_up_swiglu``'s on the schedule's rows bit for bit. EP = 2 (two gloo processes):
+test_mok_megakernel_ep.py; the layer (router, shared expert, activation checkpointing, run to run, MXFP8):
+test_mok_megakernel_layer.py; GPUs: test_mok_megakernel_layer_gpu.py.
 """
 
 import os
@@ -22,7 +21,7 @@ from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn
 from titan_mok.kernels.grouped_gemm import grouped_gate_up_swiglu
 from titan_mok.kernels.mok_megakernel import SharedFFN
 from titan_mok.moe.fused import fused_dispatch, fused_routed_experts
-from titan_mok.moe.megakernel_autograd import TokenRouting, megakernel_routed_experts_trainable
+from titan_mok.moe.megakernel_autograd import ExpertPrecision, TokenRouting, megakernel_routed_experts_trainable
 from titan_mok.moe.megakernel_rank import megakernel_rank_forward
 from titan_mok.moe.workspace import get_workspace
 
@@ -32,22 +31,25 @@ GRADIENTS = ("x", "weights", "shared", "w_gate", "w_up", "w_down")
 
 
 def routed_gradients(kernels: str, x_TH, weights_TK, topk_idx_TK, shared_TH, expert_weights, dout_TH, *,
-                     num_experts: int = E, group=None, swiglu_limit=None, out_dtype=torch.bfloat16, config=SMALL):
+                     num_experts: int = E, group=None, swiglu_limit=None, out_dtype=torch.bfloat16, config=SMALL,
+                     precision="bf16"):
     """(out, {name: gradient}) of this rank's routed experts and combine (every rank of ``group`` calls it alike):
-    kernels "triton" (the fused path with the Triton grouped FFN) or "megakernel"; expert_weights: the rank's."""
+    kernels "triton" (the fused path with the Triton grouped FFN) or "megakernel"; expert_weights: the rank's;
+    precision: the routed experts' GEMMs ("bf16" or "mxfp8")."""
     leaves = [None if t is None else t.detach().clone().requires_grad_()
               for t in (x_TH, weights_TK, shared_TH, *expert_weights)]
     x, weights, shared, *experts = leaves
     if kernels == "triton":
         def ffn(x_RH, group_end_L):
-            return grouped_swiglu_ffn(x_RH, group_end_L, *experts, swiglu_limit=swiglu_limit, use_triton=True)
+            return grouped_swiglu_ffn(x_RH, group_end_L, *experts, swiglu_limit=swiglu_limit, use_triton=True,
+                                      precision=precision)
 
         out = fused_routed_experts(x, weights, topk_idx_TK, shared, group, ffn, num_experts=num_experts,
                                    out_dtype=out_dtype)
     else:
         out, _ = megakernel_routed_experts_trainable(
             x, TokenRouting(weights, topk_idx_TK, shared, out_dtype), tuple(experts), num_experts=num_experts,
-            group=group, swiglu_limit=swiglu_limit, config=config)
+            group=group, swiglu_limit=swiglu_limit, config=config, experts_precision=ExpertPrecision(precision))
     out.backward(dout_TH)
     return out.detach(), {name: t.grad for name, t in zip(GRADIENTS, leaves) if t is not None}
 
@@ -62,24 +64,26 @@ def assert_same_gradients(got, want, what) -> None:
 
 H = 32  # and I = 32: one 32-column block per GEMM (SMALL)
 CASES = {
-    # routing, shared output (None, bf16, fp32: then an fp32 output, so dout arrives in fp32), SwiGLU clamp
-    "skewed_shared": ("skewed", torch.bfloat16, None),
-    "two_experts_clamped": ("one_expert", None, 0.5),  # 6 of 8 experts without rows
-    "empty_experts_fp32_clamped": ("empty_experts", torch.float32, 0.3),
+    # routing, shared output (None, bf16, fp32: then an fp32 output, so dout arrives in fp32), SwiGLU clamp, precision
+    "skewed_shared": ("skewed", torch.bfloat16, None, "bf16"),
+    "two_experts_clamped": ("one_expert", None, 0.5, "bf16"),  # 6 of 8 experts without rows
+    "empty_experts_fp32_clamped": ("empty_experts", torch.float32, 0.3, "bf16"),
+    "mxfp8_skewed_shared": ("skewed", torch.bfloat16, None, "mxfp8"),
+    "mxfp8_two_experts_fp32_clamped": ("one_expert", torch.float32, 0.5, "mxfp8"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @interpreted
 def test_every_gradient_equals_the_triton_path(case, monkeypatch):
-    kind, shared_dtype, limit = CASES[case]
+    kind, shared_dtype, limit, precision = CASES[case]
     (x, weights, shared), expert_weights = layer_inputs(1, H, seed=3, dim_i=32)
     shared = None if shared_dtype is None else shared.to(shared_dtype)
     out_dtype = torch.float32 if shared_dtype == torch.float32 else torch.bfloat16
     dout = torch.randn(T, H, generator=torch.Generator().manual_seed(4)).to(out_dtype).to(DEVICE)
     ids = routing(kind, 1, seed=5).to(DEVICE)
     call = lambda kernels: routed_gradients(kernels, x, weights, ids, shared, expert_weights, dout,  # noqa: E731
-                                            swiglu_limit=limit, out_dtype=out_dtype)
+                                            swiglu_limit=limit, out_dtype=out_dtype, precision=precision)
     want = call("triton")
     calls = get_workspace(None, T, K, H, torch.bfloat16, x.device).megakernel_calls
     epoch = calls.epoch

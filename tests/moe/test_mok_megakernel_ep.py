@@ -13,9 +13,9 @@ the two ranks. Compared bit for bit (torch.equal):
   on P), for balanced, skewed, single-expert and all-remote routing, run to run, across the epoch restart; a stalled
   peer is a named error on both ranks, after which both restart and compute the same bits again;
 - every gradient of the routed experts and combine (x, the combine weights, the shared output, the rank's expert
-  weights) equals the ``"triton"`` path's at EP = 2, with every row remote and with every row on rank 0's experts
-  (rank 1's dgrad launch has no tile), through one dgrad launch per backward, also right after the epochs'
-  restart;
+  weights) equals the ``"triton"`` path's at EP = 2, with every row remote (bf16 and MXFP8) and with every row on
+  rank 0's experts (rank 1's dgrad launch has no tile), through one dgrad launch per backward, also right after the
+  epochs' restart;
 - the MoE layer with ``kernels = "megakernel"`` at EP = 2 equals ``kernels = "triton"`` at EP = 2 (the fused path
   over the same stand-in): output, input gradient and every parameter's gradient, run to run; its output and input
   gradient equal the megakernel layer's at EP = 1 on the concatenated batch; and under FSDP as the trainer shards
@@ -85,9 +85,10 @@ def _routed_calls(rank: int) -> dict:
     return results
 
 
-GRADIENT_CASES = {  # routing, with the shared output, SwiGLU clamp
-    "all_remote_shared_clamped": ("all_remote", True, 0.5),  # every row crosses to the other rank and back
-    "rank_0_only": ("one_expert", False, None),  # all rows to rank 0's experts: rank 1's launch has no tile
+GRADIENT_CASES = {  # routing, with the shared output, SwiGLU clamp, the routed experts' precision
+    "all_remote_shared_clamped": ("all_remote", True, 0.5, "bf16"),  # every row crosses to the other rank and back
+    "rank_0_only": ("one_expert", False, None, "bf16"),  # all rows to rank 0's experts: rank 1's launch has no tile
+    "mxfp8_all_remote_shared_clamped": ("all_remote", True, 0.5, "mxfp8"),  # both launches' MX variants
 }
 
 
@@ -103,7 +104,7 @@ def _routed_gradient_runs(rank: int) -> dict:
     dout = _rank_slice(torch.randn(WORLD * T, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16), rank)
     calls = get_workspace(dist.group.WORLD, T, K, H, torch.bfloat16, x.device).megakernel_calls
     results, case_args = {}, {}
-    for case, (kind, with_shared, limit) in GRADIENT_CASES.items():
+    for case, (kind, with_shared, limit, precision) in GRADIENT_CASES.items():
         ids = _rank_slice(routing(kind, WORLD, seed=5), rank)
         args = case_args[case] = (_rank_slice(x, rank), _rank_slice(weights, rank), ids,
                                   _rank_slice(shared, rank) if with_shared else None, local, dout)
@@ -111,7 +112,8 @@ def _routed_gradient_runs(rank: int) -> dict:
             if (case, kernels) == ("rank_0_only", "megakernel"):
                 calls.epoch = MAX_EPOCH  # every rank: the forward restarts the epochs (both launches' flags zeroed)
             epoch = calls.epoch
-            results[case, kernels] = routed_gradients(kernels, *args, group=dist.group.WORLD, swiglu_limit=limit)
+            results[case, kernels] = routed_gradients(kernels, *args, group=dist.group.WORLD, swiglu_limit=limit,
+                                                      precision=precision)
             results[case, kernels, "epochs"] = epoch, calls.epoch
     # every row remote: each rank's launch has tiles (rank 1's pulled from rank 0, which publishes)
     remote = "all_remote_shared_clamped"
@@ -189,7 +191,7 @@ def _layer_runs_under_fsdp(rank: int) -> dict:
         layer = _layer(kernels, seed=7, precision=precision)
         parallelize_module(layer.experts, mesh["ep"], MokExpertParallel())
         if precision == "mxfp8":  # gathered as MXFP8 over the one-rank dim (titan_mok.parallelize)
-            gather_as_mxfp8(layer.experts, 1, gather_layouts(True, layer.experts.backward_recomputes_forward))
+            gather_as_mxfp8(layer.experts, 1, gather_layouts(True, recomputes_forward=False))
         fully_shard(layer.experts, mesh=mesh["efsdp"], mp_policy=policy)
         fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
         layer.experts.weights_gathered = True  # as titan_mok.parallelize says after fully_shard

@@ -44,8 +44,8 @@ def _sharded(kernels: str, precision: str, checkpointed: bool) -> torch.nn.Modul
             p.normal_(0, 0.2)
     mesh = init_device_mesh("cpu", (WORLD,))
     if precision == "mxfp8":  # a block's experts, resharded after forward (titan_mok.parallelize's rule)
-        recomputes = checkpointed or moe.experts.backward_recomputes_forward
-        gather_as_mxfp8(moe.experts, WORLD, gather_layouts(reshards_after_forward=True, recomputes_forward=recomputes))
+        gather_as_mxfp8(moe.experts, WORLD, gather_layouts(reshards_after_forward=True,
+                                                            recomputes_forward=checkpointed))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     fully_shard(moe.experts, mesh=mesh, mp_policy=policy)
     experts = moe.experts

@@ -101,8 +101,8 @@ def test_forward_and_every_gradient_equal_the_triton_path(case):
     calls = get_workspace(None, T, K, H, torch.bfloat16, torch.device("cpu")).megakernel_calls
     epoch = calls.epoch
     got = run_layers([mega_layer], x, dy, CASES[case]["amp"])
-    # the forward launch, and in bf16 the dgrad launch (MXFP8: the triton path's forward again and its backward)
-    assert calls.epoch - epoch == (1 if "mxfp8" in case else 2)
+    # the forward launch and the dgrad launch (bf16 and MXFP8): no recomputed forward
+    assert calls.epoch - epoch == 2
     _assert_bitwise(got, want)
     assert got[0].dtype == CASES[case]["dtype"]
     # the metrics' dropless check: the experts computed every routed slot (T·K rows), as on the fused path
@@ -230,9 +230,9 @@ def test_auto_on_cpu_tensors_is_the_reference_and_checks_router_logits():
 
 @interpreted
 def test_mxfp8_weights_are_quantized_once_per_version(monkeypatch):
-    """Under mxfp8 the forward launch and the backward's recomputation read the MXFP8 weight operands kept under
-    the experts module: a training step quantizes each routed weight once per layout it reads (the forward's, the
-    dgrad's), the next step with the same weights not at all."""
+    """Under mxfp8 the forward launch and the dgrad launch read the MXFP8 weight operands kept under the experts
+    module: a training step quantizes each routed weight once per layout it reads (the forward's, the dgrad's), the
+    next step with the same weights not at all."""
     made = []
     quantize = grouped_ffn.weight_operand
     monkeypatch.setattr(grouped_ffn, "weight_operand", lambda w, p, along, name, **kw: made.append((name, along))

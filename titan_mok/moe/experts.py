@@ -63,13 +63,6 @@ class RoutedExperts(nn.Module):
         # ranks it equals T·K routed slots exactly when no row was dropped (the metrics check it).
         self.register_buffer("rows_computed", torch.zeros(1, dtype=torch.float32), persistent=False)
 
-    @property
-    def backward_recomputes_forward(self) -> bool:
-        """Whether its backward runs its forward GEMMs again without activation checkpointing: the megakernel's
-        MXFP8 backward differentiates the Triton path's recomputed forward (``megakernel_autograd``), so FSDP's
-        backward all-gather must carry the forward's MXFP8 layout too (``mxfp8_fsdp.gather_layouts``)."""
-        return self.kernels == "megakernel" and self.precision == "mxfp8"
-
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return local_expert_weights(self)
 

@@ -13,37 +13,35 @@ the backward keeps it. When the combine weights need a gradient it also keeps a 
 that the launch pushed into this rank's combine slots (the workspace is every layer's): the ``"triton"`` path's
 y_TKH, bit for bit, T·K·H·2 bytes.
 
-Kept rows (bf16, when x or an expert weight needs a gradient): the forward launch also stores each schedule row's
-g, u and h (its gate/up items' epilogue, ``megakernel_rank_forward(keep_rows=True)``), the bits the Triton grouped
-FFN's ``grouped_gate_up_swiglu`` gives on the same rows (the same fp32 sums, rounded by the same ``_swiglu_out``),
-into per-call grouped rows gate_RI, up_RI, h_RI that the backward holds (ctx.save_for_backward): 3·R·I·2 bytes per
-layer (Kimi K2.7, 2048 tokens, EP 1: R = 16,384, I = 2048: 201 MB). Its ring's values are every layer's, so the
-kept rows are separate buffers. Recomputing them in the backward instead (the gate/up grouped GEMM, about 2/3 of
-the forward FFN's FLOPs) was measured at 37.9 ms per layer backward for Kimi on an H100: keeping takes the gate/up
-GEMM out of the backward (docs/design.md §5.9).
+Kept rows (when x or an expert weight needs a gradient): the forward launch also stores each schedule row's g, u and
+h (its gate/up items' epilogue, ``megakernel_rank_forward(keep_rows=True)``), the bits the Triton grouped FFN's
+``grouped_gate_up_swiglu`` gives on the same rows (the same fp32 sums, rounded by the same ``_swiglu_out``; under
+MXFP8 h before its quantization along I, the h that path's backward reads), into per-call grouped rows gate_RI,
+up_RI, h_RI that the backward holds (ctx.save_for_backward): 3·R·I·2 bytes per layer (Kimi K2.7, 2048 tokens, EP 1:
+R = 16,384, I = 2048: 201 MB). Its ring's values are every layer's, so the kept rows are separate buffers.
+Recomputing them in the backward instead (the gate/up grouped GEMM, about 2/3 of the forward FFN's FLOPs) was
+measured at 37.9 ms per layer backward for Kimi on an H100: keeping takes the gate/up GEMM out of the backward
+(docs/design.md §5.9).
 
-Backward (bf16): the backward pulls the grouped x rows again (``fused_dispatch``'s pull from the source ranks'
-x_TH, through the symmetric workspace's barrier: the gate/up weight gradients' operand, R·H·2 bytes not kept);
-then the megakernel's dgrad launch (``megakernel_rank_dgrad``: w·dY pulled from the source ranks, the down
-projection's dgrad through the SwiGLU backward on the kept g, u, the gate/up dgrad, each row's dx pushed to its
+Backward (bf16 and MXFP8 alike): the backward pulls the grouped x rows again (``fused_dispatch``'s pull from the
+source ranks' x_TH, through the symmetric workspace's barrier: the gate/up weight gradients' operand, R·H·2 bytes
+not kept); then the megakernel's dgrad launch (``megakernel_rank_dgrad``: w·dY pulled from the source ranks, the
+down projection's dgrad through the SwiGLU backward on the kept g, u, the gate/up dgrad, each row's dx pushed to its
 source, the ordered fp32 sum per token) gives dx and the grouped dy, dgate, dup rows; and ``grouped_wgrads`` on
-(dgate, x), (dup, x), (dy, h) gives the weight gradients, as the Triton grouped FFN's backward. The combine
-weights' gradient is ``combine_weight_grads(dout, y)`` on the kept expert rows, as ``fused_combine``'s backward;
-the shared output's gradient is dY in its dtype. So every gradient is the ``"triton"`` path's, bit for bit, at any
-EP degree. Every rank of the group runs the same backward sequence (the same layers), so the barriers pair up and
-the epochs agree.
-
-Backward (MXFP8, ``ExpertPrecision``): the dgrad launch runs bf16 operands only, so the backward runs the
-``"triton"`` path's forward again on the saved input and schedule (``fused_dispatch``, the Triton grouped FFN in
-MXFP8, ``fused_combine``) and differentiates it: the ``"triton"`` path's own MXFP8 backward. The forward launch
-reads the MXFP8 weight operands that the Triton grouped FFN keeps per weight version under the experts module
-(``grouped_ffn.forward_weight_operands``; in a training forward made together with the dgrad layouts), and the
-recomputation's ``grouped_swiglu_ffn(precision="mxfp8")`` finds them there: no weight is quantized twice. An MXFP8
-forward keeps no g, u, h rows.
+(dgate, x), (dup, x), (dy, h) gives the weight gradients, as the Triton grouped FFN's backward. Under MXFP8
+(``ExpertPrecision``) the dgrad launch runs that FFN's MXFP8 dgrad (dy quantized along H on the pull, dgate and dup
+along I, the weights' dgrad operands) and ``grouped_wgrads(..., "mxfp8")`` quantizes its operands along the token
+axis, as there. The launches read the MXFP8 weight operands that the Triton grouped FFN keeps per weight version
+under the experts module (``grouped_ffn.forward_weight_operands`` in the forward, ``dgrad_weight_operands`` in the
+backward; FSDP's MXFP8-gathered weights as gathered): no weight is quantized in either pass, and the backward reads
+the dgrad layout only (FSDP's backward all-gather carries that one alone). The combine weights' gradient is
+``combine_weight_grads(dout, y)`` on the kept expert rows, as ``fused_combine``'s backward; the shared output's
+gradient is dY in its dtype. So every gradient is the ``"triton"`` path's, bit for bit, at any EP degree. Every rank
+of the group runs the same backward sequence (the same layers), so the barriers pair up and the epochs agree.
 
 Nothing the backward reads comes from the megakernel's ring or a workspace buffer it left: it saves x, the combine
-weights, the expert weights it was given, the schedule and (bf16) the expert rows' copy and the kept g, u, h rows,
-and rewrites every workspace buffer it reads.
+weights, the expert weights it was given, the schedule, the expert rows' copy and the kept g, u, h rows, and
+rewrites every workspace buffer it reads.
 """
 
 from dataclasses import dataclass, replace
@@ -51,10 +49,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, wgrad_operands
+from titan_mok.kernels.grouped_ffn import wgrad_operands
 from titan_mok.kernels.grouped_gemm import grouped_wgrads
 from titan_mok.moe.dispatch import combine_weight_grads
-from titan_mok.moe.fused import FusedHandle, fused_combine, fused_dispatch
+from titan_mok.moe.fused import FusedHandle, fused_dispatch
 from titan_mok.moe.megakernel import MegakernelConfig
 from titan_mok.moe.megakernel_rank import megakernel_rank_dgrad, megakernel_rank_forward
 
@@ -84,8 +82,8 @@ class TokenRouting:
 @dataclass(frozen=True)
 class ExpertPrecision:
     """The routed experts' GEMM precision and, under mxfp8, where their MXFP8 weight operands are kept
-    (``grouped_swiglu_ffn``'s weights_owner and weight_sources): the forward launch and the backward's
-    recomputation read the same kept operands."""
+    (``grouped_swiglu_ffn``'s weights_owner and weight_sources): the forward launch reads the forward layouts kept
+    there, the dgrad launch the dgrad layouts."""
 
     precision: str = "bf16"
     weights_owner: object = None
@@ -96,7 +94,6 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, weights_TK, shared_TH, w_gate_LIH, w_up_LIH, w_down_LHI, topk_idx_TK, group, num_experts,
                 swiglu_limit, out_dtype, config, experts_precision, keep_expert_rows, keep_ffn_rows):
-        keep_ffn_rows = keep_ffn_rows and experts_precision.precision == "bf16"  # MXFP8 recomputes (docstring)
         out_TH, handle, kept = megakernel_rank_forward(
             x_TH, weights_TK, topk_idx_TK, shared_TH, (w_gate_LIH, w_up_LIH, w_down_LHI), num_experts=num_experts,
             group=group, swiglu_limit=swiglu_limit, out_dtype=out_dtype, config=config,
@@ -104,7 +101,7 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
             weight_sources=experts_precision.weight_sources, keep_rows=keep_ffn_rows,
         )
         y_TKH = None
-        if keep_expert_rows and experts_precision.precision == "bf16":
+        if keep_expert_rows:
             # the expert rows the finish summed, for the combine weights' gradient (module docstring)
             y_TKH = handle.workspace.slots_NH.view(handle.num_tokens, handle.top_k, -1).clone()
         gate_RI, up_RI, h_RI = kept if kept is not None else (None,) * 3
@@ -128,19 +125,14 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
         num_tokens, top_k = weights_TK.shape
         handle = FusedHandle(num_tokens, top_k, row_slot_R, group_end_L, ctx.workspace)
         expert_weights = (w_gate_LIH, w_up_LIH, w_down_LHI)
-        if ctx.experts_precision.precision != "bf16":
-            # the dgrad launch runs bf16 operands only: MXFP8 differentiates the recomputed "triton" forward
-            grads = _recomputed_triton_backward(ctx, dout_TH, x_TH, weights_TK, expert_weights, handle)
-        else:
-            grads = _dgrad_launch_backward(ctx, dout_TH.contiguous(), x_TH, weights_TK, expert_weights, handle,
-                                           y_TKH, kept)
+        grads = _dgrad_launch_backward(ctx, dout_TH.contiguous(), x_TH, weights_TK, expert_weights, handle, y_TKH, kept)
         dx_TH, dweights_TK, *dw = grads
         return dx_TH, dweights_TK, dshared_TH, *dw, *unused
 
 
 def _dgrad_launch_backward(ctx, dout_TH, x_TH, weights_TK, expert_weights, handle: FusedHandle, y_TKH, kept):
-    """(dx, dweights, dw_gate, dw_up, dw_down), each None where not needed: bf16, through the dgrad launch on the
-    forward's kept g, u, h rows (module docstring)."""
+    """(dx, dweights, dw_gate, dw_up, dw_down), each None where not needed: through the dgrad launch on the forward's
+    kept g, u, h rows, in the forward's precision (module docstring)."""
     needs_dx, needs_dweights, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3:6]
     # <dY[t], y[t, j]> in fp32, as the fused combine's backward
     dweights_TK = combine_weight_grads(dout_TH.float(), y_TKH) if needs_dweights else None
@@ -148,33 +140,17 @@ def _dgrad_launch_backward(ctx, dout_TH, x_TH, weights_TK, expert_weights, handl
         return None, dweights_TK, None, None, None
     gate_RI, up_RI, h_RI = kept  # kept whenever x or an expert weight needs a gradient (megakernel_..._trainable)
     x_RH = fused_dispatch(x_TH, handle)  # the forward's rows in the schedule's order (grad mode is off here)
+    mx = ctx.experts_precision
     # MegakernelConfig.gemm is the forward launch's: the dgrad launch reads by pointer
     dgrad = megakernel_rank_dgrad(dout_TH, weights_TK, gate_RI, up_RI, expert_weights, handle,
                                   num_experts=ctx.num_experts, group=ctx.group, swiglu_limit=ctx.swiglu_limit,
-                                  config=replace(ctx.config, gemm=None))
+                                  config=replace(ctx.config, gemm=None), precision=mx.precision,
+                                  weights_owner=mx.weights_owner, weight_sources=mx.weight_sources)
     pairs = wgrad_operands(x_RH, h_RI, dgrad.dy_RH, dgrad.dgate_RI, dgrad.dup_RI).values()
-    computed = grouped_wgrads([pair for pair, need in zip(pairs, needs_dw) if need], handle.group_end, "bf16")
+    # MXFP8: grouped_wgrads quantizes both operands along the token axis per expert, as the Triton FFN's backward
+    computed = grouped_wgrads([pair for pair, need in zip(pairs, needs_dw) if need], handle.group_end, mx.precision)
     dw = [next(computed) if need else None for need in needs_dw]
     return dgrad.dx_TH if needs_dx else None, dweights_TK, *dw
-
-
-def _recomputed_triton_backward(ctx, dout_TH, x_TH, weights_TK, expert_weights, handle: FusedHandle):
-    """(dx, dweights, dw_gate, dw_up, dw_down), each None where not needed: the ``"triton"`` path's forward run again
-    on the saved input and schedule, differentiated (module docstring, MXFP8)."""
-    needs_dx, needs_dweights, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3:6]
-    with torch.enable_grad():
-        x = x_TH.detach().requires_grad_(needs_dx)
-        w_TK = weights_TK.detach().requires_grad_(needs_dweights)
-        experts = [w.detach().requires_grad_(need) for w, need in zip(expert_weights, needs_dw)]
-        mx = ctx.experts_precision
-        y_RH = grouped_swiglu_ffn(fused_dispatch(x, handle), handle.group_end, *experts, precision=mx.precision,
-                                  swiglu_limit=ctx.swiglu_limit, use_triton=True, weights_owner=mx.weights_owner,
-                                  weight_sources=mx.weight_sources)
-        out = fused_combine(y_RH, w_TK, None, handle, ctx.out_dtype)
-    leaves = (x, w_TK, *experts)
-    wanted = [t for t in leaves if t.requires_grad]
-    computed = iter(torch.autograd.grad(out, wanted, dout_TH))
-    return tuple(next(computed) if t.requires_grad else None for t in leaves)
 
 
 def megakernel_routed_experts_trainable(

@@ -9,18 +9,20 @@ per rank (the most its schedule holds), H hidden, I expert FFN size, E experts, 
 Contract of ``megakernel_routed_dgrad``, per rank, given the layer's output gradient dout and the forward's g, u
 rows in the order of the rank's schedule (``kernels/mok_schedule.py``, the forward megakernel's: per local expert,
 (source rank, token, slot) order): dy[t, j] = cast(w[t,j]·dout[t]) (``mok_combine.slot_scale``), then per grouped
-row the down projection's dgrad through the SwiGLU backward (dgate, dup) and the gate/up dgrad (dx row), and
-dx[t] = cast(Σ_j dx_row(t, j)) in fp32, ascending j: bitwise the ``"triton"`` path's
-(``grouped_down_dgrad_swiglu``, ``grouped_mm_sum``, ``slot_reduce``) whatever P. Under virtual EP rank p holds
-experts p·L .. p·L + L - 1 and the rows travel through the other virtual ranks' buffers as between GPUs.
+row the down projection's dgrad through the SwiGLU backward (dgate, dup) and the gate/up dgrad (dx row), and dx[t] =
+cast(Σ_j dx_row(t, j)) in fp32, ascending j: bitwise the ``"triton"`` path's (``grouped_down_dgrad_swiglu``,
+``grouped_mm_sum``, ``slot_reduce``) whatever P; with ``precision="mxfp8"`` that path's MXFP8 dgrad (dy quantized
+along H, dgate and dup along I, the weights' dgrad operands kept under ``weights_owner`` as the Triton grouped FFN
+keeps them, or FSDP's MXFP8-gathered weights as gathered). Under virtual EP rank p holds experts p·L .. p·L + L - 1
+and the rows travel through the other virtual ranks' buffers as between GPUs.
 
 Per call, all on the current stream, no host sync: each rank's w·dY slots into its dy buffer (``slot_scale``); the
 schedule; the backward launch (pull, D1, D2, push); the finish (per token, wait for its K rows, then the ordered
-fp32 sum). The workspace of a (device, P, T, K, H, I, config) is allocated at its first call and reused (per-call
-epochs, as the forward's). The grouped rows dy, dgate, dup come back for the weight gradients
+fp32 sum). The workspace of a (device, P, T, K, H, I, config, precision) is allocated at its first call and reused
+(per-call epochs, as the forward's). The grouped rows dy, dgate, dup come back for the weight gradients
 (``grouped_gemm.grouped_wgrads``); rows past a rank's last expert's end are not written.
 
-Not here: MXFP8, the weight gradients, the combine weights' gradient.
+Not here: the weight gradients, the combine weights' gradient.
 """
 
 from dataclasses import dataclass
