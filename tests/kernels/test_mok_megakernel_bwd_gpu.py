@@ -3,9 +3,9 @@ on each other's flags) at virtual EP 1, 2, 4, 8.
 
 Claims, compared bit for bit: the concurrent launch equals the serialized one (the interpreter's mode, here
 compiled) and the "triton" path's dgrad kernels on the same tokens at EP = 1 (dx, and the grouped dy, dgate, dup
-rows), for every routing of the CPU tests and the smallest ring; it repeats its bits; a rank that never publishes
-ends in the bounded device error (recorded, or with ``trap`` an assertion naming the wait); a launch the device
-cannot hold at once is refused; no host sync.
+rows), for every routing of the CPU tests and the smallest ring, in bf16 and MXFP8 (the Triton path's MXFP8 dgrad on
+the GPU); it repeats its bits; a rank that never publishes ends in the bounded device error (recorded, or with
+``trap`` an assertion naming the wait); a launch the device cannot hold at once is refused; no host sync.
 """
 
 import os
@@ -51,6 +51,42 @@ def test_smallest_ring_under_the_most_skewed_routing(ranks):
     assert_bitwise(*megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config, swiglu_limit=0.5))
 
 
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "one_expert", "empty_experts", "all_remote"])
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_mxfp8_concurrent_equals_serialized_and_triton_path(block_m, ranks, kind):
+    """precision = "mxfp8": the MX variant's concurrent launch, on 64- and 128-row tiles."""
+    x, dout, weights, ids, expert_weights = _inputs(ranks, kind, seed=ranks)
+    config = MegakernelConfig(block_m=block_m)
+    run = lambda **kw: megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config,  # noqa: E731
+                                        precision="mxfp8", **kw)
+    want, first, index = run()
+    _, again, _ = run()
+    _, serial, _ = run(serialized=True)
+    for a, b, c in zip(first, again, serial):
+        assert torch.equal(a.dx_TH, b.dx_TH) and torch.equal(a.dx_TH, c.dx_TH)
+    assert_bitwise(want, first, index)
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+def test_mxfp8_smallest_ring_under_the_most_skewed_routing(ranks):
+    """One ring tile per rank: every tile's D1 waits for the previous tile's D2 items to free the slot's dgate, dup
+    tiles."""
+    x, dout, weights, ids, expert_weights = _inputs(ranks, "one_expert", seed=3)
+    config = MegakernelConfig(comm_programs=2, compute_programs=2, group_tiles=1, lag=0, ring_tiles=1)
+    assert_bitwise(*megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config, swiglu_limit=0.5,
+                                     precision="mxfp8"))
+
+
+def test_mxfp8_long_k_loops_through_a_small_ring():
+    """H 1024, I 512 (32 and 16 MXFP8 K steps per item), 256 tokens per rank at virtual EP 8 under skewed routing
+    through a 4-tile ring."""
+    (x, dout, weights), expert_weights = backward_inputs(8, 1024, seed=9, tokens=256, dim_i=512)
+    ids = routing("skewed", 8, tokens=256, seed=9)
+    config = MegakernelConfig(ring_tiles=4, group_tiles=2, lag=1)
+    assert_bitwise(*megakernel_dgrad(8, x, dout, weights, ids, expert_weights, config, precision="mxfp8"))
+
+
 def test_stalled_rank_ends_in_the_bounded_error_and_the_workspace_recovers():
     x, dout, weights, ids, expert_weights = _inputs(2, "balanced", seed=4)
     config = MegakernelConfig(timeout_ms=500.0)
@@ -91,10 +127,17 @@ def test_too_many_programs_are_refused():
                          MegakernelConfig(comm_programs=1, compute_programs=10_000))
 
 
-def test_no_host_sync():
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_no_host_sync(precision):
+    """The launch and the finish; under mxfp8 with the weights' dgrad operands kept under an owner (made at the first
+    call)."""
     x, dout, weights, ids, expert_weights = _inputs(4, "skewed", seed=5)
-    want, _, _ = megakernel_dgrad(4, x, dout, weights, ids, expert_weights, DEFAULT)  # compiled and allocated
+    owner = torch.nn.Module()
+    kept = dict(weights_owner=owner, weight_sources=expert_weights) if precision == "mxfp8" else {}
+    want, _, _ = megakernel_dgrad(4, x, dout, weights, ids, expert_weights, DEFAULT, precision=precision,
+                                  **kept)  # compiled and allocated
     _, gates, ups = rank_rows(want, 4, ids)
     dout_P, weights_P, ids_P = (list(t.cuda().chunk(4)) for t in (dout, weights, ids))  # copies sync: before
     run_without_host_sync(lambda: megakernel_routed_dgrad(dout_P, weights_P, ids_P, gates, ups, expert_weights,
-                                                          num_experts=E, config=DEFAULT))
+                                                          num_experts=E, config=DEFAULT, precision=precision,
+                                                          **kept))

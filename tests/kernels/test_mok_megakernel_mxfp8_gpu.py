@@ -4,8 +4,9 @@ Claims, compared bit for bit: the concurrent launch equals the serialized one an
 the same tokens (reference dispatch, the Triton grouped FFN with ``precision="mxfp8"`` on the GPU, its
 warp-specialized or TMA kernels as tile_configs picks them, reference combine, at EP = 1), for the CPU tests'
 routings, by pointer and TMA loads on 64- and 128-row tiles, through the smallest ring, with the bf16 shared expert
-in the launch, on K loops longer than the pipeline; it repeats its bits; no host sync. CPU (the interpreter's
-serialized mode): test_mok_megakernel_mxfp8.py.
+in the launch, on K loops longer than the pipeline; it repeats its bits; no host sync. The training launch's kept g,
+u, h rows are the Triton MXFP8 forward's (h unquantized). CPU (the interpreter's serialized mode):
+test_mok_megakernel_mxfp8.py.
 """
 
 import pytest
@@ -78,6 +79,30 @@ def test_mxfp8_long_k_loops_through_a_small_ring(variant):
     want = ffn_path(x, weights, ids, shared, expert_weights)
     for call in range(3):
         assert torch.equal(mx(8, x, weights, ids, shared, expert_weights, config), want), (variant, call)
+
+
+@pytest.mark.parametrize("kind", ["skewed", "one_expert", "empty_experts"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mxfp8_kept_rows_are_the_triton_forwards(variant, kind):
+    """One rank, ``megakernel_rank_forward(keep_rows=True)``: the kept g, u, h on the schedule's rows are the Triton
+    MXFP8 forward's ``grouped_gate_up_swiglu`` on those x rows, and the output is the launch's without kept rows."""
+    from tests.kernels.test_mok_megakernel_mxfp8 import triton_gate_up
+    from titan_mok.moe.fused import fused_dispatch
+    from titan_mok.moe.megakernel_rank import megakernel_rank_forward
+
+    x, weights, ids, shared, expert_weights = _inputs(1, kind, seed=6)
+    config = MegakernelConfig(**VARIANTS[variant])
+    call = lambda keep: megakernel_rank_forward(  # noqa: E731
+        x, weights, ids, shared, expert_weights, num_experts=E, group=None, config=config, precision="mxfp8",
+        keep_rows=keep)
+    with torch.no_grad():
+        plain, _, _ = call(False)
+        out, handle, kept = call(True)
+        want = triton_gate_up(fused_dispatch(x, handle), handle.group_end, expert_weights)
+    assert torch.equal(out, plain)
+    rows = int(handle.group_end[-1])
+    for name, got_RI, want_RI in zip(("gate", "up", "h"), kept, want):
+        assert torch.equal(got_RI[:rows], want_RI[:rows]), (variant, kind, name)
 
 
 def test_mxfp8_no_host_sync():

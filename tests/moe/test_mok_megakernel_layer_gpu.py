@@ -4,7 +4,7 @@ floats from the runs' metrics.jsonl):
   and under autocast with a gated shared expert and the SwiGLU clamp), run to run, with activation checkpointing and
   two layers sharing the megakernel's workspace; ``kernels = "auto"`` takes the fused path and equals "triton";
 - the routed experts and combine at Kimi K2.7's sizes with the default config: every gradient (through the dgrad
-  launch) on one GPU, and at EP = 2 (4, 8) GPUs;
+  launch) on one GPU (bf16 and MXFP8), and at EP = 2 (4, 8) GPUs;
 - the routed path (forward and backward) does no host sync;
 - training steps of each model's debug flavor on one GPU (AMP, full activation checkpointing), and of Kimi K2.7
   Code's with MXFP8 routed experts, on two GPUs under FSDP (EP degree 1, whose hooks gather the experts' weights
@@ -138,11 +138,13 @@ def _kimi_routed_inputs(tokens: int, experts: int, held: int, kind: str, seed: i
     return (*(t.cuda() for t in (x, weights, ids, shared, dout)), expert_weights)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("kind", ["balanced", "skewed"])
-def test_routed_gradients_at_kimi_sizes_equal_the_triton_path(kind):
+def test_routed_gradients_at_kimi_sizes_equal_the_triton_path(kind, precision):
     """The routed experts and combine at Kimi K2.7's sizes (H 7168, I 2048, K 8; 4096 tokens over 48 experts: a
     rank's share at EP 8), the default MegakernelConfig: the output and every gradient (x, the combine weights, the
-    shared output, w_gate, w_up, w_down) through the dgrad launch bitwise the triton path's, run to run."""
+    shared output, w_gate, w_up, w_down) through the dgrad launch bitwise the triton path's, run to run, in bf16 and
+    with MXFP8 routed experts (both launches' MX variants)."""
     from tests.moe.test_mok_megakernel_autograd import assert_same_gradients, routed_gradients
     from titan_mok.moe.megakernel import MegakernelConfig
 
@@ -150,12 +152,12 @@ def test_routed_gradients_at_kimi_sizes_equal_the_triton_path(kind):
 
     def call(kernels):
         return routed_gradients(kernels, x, weights, ids, shared, expert_weights, dout, num_experts=48,
-                                config=MegakernelConfig())
+                                config=MegakernelConfig(), precision=precision)
 
     want = call("triton")
     got = call("megakernel")
-    assert_same_gradients(got, want, kind)
-    assert_same_gradients(call("megakernel"), got, f"{kind}: run to run")
+    assert_same_gradients(got, want, (kind, precision))
+    assert_same_gradients(call("megakernel"), got, f"{kind}, {precision}: run to run")
 
 
 def _train(folder, kernels: str, nproc: int, ep: int = 1, precision: str = "bf16",
