@@ -50,9 +50,9 @@ def _tile_of_program(t, group_end_ptr, tile_end_ptr, N, E, LOG_E: tl.constexpr, 
 def _wgrad_job(p, group_end_ptr, prog_end_ptr, k_tiles_per_prog_ptr, K, E, LOG_E: tl.constexpr, BK: tl.constexpr):
     """The weight gradient's program p (of one column of features) -> (expert, first K tile, K tiles, first row,
     rows): the expert's K tiles from (p - prog_end[e - 1]) * k_tiles_per_prog[e] (grouped_gemm._wgrad_programs).
-    An expert without rows gets first row 0: its TMA descriptors start there, not at its group end, which for
-    experts after the last row is the operands' end, an address the TMA unit faulted on (H100, illegal memory
-    access) whenever no other allocation followed it, although every box it loads lies outside the descriptor."""
+    An expert without rows gets first row 0: its TMA descriptors start there, inside the operands, not at its group
+    end, which for the experts after the last row is the operands' end; with such starts the kernels stopped on an
+    illegal memory access on an H100 (docs/design.md §10)."""
     e = _group_of(p, prog_end_ptr, E, LOG_E)
     chunk = p - tl.load(prog_end_ptr + e - 1, mask=e > 0, other=0)
     k_tiles_per_prog = tl.load(k_tiles_per_prog_ptr + e)
