@@ -540,23 +540,23 @@ def test_shared_expert_missing_gate_up_is_a_named_error():
         raise_on_megakernel_error()
 
 
-@interpreted
-def test_kept_rows_are_the_real_rows_gate_up_and_never_the_shared_experts():
+def assert_kept_rows_at_virtual_ep(precision: str, seed: int, gate_up) -> None:
     """A training launch (kept rows) at virtual EP = 2, skewed (rank 1's experts get fewer than T rows), the shared
-    expert in the launch: each rank's kept g, u, h on its schedule's rows are ``grouped_gate_up_swiglu``'s on those x
-    rows, bit for bit; the rows past its schedule's end keep what they held (no tile row past its expert's end, and
-    none of the shared expert's rows, which would land in [0, T), is written)."""
-    (x, weights, _), expert_weights = layer_inputs(2, 64, seed=40)
-    ids = routing("skewed", 2, seed=41)
-    shared_expert = SharedFFN(*shared_inputs(64, 32, seed=42))
-    megakernel(2, x, weights, ids, None, expert_weights, shared_expert=shared_expert)  # the workspace, x published
-    ws = mk._WORKSPACES[(torch.device(DEVICE), 2, T, K, 64, I, E // 2, SMALL, 32, "bf16")]
+    expert (bf16) in the launch: each rank's kept g, u, h on its schedule's rows are gate_up(x rows, group ends, the
+    rank's w_gate and w_up) bit for bit; the rows past its schedule's end keep what they held (no tile row past its
+    expert's end, and none of the shared expert's rows, which would land in [0, T), is written)."""
+    (x, weights, _), expert_weights = layer_inputs(2, 64, seed=seed)
+    ids = routing("skewed", 2, seed=seed + 1)
+    shared_expert = SharedFFN(*shared_inputs(64, 32, seed=seed + 2))
+    # the workspace, x published
+    megakernel(2, x, weights, ids, None, expert_weights, shared_expert=shared_expert, precision=precision)
+    ws = mk._WORKSPACES[(torch.device(DEVICE), 2, T, K, 64, I, E // 2, SMALL, 32, precision)]
     schedule = mk.tile_schedules([i.to(DEVICE) for i in ids.chunk(2)], E // 2, E, SMALL.block_m)
     group_end_PL, _, row_slot_PR = schedule
     rows = 2 * T * K
     kept = KeptRows(*(torch.full((2, rows, I), float("nan"), dtype=torch.bfloat16, device=DEVICE) for _ in range(3)))
-    megakernel_launch(ws.bufs, schedule, expert_weights, ws.shape, epoch=ws.next_epoch(), swiglu_limit=None,
-                      serialized=True, shared=shared_expert, kept=kept)
+    megakernel_launch(ws.bufs, schedule, mk.launch_weights(expert_weights, precision), ws.shape,
+                      epoch=ws.next_epoch(), swiglu_limit=None, serialized=True, shared=shared_expert, kept=kept)
     ws.reset()  # no finish ran: the arrivals are ahead of the workspace's count
     sizes = torch.diff(group_end_PL, dim=1, prepend=group_end_PL.new_zeros(2, 1))
     assert group_end_PL[1, -1] < T and (sizes % SMALL.block_m != 0).any(), group_end_PL
@@ -566,11 +566,17 @@ def test_kept_rows_are_the_real_rows_gate_up_and_never_the_shared_experts():
         s = row_slot_PR[p, :end].long()  # gathered slot: rank s // N, token (s % N) // K
         x_RH = torch.zeros(rows, 64, dtype=torch.bfloat16, device=DEVICE)
         x_RH[:end] = x[(s // (T * K)) * T + (s % (T * K)) // K]
-        rank_weights = (w[p * local:(p + 1) * local] for w in expert_weights[:2])
-        want = grouped_gate_up_swiglu(x_RH, group_end_PL[p], *rank_weights, None)
+        want = gate_up(x_RH, group_end_PL[p], [w[p * local:(p + 1) * local] for w in expert_weights[:2]])
         for name, got_VRI, want_RI in zip(("gate", "up", "h"), kept, want):
             assert torch.equal(got_VRI[p, :end], want_RI[:end]), (p, name)
             assert got_VRI[p, end:].isnan().all(), (p, name)
+
+
+@interpreted
+def test_kept_rows_are_the_real_rows_gate_up_and_never_the_shared_experts():
+    """assert_kept_rows_at_virtual_ep, bf16: the rows are ``grouped_gate_up_swiglu``'s."""
+    assert_kept_rows_at_virtual_ep("bf16", 40, lambda x_RH, group_end, w: grouped_gate_up_swiglu(x_RH, group_end,
+                                                                                                 *w, None))
 
 
 @interpreted

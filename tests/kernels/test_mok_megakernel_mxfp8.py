@@ -19,9 +19,8 @@ from tests.kernels.test_mok_megakernel import (
     DEVICE,
     SMALL,
     E,
-    I,
-    K,
     T,
+    assert_kept_rows_at_virtual_ep,
     interpreted,
     layer_inputs,
     megakernel,
@@ -32,7 +31,7 @@ from tests.kernels.test_mok_megakernel import (
 from titan_mok.kernels import weight_cache
 from titan_mok.kernels.grouped_ffn import grouped_swiglu_ffn, weight_operand
 from titan_mok.kernels.grouped_gemm import grouped_gate_up_swiglu
-from titan_mok.kernels.mok_megakernel import KeptRows, SharedFFN, megakernel_launch
+from titan_mok.kernels.mok_megakernel import SharedFFN
 from titan_mok.kernels.mxfp8_gathered import GatheredOperands, MXFP8GatheredWeight
 from titan_mok.kernels.mxfp8_quant import ref_mxfp8_fake_quantize
 from titan_mok.moe import megakernel as mk
@@ -176,30 +175,8 @@ def test_mxfp8_kept_rows_are_the_triton_forwards_and_the_output_is_unchanged(kin
 
 @interpreted
 def test_mxfp8_kept_rows_at_virtual_ep_are_the_real_rows_only():
-    """Virtual EP = 2, skewed, the (bf16) shared expert in the launch: each rank's kept rows are the Triton MXFP8
-    forward's on its schedule's rows; the rows past its schedule's end keep what they held."""
-    (x, weights, _), expert_weights = layer_inputs(2, 64, seed=82)
-    ids = routing("skewed", 2, seed=83)
-    shared_expert = SharedFFN(*shared_inputs(64, 32, seed=84))
-    mx_megakernel(2, x, weights, ids, None, expert_weights, shared_expert=shared_expert)  # the workspace, x published
-    ws = mk._WORKSPACES[(torch.device(DEVICE), 2, T, K, 64, I, E // 2, SMALL, 32, "mxfp8")]
-    schedule = mk.tile_schedules([i.to(DEVICE) for i in ids.chunk(2)], E // 2, E, SMALL.block_m)
-    group_end_PL, _, row_slot_PR = schedule
-    rows = 2 * T * K
-    kept = KeptRows(*(torch.full((2, rows, I), float("nan"), dtype=torch.bfloat16, device=DEVICE) for _ in range(3)))
-    megakernel_launch(ws.bufs, schedule, mk.launch_weights(expert_weights, "mxfp8"), ws.shape, epoch=ws.next_epoch(),
-                      swiglu_limit=None, serialized=True, shared=shared_expert, kept=kept)
-    ws.reset()  # no finish ran: the arrivals are ahead of the workspace's count
-    local = E // 2
-    for p in range(2):
-        end = int(group_end_PL[p, -1])
-        s = row_slot_PR[p, :end].long()  # gathered slot: rank s // N, token (s % N) // K
-        x_RH = torch.zeros(rows, 64, dtype=torch.bfloat16, device=DEVICE)
-        x_RH[:end] = x[(s // (T * K)) * T + (s % (T * K)) // K]
-        want = triton_gate_up(x_RH, group_end_PL[p], [w[p * local:(p + 1) * local] for w in expert_weights[:2]])
-        for name, got_VRI, want_RI in zip(("gate", "up", "h"), kept, want):
-            assert torch.equal(got_VRI[p, :end], want_RI[:end]), (p, name)
-            assert got_VRI[p, end:].isnan().all(), (p, name)
+    """assert_kept_rows_at_virtual_ep, MXFP8: the rows are the Triton MXFP8 forward's (h unquantized)."""
+    assert_kept_rows_at_virtual_ep("mxfp8", 82, triton_gate_up)
 
 
 @interpreted
