@@ -65,9 +65,9 @@ def gather_mxfp8_experts(model: torch.nn.Module, parallel_dims, job_config) -> N
     """Before FSDP: the mxfp8 routed experts' weights are all-gathered as MXFP8 (titan_mok.moe.mxfp8_fsdp),
     each gather carrying the layouts its pass reads. A block's experts: FSDP reshards the block after
     forward unless ``fsdp_reshard_after_forward = "never"`` (no pipeline parallelism here), a checkpointed
-    block recomputes its forward in the backward, and they are sharded over the expert-FSDP ranks (EP) or the
-    FSDP ranks. Experts outside the blocks (an MTP module's): in FSDP's
-    root group, which FSDP never reshards after forward, not expert-parallel, sharded over the FSDP ranks."""
+    block recomputes its forward in the backward, and they are sharded over the expert-FSDP ranks (EP) or
+    the FSDP ranks. Experts outside the blocks (an MTP module's): in FSDP's root group, which FSDP never
+    reshards after forward, not expert-parallel, sharded over the FSDP ranks."""
     experts = [m for m in model.modules() if isinstance(m, RoutedExperts) and m.precision == "mxfp8"]
     if not experts:
         return
