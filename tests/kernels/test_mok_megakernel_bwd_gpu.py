@@ -34,32 +34,13 @@ def _inputs(ranks: int, kind: str, seed: int = 0):
 
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "one_expert", "empty_experts", "all_remote"])
 @pytest.mark.parametrize("ranks", [1, 2, 4, 8])
-def test_concurrent_equals_serialized_and_triton_path(ranks, kind):
-    x, dout, weights, ids, expert_weights = _inputs(ranks, kind, seed=ranks)
-    want, first, index = megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, DEFAULT)
-    _, again, _ = megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, DEFAULT)
-    _, serial, _ = megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, DEFAULT, serialized=True)
-    for a, b, c in zip(first, again, serial):
-        assert torch.equal(a.dx_TH, b.dx_TH) and torch.equal(a.dx_TH, c.dx_TH)
-    assert_bitwise(want, first, index)
-
-
-@pytest.mark.parametrize("ranks", [2, 8])
-def test_smallest_ring_under_the_most_skewed_routing(ranks):
-    x, dout, weights, ids, expert_weights = _inputs(ranks, "one_expert", seed=3)
-    config = MegakernelConfig(comm_programs=2, compute_programs=2, group_tiles=1, lag=0, ring_tiles=1)
-    assert_bitwise(*megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config, swiglu_limit=0.5))
-
-
-@pytest.mark.parametrize("kind", ["balanced", "skewed", "one_expert", "empty_experts", "all_remote"])
-@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
-@pytest.mark.parametrize("block_m", [64, 128])
-def test_mxfp8_concurrent_equals_serialized_and_triton_path(block_m, ranks, kind):
-    """precision = "mxfp8": the MX variant's concurrent launch, on 64- and 128-row tiles."""
+@pytest.mark.parametrize("precision, block_m", [("bf16", None), ("mxfp8", 64), ("mxfp8", 128)])
+def test_concurrent_equals_serialized_and_triton_path(precision, block_m, ranks, kind):
+    """The default config (bf16), and the MX variant on 64- and 128-row tiles."""
     x, dout, weights, ids, expert_weights = _inputs(ranks, kind, seed=ranks)
     config = MegakernelConfig(block_m=block_m)
     run = lambda **kw: megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config,  # noqa: E731
-                                        precision="mxfp8", **kw)
+                                        precision=precision, **kw)
     want, first, index = run()
     _, again, _ = run()
     _, serial, _ = run(serialized=True)
@@ -69,13 +50,14 @@ def test_mxfp8_concurrent_equals_serialized_and_triton_path(block_m, ranks, kind
 
 
 @pytest.mark.parametrize("ranks", [2, 8])
-def test_mxfp8_smallest_ring_under_the_most_skewed_routing(ranks):
-    """One ring tile per rank: every tile's D1 waits for the previous tile's D2 items to free the slot's dgate, dup
-    tiles."""
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_smallest_ring_under_the_most_skewed_routing(precision, ranks):
+    """One ring tile per rank (MXFP8: every tile's D1 also waits for the previous tile's D2 items to free the slot's
+    dgate, dup tiles)."""
     x, dout, weights, ids, expert_weights = _inputs(ranks, "one_expert", seed=3)
     config = MegakernelConfig(comm_programs=2, compute_programs=2, group_tiles=1, lag=0, ring_tiles=1)
     assert_bitwise(*megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config, swiglu_limit=0.5,
-                                     precision="mxfp8"))
+                                     precision=precision))
 
 
 def test_mxfp8_long_k_loops_through_a_small_ring():
