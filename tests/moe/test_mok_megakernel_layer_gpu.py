@@ -201,7 +201,7 @@ def test_kimi_debug_training_resumed_from_a_checkpoint_continues_bitwise(tmp_pat
     shutil.copytree(tmp_path / "full" / "checkpoint" / "step-3", tmp_path / "resumed" / "checkpoint" / "step-3")
     resumed = _train(tmp_path / "resumed", "megakernel", 1, 1, "bf16", "kimi_k2_7_code", 6, *checkpoint)
     assert [r["step"] for r in resumed] == [4, 5, 6]
-    keys = ("loss_metrics/global_avg_loss", "grad_norm", "determinism/loss_checksum")
+    keys = ("loss_metrics/global_avg_loss", "grad_norm")  # not the loss checksum: it chains a process's own steps
     assert [[r["metrics"][k] for k in keys] for r in resumed] == [[r["metrics"][k] for k in keys] for r in full[3:]]
 
 
