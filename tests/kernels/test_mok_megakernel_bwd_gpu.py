@@ -73,8 +73,10 @@ def test_stalled_rank_ends_in_the_bounded_error_and_the_workspace_recovers():
     x, dout, weights, ids, expert_weights = _inputs(2, "balanced", seed=4)
     config = MegakernelConfig(timeout_ms=500.0)
     megakernel_dgrad(2, x, dout, weights, ids, expert_weights, config)  # compiled and allocated
-    with pytest.raises(RuntimeError, match="dy_ready: rank 0's communication program waited for rank 1 |ring ready: "
-                                           "rank 1's compute program"):
+    # every wait downstream of the stall runs out; which one first depends on when each began (and on other
+    # processes' kernels time-slicing the GPU), so any of them names it
+    with pytest.raises(RuntimeError, match="timed out: (dy_ready: rank 0's communication program waited for rank 1 |"
+                                           "(ring|dgrad) ready: rank [01]'s compute program)"):
         megakernel_dgrad(2, x, dout, weights, ids, expert_weights, config, stall_rank=1)
     assert_bitwise(*megakernel_dgrad(2, x, dout, weights, ids, expert_weights, config))
 
