@@ -23,7 +23,6 @@ both shapes (DCP alone ignores extra keys).
 """
 
 import math
-import os
 import shutil
 from pathlib import Path
 

@@ -2,7 +2,6 @@
 transformers' qwen3_5_moe (weights through the StateDictAdapter and safetensors),
 adapter round trip, flavors. CPU, fp32."""
 
-import os
 from dataclasses import replace
 
 import pytest
