@@ -69,6 +69,25 @@ across its switch from w_gate to w_up) and compute the product transposed (acc^T
 items). So dgate, dup, the rows' dx and dX are the Triton MXFP8 path's bits. Memory: 2·Q·M·I·2 bytes per rank
 more (Kimi K2.7, Q = 32, M = 64: 16.8 MB).
 
+GEMM loads (``LaunchShape.gemm``, the TMA constexpr; ``MegakernelConfig.gemm``: None is "ptr" here, TMA being
+unmeasured on this launch): the items' K loops read their operands by masked pointer loads ("ptr") or, as the
+forward's, by TMA ("tma") through tensor descriptors each compute program makes once, before its first claim: over
+the rank's ring [Q·M, H], its experts' weights (bf16 w_down [L·H, I], w_gate and w_up [L·I, H] in [BLOCK_K, BLOCK_N]
+blocks, K along rows; MXFP8 their dgrad operands [L·I, H], [L·H, I] in [BLOCK_N, 32] blocks) and D2's A operands
+(bf16 the grouped dgate, dup rows [R, I]; MXFP8 the slots' tiles [Q·M, I]); D2 takes the gate's or the up's
+descriptors per K step by a branch (descriptors have no select). TMA reads what other programs stored (the pulled
+rows, dgate and dup) through the async proxy, so a proxy fence follows the acquire that waited for them. The same
+bits as the pointer loads, by one rule (``check_tma_loads``): H and I multiples of the K step (bf16 BLOCK_K, MXFP8
+32, which MXFP8 needs anyway; also 16-byte rows). A bf16 weight's K runs along its rows, so a block running past an
+expert's H (D1) or I (D2) rows along K would read the next expert's rows into the sum (against A columns read as
+zeros, but 0·w is -0 for a negative w and NaN for an infinite one, where the pointer loads add 0·0), and the rule
+leaves no such block; 3-D descriptors [L, rows, cols] (each expert's bounds read as zeros) would lift it, at more
+code (the four models' full sizes meet it; Kimi K2.7: H 7168, I 2048). The other reads past a bound feed nothing
+that is stored: along N, bf16 blocks read zeros past H or I (their columns are the output's), MXFP8 weight blocks
+the next expert's rows (or zeros past the last), which only feed output columns the stores skip, as the forward's;
+D2's bf16 A rows past the tile's expert's end read the next expert's rows (or zeros past R; the pointer loads mask
+them), which only feed output rows the stores skip.
+
 Not here: the weight gradients (``grouped_gemm.grouped_wgrads`` on the grouped rows this launch writes),
 the combine weights' gradient.
 """
@@ -81,11 +100,12 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_mok.kernels.grouped_gemm import _DOT_F32, _dot
+from titan_mok.kernels.grouped_gemm import _DOT_F32, _dot, _set_triton_allocator
 from titan_mok.kernels.grouped_tiles import _bf16_rne, _swiglu_grads
 from titan_mok.kernels.mok_combine import _round_to, _slot_term
 from titan_mok.kernels.mok_megakernel import (
     BLOCK_K,
+    GEMM_LOADS,
     MAX_EPOCH,
     PHASE_ALL,
     PHASE_COMM,
@@ -98,7 +118,9 @@ from titan_mok.kernels.mok_megakernel import (
     KernelVariant,
     LaunchShape,
     RingBuffers,
+    _async_proxy_fence,
     _comm_program,
+    _descriptor,
     _item,
     _mx_values,
     _mx_weight_tile,
@@ -127,42 +149,52 @@ WAIT_NAMES = {
 
 
 @triton.jit
-def _down_dgrad_block(a_ptr, wd_ptr, wd_scales, g_ptr, u_ptr, dgate_ptr, dup_ptr, dgate_mx_ptr, dup_mx_ptr, rows,
-                      real, n0, H, I, limit, HAS_LIMIT: tl.constexpr, MX: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """dh[:, n0:n0 + BLOCK_N] = a @ w_down[:, n0:n0 + BLOCK_N] for one ring tile a [M, H] (w_down [H, I]), through
-    the SwiGLU backward with the rows' g, u: dgate, dup stored at the real rows of the grouped [R, I] buffers.
+def _down_dgrad_block(a_src, a_row, wd_src, w_row, wd_scales, g_ptr, u_ptr, dgate_ptr, dup_ptr, dgate_mx_ptr,
+                      dup_mx_ptr, rows, real, n0, H, I, limit, HAS_LIMIT: tl.constexpr, MX: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                      TMA: tl.constexpr):
+    """dh[:, n0:n0 + BLOCK_N] = a @ w_down[:, n0:n0 + BLOCK_N] for one ring tile a [M, H] = rows [a_row, a_row + M)
+    of a_src and the expert's w_down [H, I] = rows [w_row, w_row + H) of wd_src (pointers: the tile's and the
+    expert's own, rows 0; TMA: descriptors of the rank's ring [Q·M, H] and weights [L·H, I], H a multiple of
+    BLOCK_K: no block runs into the next expert's rows), through the SwiGLU backward with the rows' g, u: dgate, dup
+    stored at the real rows of the grouped [R, I] buffers.
 
     MX: a holds the dy rows' MXFP8 values along H (the pull's), w_down is its dgrad operand [I, H] (E4M3 rows blocked
-    along H, E8M0 bits [I, H / 32] at wd_scales), dequantized per 32-wide K step with the scales loaded a step ahead,
-    the product transposed (the forward's MX items); dgate and dup also go, as their MXFP8 values along I (whole
-    32-blocks: BLOCK_N and I multiples of 32), into the slot's [M, I] tiles at dgate_mx_ptr, dup_mx_ptr, every tile
-    row (the rows past the expert's end are zeros: zero dy, zero g, u), D2's A operands."""
+    along H, E8M0 bits [I, H / 32] at wd_scales; TMA: rows [w_row, w_row + I) of [L·I, H], a block's rows past I
+    the next expert's, feeding output columns never stored), dequantized per 32-wide K step with the scales loaded a
+    step ahead, the product transposed (the forward's MX items); dgate and dup also go, as their MXFP8 values along
+    I (whole 32-blocks: BLOCK_N and I multiples of 32), into the slot's [M, I] tiles at dgate_mx_ptr, dup_mx_ptr,
+    every tile row (the rows past the expert's end are zeros: zero dy, zero g, u), D2's A operands."""
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
+    every_row = tl.full((BLOCK_M,), 1, tl.int1)
     if MX:
         acct = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         scale_rows = wd_scales + offs_n * (H // 32)  # int32: the expert's [I, H / 32] bits
         s_next = _scale_bits(scale_rows, 0, n_ok, H)
-        every_row = tl.full((BLOCK_M,), 1, tl.int1)
         for k0 in range(0, H, 32):
             # .cg: another SM wrote the tile (as below)
-            at = tl.trans(_operand_tile(a_ptr, 0, k0, every_row, H, BLOCK_M, 32, False, ".cg"))
+            at = tl.trans(_operand_tile(a_src, a_row, k0, every_row, H, BLOCK_M, 32, TMA, ".cg"))
             s = s_next
             s_next = _scale_bits(scale_rows, k0 + 32, n_ok, H)
-            acct = _dot(_mx_weight_tile(wd_ptr, n0, k0, n_ok, H, s, BLOCK_N, False), at, acct, DOT_F32)
+            acct = _dot(_mx_weight_tile(wd_src, w_row + n0, k0, n_ok, H, s, BLOCK_N, TMA), at, acct, DOT_F32)
         acc = tl.trans(acct)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < H
-            # .cg: another SM wrote the tile; read it from L2, never from a line this SM cached in an earlier round
-            a = tl.load(a_ptr + offs_m[:, None] * H + offs_k[None, :], mask=k_ok[None, :], other=0.0,
-                        cache_modifier=".cg")
-            b = tl.load(wd_ptr + offs_k[:, None].to(tl.int64) * I + offs_n[None, :],
-                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if TMA:  # K runs along w_down's rows: H is a multiple of BLOCK_K, so the block is the expert's
+                a = _operand_tile(a_src, a_row, k0, None, H, BLOCK_M, BLOCK_K, TMA, ".cg")
+                b = _operand_tile(wd_src, w_row + k0, n0, None, I, BLOCK_K, BLOCK_N, TMA, "")
+            else:
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < H
+                # .cg: another SM wrote the tile; read it from L2, never from a line this SM cached in an earlier
+                # round
+                a = tl.load(a_src + offs_m[:, None] * H + offs_k[None, :], mask=k_ok[None, :], other=0.0,
+                            cache_modifier=".cg")
+                b = tl.load(wd_src + offs_k[:, None].to(tl.int64) * I + offs_n[None, :],
+                            mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = _dot(a, b, acc, DOT_F32)
     # the tile's rows are consecutive: int32 offsets from its first row (int64 ones spill registers on sm_90)
     first = tl.min(rows, axis=0).to(tl.int64) * I
@@ -179,17 +211,34 @@ def _down_dgrad_block(a_ptr, wd_ptr, wd_scales, g_ptr, u_ptr, dgate_ptr, dup_ptr
 
 
 @triton.jit
-def _gate_up_dgrad_block(dgate_ptr, dup_ptr, wg_ptr, wu_ptr, wg_scales, wu_scales, dst_ptrs, rows, real, n0, H, I,
-                         MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_F32: tl.constexpr):
+def _either(up, gate_src, up_src, TMA: tl.constexpr):
+    """up_src where up, else gate_src: pointers by a select, TMA descriptors (no select of two) by a branch."""
+    if TMA:
+        src = gate_src
+        if up:
+            src = up_src
+    else:
+        src = tl.where(up, up_src, gate_src)
+    return src
+
+
+@triton.jit
+def _gate_up_dgrad_block(dgate_src, dup_src, a_row, wg_src, wu_src, w_row, wg_scales, wu_scales, dst_ptrs, rows, real,
+                         n0, H, I, MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
     """dx[:, n0:n0 + BLOCK_N] = dgate @ w_gate[:, cols] + dup @ w_up[:, cols] in one fp32 accumulator (dgate's K
     steps over I, then dup's, each ascending), rounded to bf16; real row r's columns stored at dst_ptrs[r] (its
-    (token, slot) row). dgate, dup: grouped rows [R, I]; w_gate, w_up [I, H].
+    (token, slot) row). dgate, dup: grouped rows [R, I] (pointers: the rank's, the tile's rows; TMA: descriptors,
+    the tile's rows from a_row, its first, those past its expert's end another expert's or zeros past R, feeding
+    output rows never stored); w_gate, w_up [I, H]: rows [w_row, w_row + I) of wg_src, wu_src (pointers: the
+    expert's own, rows 0; TMA: descriptors of the rank's [L·I, H], I a multiple of BLOCK_K: no block runs into the
+    next expert's rows).
 
-    MX: dgate, dup are the slot's [M, I] tiles of their MXFP8 values along I (D1's), w_gate, w_up their dgrad
-    operands [H, I] (E4M3 rows blocked along I, E8M0 bits [H, I / 32] at wg_scales, wu_scales), dequantized per
-    32-wide K step with the scales loaded a step ahead (across the switch from w_gate to w_up too), the product
-    transposed."""
+    MX: dgate, dup are the slot's [M, I] tiles of their MXFP8 values along I (D1's; rows [a_row, a_row + M) of
+    dgate_src, dup_src: the slot's, or TMA the rank's [Q·M, I]), w_gate, w_up their dgrad operands [H, I] (E4M3 rows
+    blocked along I, E8M0 bits [H, I / 32] at wg_scales, wu_scales; TMA: rows [w_row, w_row + H) of [L·H, I], a
+    block's rows past H the next expert's, feeding output columns never stored), dequantized per 32-wide K step
+    with the scales loaded a step ahead (across the switch from w_gate to w_up too), the product transposed."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     # one loop over both products, the same steps in the same order (two loops, each software-pipelined, spill
@@ -204,14 +253,14 @@ def _gate_up_dgrad_block(dgate_ptr, dup_ptr, wg_ptr, wu_ptr, wg_scales, wu_scale
             up = step >= steps
             k0 = (step - tl.where(up, steps, 0)) * 32
             # .cg: other SMs wrote these rows in this launch
-            at = tl.trans(_operand_tile(tl.where(up, dup_ptr, dgate_ptr), 0, k0, every_row, I, BLOCK_M, 32, False,
-                                        ".cg"))
+            at = tl.trans(_operand_tile(_either(up, dgate_src, dup_src, TMA), a_row, k0, every_row, I, BLOCK_M, 32,
+                                        TMA, ".cg"))
             s = s_next
             up_next = step + 1 >= steps  # past the last step: k = I, so the scales read as 2^0 (never used)
             s_next = _scale_bits(tl.where(up_next, wu_scales, wg_scales) + scale_off,
                                  (step + 1 - tl.where(up_next, steps, 0)) * 32, n_ok, I)
-            acct = _dot(_mx_weight_tile(tl.where(up, wu_ptr, wg_ptr), n0, k0, n_ok, I, s, BLOCK_N, False), at, acct,
-                        DOT_F32)
+            acct = _dot(_mx_weight_tile(_either(up, wg_src, wu_src, TMA), w_row + n0, k0, n_ok, I, s, BLOCK_N, TMA),
+                        at, acct, DOT_F32)
         dx = tl.trans(_bf16_rne(acct))
     else:
         a_rows = rows[:, None].to(tl.int64) * I
@@ -219,35 +268,54 @@ def _gate_up_dgrad_block(dgate_ptr, dup_ptr, wg_ptr, wu_ptr, wg_scales, wu_scale
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in range(0, 2 * steps):
             up = step >= steps
-            offs_k = (step - tl.where(up, steps, 0)) * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < I
-            # .cg: other SMs wrote these rows in this launch
-            a = tl.load(tl.where(up, dup_ptr, dgate_ptr) + a_rows + offs_k[None, :],
-                        mask=real[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
-            b = tl.load(tl.where(up, wu_ptr, wg_ptr) + offs_k[:, None].to(tl.int64) * H + offs_n[None, :],
-                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if TMA:
+                k0 = (step - tl.where(up, steps, 0)) * BLOCK_K
+                # (the tile's rows past its expert's end: another expert's rows, or zeros past R; stores skip them)
+                a = _operand_tile(_either(up, dgate_src, dup_src, TMA), a_row, k0, None, I, BLOCK_M, BLOCK_K, TMA,
+                                  ".cg")
+                b = _operand_tile(_either(up, wg_src, wu_src, TMA), w_row + k0, n0, None, H, BLOCK_K, BLOCK_N, TMA,
+                                  "")
+            else:
+                offs_k = (step - tl.where(up, steps, 0)) * BLOCK_K + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < I
+                # .cg: other SMs wrote these rows in this launch
+                a = tl.load(tl.where(up, dup_src, dgate_src) + a_rows + offs_k[None, :],
+                            mask=real[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
+                b = tl.load(tl.where(up, wu_src, wg_src) + offs_k[:, None].to(tl.int64) * H + offs_n[None, :],
+                            mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = _dot(a, b, acc, DOT_F32)
         dx = _bf16_rne(acc)
     tl.store(dst_ptrs[:, None] + offs_n[None, :], dx, mask=real[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _d1_item(i, b, rank, ring_ptr, ready_ptr, dgrad_ready_ptr, d1_done_ptr, group_end_ptr, tile_end_ptr, wd_ptr,
+def _d1_item(i, b, rank, ring_src, ready_ptr, dgrad_ready_ptr, d1_done_ptr, group_end_ptr, tile_end_ptr, wd_src,
              wd_scale_ptr, g_ptr, u_ptr, dgate_ptr, dup_ptr, dgate_mx_ptr, dup_mx_ptr, err_ptr, epoch, timeout_us,
              limit, L, H, I, Q, NB_I, SERIAL: tl.constexpr, HAS_LIMIT: tl.constexpr, MX: tl.constexpr,
              LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             DOT_F32: tl.constexpr):
-    """D1(i, b) (module docstring); False when its wait ran out."""
+             DOT_F32: tl.constexpr, TMA: tl.constexpr):
+    """D1(i, b) (module docstring); False when its wait ran out. ring_src, wd_src: the rank's ring and w_down (its
+    dgrad operand under MX), pointers or TMA descriptors (_compute_program)."""
+    FENCE: tl.constexpr = TMA and not SERIAL  # serialized: a launch ends between the writer and the reader
     q = i % Q
     n = i // Q
     ok = _wait(ready_ptr + q, _stamp(epoch, n), err_ptr, WAIT_RING_READY, rank, i, timeout_us, SERIAL)
     if ok:
+        _async_proxy_fence(FENCE)  # the pulled rows (generic stores) before the TMA reads of them
         e, rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
-        tile_ptr = ring_ptr + q.to(tl.int64) * BLOCK_M * H
+        if TMA:  # the tile's rows of the ring, the expert's rows of the weights
+            a_src, a_row, w_src = ring_src, q * BLOCK_M, wd_src
+            if MX:
+                w_row = e * I
+            else:
+                w_row = e * H
+        else:  # the tile's and the expert's own pointers
+            a_src, a_row = ring_src + q.to(tl.int64) * BLOCK_M * H, 0
+            w_src, w_row = wd_src + e.to(tl.int64) * H * I, 0
         slot_i = q.to(tl.int64) * BLOCK_M * I  # the slot's [M, I] tiles (MX)
-        _down_dgrad_block(tile_ptr, wd_ptr + e.to(tl.int64) * H * I, wd_scale_ptr + e.to(tl.int64) * I * (H // 32),
-                          g_ptr, u_ptr, dgate_ptr, dup_ptr, dgate_mx_ptr + slot_i, dup_mx_ptr + slot_i, rows, real,
-                          b * BLOCK_N, H, I, limit, HAS_LIMIT, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+        _down_dgrad_block(a_src, a_row, w_src, w_row, wd_scale_ptr + e.to(tl.int64) * I * (H // 32), g_ptr, u_ptr,
+                          dgate_ptr, dup_ptr, dgate_mx_ptr + slot_i, dup_mx_ptr + slot_i, rows, real, b * BLOCK_N, H,
+                          I, limit, HAS_LIMIT, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
         tl.debug_barrier()  # every thread's stores, and its reads of the ring tile, done before the count
         if tl.atomic_add(d1_done_ptr + q, 1, sem="acq_rel", scope="sys") == NB_I - 1:
             # the tile's last D1 item: every other's dgate/dup rows are ordered before this (acq_rel)
@@ -258,28 +326,41 @@ def _d1_item(i, b, rank, ring_ptr, ready_ptr, dgrad_ready_ptr, d1_done_ptr, grou
 
 @triton.jit
 def _d2_item(i, c, rank, dgrad_ready_ptr, consumed_ptr, d2_done_ptr, slots_table, arrivals_table, group_end_ptr,
-             tile_end_ptr, row_slot_ptr, wg_ptr, wu_ptr, wg_scale_ptr, wu_scale_ptr, dgate_ptr, dup_ptr, dgate_mx_ptr,
-             dup_mx_ptr, err_ptr, epoch, timeout_us, L, N, K, H, I, Q, NB_H, SERIAL: tl.constexpr, MX: tl.constexpr,
-             LOG_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             DOT_F32: tl.constexpr):
-    """D2(i, c) (module docstring); False when its wait ran out."""
+             tile_end_ptr, row_slot_ptr, wg_src, wu_src, wg_scale_ptr, wu_scale_ptr, dgate_src, dup_src, err_ptr,
+             epoch, timeout_us, L, N, K, H, I, Q, NB_H, SERIAL: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+             TMA: tl.constexpr):
+    """D2(i, c) (module docstring); False when its wait ran out. wg_src, wu_src: the rank's w_gate, w_up (their
+    dgrad operands under MX); dgate_src, dup_src: its grouped dgate, dup rows (MX: its slots' tiles of their MXFP8
+    values); pointers or TMA descriptors (_compute_program)."""
+    FENCE: tl.constexpr = TMA and not SERIAL  # serialized: a launch ends between the writer and the reader
     q = i % Q
     n = i // Q
     ok = _wait(dgrad_ready_ptr + q, _stamp(epoch, n), err_ptr, WAIT_H_READY, rank, i, timeout_us, SERIAL)
     if ok:
+        _async_proxy_fence(FENCE)  # the D1 items' rows (generic stores) before the TMA reads of them
         e, rows, real = _tile_rows(i, group_end_ptr, tile_end_ptr, L, LOG_L, BLOCK_M)
         s = tl.load(row_slot_ptr + rows, mask=real, other=0)  # gathered slot p·N + t·K + j
         src = s // N
         slot_ptrs = tl.load(slots_table + src, mask=real, other=0).to(tl.pointer_type(tl.bfloat16))
         w_off = e.to(tl.int64) * I * H
-        if MX:  # the A operands: the slot's tiles of their MXFP8 values
-            slot_i = q.to(tl.int64) * BLOCK_M * I
-            a_gate, a_up = dgate_mx_ptr + slot_i, dup_mx_ptr + slot_i
-        else:  # the grouped rows
-            a_gate, a_up = dgate_ptr, dup_ptr
-        _gate_up_dgrad_block(a_gate, a_up, wg_ptr + w_off, wu_ptr + w_off, wg_scale_ptr + w_off // 32,
+        if TMA:  # the tile's rows (MX: the slot's) and the expert's rows of the weights
+            a_gate, a_up, w_gate, w_up = dgate_src, dup_src, wg_src, wu_src
+            if MX:
+                a_row, w_row = q * BLOCK_M, e * H
+            else:
+                a_row, w_row = tl.min(rows, axis=0), e * I
+        else:
+            if MX:  # the A operands: the slot's tiles of their MXFP8 values
+                slot_i = q.to(tl.int64) * BLOCK_M * I
+                a_gate, a_up = dgate_src + slot_i, dup_src + slot_i
+            else:  # the grouped rows
+                a_gate, a_up = dgate_src, dup_src
+            a_row = 0
+            w_gate, w_up, w_row = wg_src + w_off, wu_src + w_off, 0
+        _gate_up_dgrad_block(a_gate, a_up, a_row, w_gate, w_up, w_row, wg_scale_ptr + w_off // 32,
                              wu_scale_ptr + w_off // 32, slot_ptrs + (s % N).to(tl.int64) * H, rows, real,
-                             c * BLOCK_N, H, I, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                             c * BLOCK_N, H, I, MX, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
         tl.debug_barrier()  # every thread's slot stores and row reads done before the count
         if tl.atomic_add(d2_done_ptr + q, 1, sem="acq_rel", scope="sys") == NB_H - 1:
             # the tile's last D2 item: every other's slot stores are ordered before this (acq_rel)
@@ -296,10 +377,33 @@ def _compute_program(rank, ring_ptr, ready_ptr, dgrad_ready_ptr, consumed_ptr, d
                      next_item_ptr, programs_done_ptr, slots_table, arrivals_table, group_end_ptr, tile_end_ptr,
                      row_slot_ptr, wg_ptr, wu_ptr, wd_ptr, wg_scale_ptr, wu_scale_ptr, wd_scale_ptr, g_ptr, u_ptr,
                      dgate_ptr, dup_ptr, dgate_mx_ptr, dup_mx_ptr, err_ptr, epoch, timeout_us, tile_lo, tile_hi,
-                     item_lo, item_hi, limit, L, N, K, H, I, Q, COMPUTE, G, LAG, PHASE: tl.constexpr,
+                     item_lo, item_hi, limit, L, N, K, H, I, R, Q, COMPUTE, G, LAG, PHASE: tl.constexpr,
                      HAS_LIMIT: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
     SERIAL: tl.constexpr = PHASE != 0
+    # The GEMM operands (_operand_tile): the rank's ring [Q·M, H], its experts' weights (bf16 w_down [L·H, I], w_gate,
+    # w_up [L·I, H] in [BLOCK_K, BLOCK_N] blocks, K along rows; MX their dgrad operands [L·I, H], [L·H, I] in
+    # [BLOCK_N, 32] blocks), the A operands of D2 (bf16 the grouped dgate, dup rows [R, I]; MX the slots' tiles
+    # [Q·M, I]). TMA: a tensor descriptor of each, made once per program (128 bytes of the launch's global scratch
+    # each).
+    ring_src, wd_src, wg_src, wu_src = ring_ptr, wd_ptr, wg_ptr, wu_ptr
+    dgate_src, dup_src = dgate_ptr, dup_ptr
+    if MX:
+        dgate_src, dup_src = dgate_mx_ptr, dup_mx_ptr
+    if TMA:
+        ring_src = _descriptor(ring_ptr, Q * BLOCK_M, H, BLOCK_M, 32 if MX else BLOCK_K)
+        if MX:
+            wd_src = _descriptor(wd_ptr, L * I, H, BLOCK_N, 32)
+            wg_src = _descriptor(wg_ptr, L * H, I, BLOCK_N, 32)
+            wu_src = _descriptor(wu_ptr, L * H, I, BLOCK_N, 32)
+            dgate_src = _descriptor(dgate_mx_ptr, Q * BLOCK_M, I, BLOCK_M, 32)
+            dup_src = _descriptor(dup_mx_ptr, Q * BLOCK_M, I, BLOCK_M, 32)
+        else:
+            wd_src = _descriptor(wd_ptr, L * H, I, BLOCK_K, BLOCK_N)
+            wg_src = _descriptor(wg_ptr, L * I, H, BLOCK_K, BLOCK_N)
+            wu_src = _descriptor(wu_ptr, L * I, H, BLOCK_K, BLOCK_N)
+            dgate_src = _descriptor(dgate_ptr, R, I, BLOCK_M, BLOCK_K)
+            dup_src = _descriptor(dup_ptr, R, I, BLOCK_M, BLOCK_K)
     NB_I = tl.cdiv(I, BLOCK_N)
     NB_H = tl.cdiv(H, BLOCK_N)
     tiles = tl.load(tile_end_ptr + L - 1)
@@ -313,17 +417,16 @@ def _compute_program(rank, ring_ptr, ready_ptr, dgrad_ready_ptr, consumed_ptr, d
         mine = (i >= tile_lo) & (i < tile_hi)  # a tile of this launch's window (every tile but in serialized mode)
         if PHASE != 4:
             if is_d1 & mine:
-                alive = _d1_item(i, block, rank, ring_ptr, ready_ptr, dgrad_ready_ptr, d1_done_ptr, group_end_ptr,
-                                 tile_end_ptr, wd_ptr, wd_scale_ptr, g_ptr, u_ptr, dgate_ptr, dup_ptr, dgate_mx_ptr,
+                alive = _d1_item(i, block, rank, ring_src, ready_ptr, dgrad_ready_ptr, d1_done_ptr, group_end_ptr,
+                                 tile_end_ptr, wd_src, wd_scale_ptr, g_ptr, u_ptr, dgate_ptr, dup_ptr, dgate_mx_ptr,
                                  dup_mx_ptr, err_ptr, epoch, timeout_us, limit, L, H, I, Q, NB_I, SERIAL, HAS_LIMIT,
-                                 MX, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                                 MX, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
         if PHASE != 3:
             if (is_d1 == 0) & mine:
                 alive = _d2_item(i, block, rank, dgrad_ready_ptr, consumed_ptr, d2_done_ptr, slots_table,
-                                 arrivals_table, group_end_ptr, tile_end_ptr, row_slot_ptr, wg_ptr, wu_ptr,
-                                 wg_scale_ptr, wu_scale_ptr, dgate_ptr, dup_ptr, dgate_mx_ptr, dup_mx_ptr, err_ptr,
-                                 epoch, timeout_us, L, N, K, H, I, Q, NB_H, SERIAL, MX, LOG_L, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, DOT_F32)
+                                 arrivals_table, group_end_ptr, tile_end_ptr, row_slot_ptr, wg_src, wu_src,
+                                 wg_scale_ptr, wu_scale_ptr, dgate_src, dup_src, err_ptr, epoch, timeout_us, L, N, K,
+                                 H, I, Q, NB_H, SERIAL, MX, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TMA)
         j = item_lo + tl.atomic_add(next_item_ptr, 1, sem="relaxed", scope="gpu")
     # the last of the rank's programs to run out of items rearms the counter for the next launch (acq_rel: the
     # others' claims are ordered before the reset)
@@ -358,7 +461,7 @@ def _megakernel_bwd(
     first_rank, epoch, stall_rank, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit,
     P, L, T, K, H, I, Q, COMM, COMPUTE, G, LAG,
     PHASE: tl.constexpr, HAS_LIMIT: tl.constexpr, MX: tl.constexpr, LOG_L: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     local = pid // (COMM + COMPUTE)  # this program's rank, within the launch
@@ -392,8 +495,9 @@ def _megakernel_bwd(
                              row_slot_ptr, wg_ptr + w_off, wu_ptr + w_off, wd_ptr + w_off, wg_scale_ptr + w_off // 32,
                              wu_scale_ptr + w_off // 32, wd_scale_ptr + w_off // 32, g_ptr + rows_i, u_ptr + rows_i,
                              dgate_ptr + rows_i, dup_ptr + rows_i, dgate_mx_ptr + slots_i, dup_mx_ptr + slots_i,
-                             err_ptr, epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, L, N, K, H, I, Q,
-                             COMPUTE, G, LAG, PHASE, HAS_LIMIT, MX, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                             err_ptr, epoch, timeout_us, tile_lo, tile_hi, item_lo, item_hi, limit, L, N, K, H, I,
+                             P * N, Q, COMPUTE, G, LAG, PHASE, HAS_LIMIT, MX, LOG_L, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32,
+                             TMA)
 
 
 # debug: the device assertions below are compiled in
@@ -510,14 +614,15 @@ def _args(bufs, schedule, weights, rows: GroupedRows, shape: LaunchShape, epoch,
 def _constexprs(variant: KernelVariant, phase: int) -> dict:
     return dict(PHASE=phase, HAS_LIMIT=variant.has_limit, MX=variant.mx, LOG_L=variant.num_local.bit_length(),
                 BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BLOCK_K=BLOCK_K,
-                BLOCK_H=min(256, triton.next_power_of_2(variant.dim_h)), DOT_F32=_DOT_F32, num_warps=variant.num_warps,
-                num_stages=variant.num_stages)
+                BLOCK_H=min(256, triton.next_power_of_2(variant.dim_h)), DOT_F32=_DOT_F32, TMA=variant.gemm == "tma",
+                num_warps=variant.num_warps, num_stages=variant.num_stages)
 
 
 def _variant(bufs: BackwardBuffers, weights, shape: LaunchShape, swiglu_limit: float | None) -> KernelVariant:
     dim_h, dim_i = _dims(weights)
     return KernelVariant(dim_h, dim_i, 0, shape.num_local, bufs.block_m, shape.block_n, shape.num_warps,
-                         shape.num_stages, swiglu_limit is not None, mx=isinstance(weights[0], MXTensor))
+                         shape.num_stages, swiglu_limit is not None, gemm=shape.gemm,
+                         mx=isinstance(weights[0], MXTensor))
 
 
 def compile_megakernel_bwd(variant: KernelVariant):
@@ -549,6 +654,8 @@ def megakernel_bwd_phase(bufs: BackwardBuffers, schedule, weights, rows: Grouped
         raise ValueError(f"megakernel_bwd_phase: the dgrad launch has no shared expert, got a launch shaped for "
                          f"{shape.shared_groups} groups of its tiles")
     variant = _variant(bufs, weights, shape, swiglu_limit)
+    if variant.gemm == "tma" and rows.dy_VRH.is_cuda:
+        _set_triton_allocator()  # the compute programs make their TMA descriptors in the launch's global scratch
     has_limit = swiglu_limit is not None
     if phase == PHASE_ALL:
         max_programs = co_resident_programs_bwd(rows.dy_VRH.device.index, variant)
@@ -592,6 +699,29 @@ def _check_precision(bufs: BackwardBuffers, weights, shape: LaunchShape) -> None
                              f"{t.dtype} {list(t.shape)}")
 
 
+def check_tma_loads(caller: str, key: str, dim_h: int, dim_i: int, mx: bool) -> None:
+    """The sizes gemm = "tma" (named ``key`` by the caller) needs (module docstring, GEMM loads): H and I multiples of
+    the GEMMs' K step (bf16 BLOCK_K, MXFP8 32), so that no block along K runs past an expert's rows (a bf16 weight's
+    K runs along its rows: such a block would add the next expert's rows into the sum); so also 16-byte rows."""
+    step = MX_BLOCK if mx else BLOCK_K
+    if dim_h % step or dim_i % step:
+        raise ValueError(f"{caller}: {key} = 'tma' reads the dgrad launch's operands by TMA in {step}-wide K steps, "
+                         f"none past an expert's rows: H ({dim_h}) and I ({dim_i}) must be multiples of {step} "
+                         f"({'MXFP8' if mx else 'bf16'}), else use {key} = 'ptr'")
+
+
+def _check_tma_starts(bufs: BackwardBuffers, weights, rows: GroupedRows) -> None:
+    """What the TMA descriptors read must start 16-byte aligned: the weights (MXFP8: their E4M3 bits), the ring, and
+    D2's A operands (bf16: the grouped dgate, dup rows; MXFP8: the slots' tiles)."""
+    a_operands = ((("dgate_mx_VQMI", bufs.dgate_mx_VQMI), ("dup_mx_VQMI", bufs.dup_mx_VQMI)) if bufs.mx else
+                  (("rows.dgate_VRI", rows.dgate_VRI), ("rows.dup_VRI", rows.dup_VRI)))
+    named = (*zip(("w_gate", "w_up", "w_down"), _weight_bits(weights)[0]), ("ring_VQMH", bufs.ring_VQMH), *a_operands)
+    for name, t in named:
+        if t.data_ptr() % 16:
+            raise ValueError(f"megakernel_bwd_launch: gemm = 'tma' reads {name} by TMA, which needs a 16-byte aligned "
+                             f"start: its data starts {t.data_ptr() % 16} bytes past one (or use gemm = 'ptr')")
+
+
 def megakernel_bwd_launch(bufs: BackwardBuffers, schedule, weights, rows: GroupedRows, shape: LaunchShape, *,
                           epoch: int, swiglu_limit: float | None, serialized: bool, stall_rank: int | None = None,
                           timeout_ms: float = 10_000.0, phase_barrier: Callable[[], None] | None = None) -> None:
@@ -605,7 +735,12 @@ def megakernel_bwd_launch(bufs: BackwardBuffers, schedule, weights, rows: Groupe
     publish nothing (tests of the bounded waits)."""
     if not 1 <= epoch <= MAX_EPOCH:
         raise ValueError(f"megakernel_bwd_launch: epoch = {epoch} must be in [1, {MAX_EPOCH}]")
+    if shape.gemm not in GEMM_LOADS:
+        raise ValueError(f"megakernel_bwd_launch: gemm = {shape.gemm!r} must be one of {GEMM_LOADS}")
     _check_precision(bufs, weights, shape)
+    if shape.gemm == "tma":
+        check_tma_loads("megakernel_bwd_launch", "gemm", *_dims(weights), bufs.mx)
+        _check_tma_starts(bufs, weights, rows)
     ring, group = bufs.ring_tiles, shape.group_tiles
     if (shape.lag + 1) * group > ring:
         raise ValueError(f"megakernel_bwd_launch: (lag + 1) x group_tiles = ({shape.lag} + 1) x {group} must be <= "

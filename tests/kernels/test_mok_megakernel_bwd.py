@@ -146,25 +146,50 @@ def test_partial_blocks_clamp_and_smallest_ring():
         assert_bitwise(*megakernel_dgrad(2, x, dout, weights, ids, expert_weights, config, swiglu_limit=0.5))
 
 
-@pytest.mark.parametrize("ranks, kind", [(1, "skewed"), (2, "one_expert"), (2, "empty_experts"), (4, "all_remote")])
+@pytest.mark.parametrize("ranks, kind, block_m", [(1, "skewed", 16), (2, "empty_experts", 32), (4, "one_expert", 16)])
 @interpreted
-def test_mxfp8_dgrad_equals_triton_path_bitwise(ranks, kind):
+def test_tma_loads_give_the_same_bits(ranks, kind, block_m, monkeypatch):
+    """gemm = "tma" (bf16): the items' GEMMs read through tensor descriptors instead of masked pointer loads, the same
+    bits. 128-column items on H = I = 64: each GEMM's one column block half past its row (zeros); D2's A rows past a
+    tile's expert's end come from the next expert's rows or past R (stores skip them). Every float buffer torch.empty
+    makes during the call starts as NaN, so a read of rows nobody wrote that reached a stored value would show."""
+    (x, dout, weights), expert_weights = backward_inputs(ranks, 64, seed=50 + ranks)
+    ids = routing(kind, ranks, seed=ranks)
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    config = dataclasses.replace(SMALL, block_m=block_m, block_n=128, gemm="tma")
+    assert_bitwise(*megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config))
+
+
+@pytest.mark.parametrize("ranks, kind, gemm", [(1, "skewed", "ptr"), (2, "one_expert", "ptr"),
+                                               (2, "empty_experts", "ptr"), (4, "all_remote", "ptr"),
+                                               (1, "skewed", "tma"), (2, "empty_experts", "tma")])
+@interpreted
+def test_mxfp8_dgrad_equals_triton_path_bitwise(ranks, kind, gemm):
     """precision = "mxfp8": the Triton grouped FFN's MXFP8 dgrad (dy's MXFP8 values along H in the ring, dgate's
     and dup's along I in the slots' tiles, the weights' dgrad operands dequantized per 32-wide K step), its bits:
-    dgate, dup, dy (as pulled) and each row's dx, and dX after the finish."""
+    dgate, dup, dy (as pulled) and each row's dx, and dX after the finish; by pointer and by TMA loads."""
     (x, dout, weights), expert_weights = backward_inputs(ranks, 64, seed=30 + ranks)
     ids = routing(kind, ranks, seed=ranks)
-    assert_bitwise(*megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, precision="mxfp8"))
+    config = dataclasses.replace(SMALL, gemm=gemm)
+    assert_bitwise(*megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config, precision="mxfp8"))
 
 
+@pytest.mark.parametrize("gemm", ["ptr", "tma"])
 @interpreted
-def test_mxfp8_partial_blocks_clamp_and_smallest_ring():
+def test_mxfp8_partial_blocks_clamp_and_smallest_ring(gemm):
     """mxfp8 with H = 96 and I = 96 in 64-column items (each GEMM's last column block half past the row: its last
-    32-block of dgate, dup never stored), the SwiGLU clamp, one ring tile per rank (every tile waits for the previous
-    one's slot and its dgate, dup tiles) with every row to two experts of rank 0."""
+    32-block of dgate, dup never stored; TMA: that half of a weight block the next expert's rows), the SwiGLU clamp,
+    one ring tile per rank (every tile waits for the previous one's slot and its dgate, dup tiles) with every row to
+    two experts of rank 0."""
     (x, dout, weights), expert_weights = backward_inputs(2, 96, seed=35, dim_i=96)
     config = MegakernelConfig(comm_programs=2, compute_programs=2, group_tiles=1, lag=0, ring_tiles=1, block_m=16,
-                              block_n=64)
+                              block_n=64, gemm=gemm)
     for kind in ("skewed", "one_expert"):
         ids = routing(kind, 2, seed=36)
         assert_bitwise(*megakernel_dgrad(2, x, dout, weights, ids, expert_weights, config, swiglu_limit=0.5,
@@ -290,13 +315,22 @@ def test_bad_inputs_are_named():
         call(expert_weights=(*expert_weights[:2], expert_weights[2].float()))
     with pytest.raises(ValueError, match="stall_rank = 2"):
         call(stall_rank=2)
-    with pytest.raises(ValueError, match="MegakernelConfig.gemm = 'tma': the dgrad launch's GEMMs read by pointer"):
-        call(config=dataclasses.replace(SMALL, gemm="tma"))
+    with pytest.raises(ValueError, match=r"MegakernelConfig.gemm = 'wgmma' must be one of \('ptr', 'tma'\)"):
+        call(config=dataclasses.replace(SMALL, gemm="wgmma"))
+    w_down = expert_weights[2]  # the same values 4 elements into a buffer: 8 bytes past an aligned start
+    moved = torch.empty(w_down.numel() + 4, dtype=w_down.dtype, device=DEVICE)[4:].view(w_down.shape).copy_(w_down)
+    with pytest.raises(ValueError, match="gemm = 'tma' reads w_down by TMA, which needs a 16-byte aligned start: its "
+                                         "data starts 8 bytes past one"):
+        call(expert_weights=(*expert_weights[:2], moved), config=dataclasses.replace(SMALL, gemm="tma"))
     with pytest.raises(ValueError, match="spin forever"):
         call(serialized=False)
     with pytest.raises(ValueError, match=r"precision = 'fp8' must be one of \('bf16', 'mxfp8'\)"):
         call(precision="fp8")
     (_, dout80, _), weights80 = backward_inputs(2, 80)
+    with pytest.raises(ValueError, match=r"MegakernelConfig.gemm = 'tma' reads the dgrad launch's operands by TMA in "
+                                         r"64-wide K steps, none past an expert's rows: H \(80\) and I \(64\) must "
+                                         r"be multiples of 64 \(bf16\), else use MegakernelConfig.gemm = 'ptr'"):
+        call(dout_TH=list(dout80.chunk(2)), expert_weights=weights80, config=dataclasses.replace(SMALL, gemm="tma"))
     with pytest.raises(ValueError, match=r"precision 'mxfp8' needs H \(80\) and I \(64\) to be multiples of 32"):
         call(dout_TH=list(dout80.chunk(2)), expert_weights=weights80, precision="mxfp8")
     with pytest.raises(ValueError, match=r"block_n = 16: precision 'mxfp8'"):
@@ -308,28 +342,40 @@ def test_bad_inputs_are_named():
                     reason="Triton's wheel has no ptxas/cuobjdump here")
 def test_compiles_for_sm90_with_wgmma_and_no_spills():
     """The concurrent launch's kernel at Kimi K2.7's sizes and the default config, bf16 and MXFP8, at 64- and 128-row
-    tiles, compiled for sm_90 on the CPU (benchmarks/tools/sass.py's stand-in driver; the interpreter cannot compile,
-    hence a subprocess): wgmmas, one program per SM at least (the occupancy the launch checks), no spill inside a K
-    loop, and at 64-row tiles at most the 80 bytes of spill stack (loop-invariant values, reloaded per item) ptxas
-    gives the bf16 kernel today at 255 registers (two loops for D2, or int64 offsets in D1's epilogue, gave 400+;
-    MXFP8: 0)."""
+    tiles, by pointer and by TMA loads, compiled for sm_90 on the CPU (benchmarks/tools/sass.py's stand-in driver;
+    the interpreter cannot compile, hence a subprocess): wgmmas, TMA loads exactly in the TMA variants, one program per
+    SM at least (the occupancy the launch checks), and at 64-row tiles at most the 80 bytes of spill stack
+    (loop-invariant values, reloaded per item) ptxas gives the bf16 kernel today at 255 registers (two loops for D2,
+    or int64 offsets in D1's epilogue, gave 400+; MXFP8: 0). No spill inside a K loop, but for MXFP8 by TMA at
+    128-row tiles: ptxas reloads a loop-invariant value from the stack twice per step of D1's K loop (no spill store;
+    D2's TMA descriptors, held across the item loop, take the registers: made per D2 item instead, they left D1's
+    loop spill-free, at more stack elsewhere and four descriptor writes per item)."""
+    # k_loop_stores: the K loops' spill stores alone (their loads masked out of the SASS)
     script = (
         "import json; from benchmarks.tools import sass; from titan_mok.kernels import mok_megakernel_bwd as m\n"
         "from titan_mok.kernels.mok_megakernel import KernelVariant\n"
         "from titan_mok.moe.megakernel import MegakernelConfig as C\n"
-        "for mx in (False, True):\n"
-        "    for block_m in (64, 128):\n"
-        "        with sass.compiling_for_sm90():\n"
-        "            k = m.compile_megakernel_bwd(KernelVariant(7168, 2048, 0, 48, block_m, C.block_n, C.num_warps,"
-        " C.num_stages, False, mx=mx))\n"
-        "        r = sass.kernel_report('_megakernel_bwd', k)\n"
-        "        print(json.dumps(dict(mx=mx, block_m=block_m, hgmma=r['opcodes'].get('HGMMA', 0),"
-        " stack=r['stack_bytes'], k_loop_spills=sass.k_loop_spills(r['sass']), per_sm=sass.programs_per_sm(r))))\n")
+        "for gemm in ('ptr', 'tma'):\n"
+        "    for mx in (False, True):\n"
+        "        for block_m in (64, 128):\n"
+        "            with sass.compiling_for_sm90():\n"
+        "                k = m.compile_megakernel_bwd(KernelVariant(7168, 2048, 0, 48, block_m, C.block_n, C.num_warps,"
+        " C.num_stages, False, gemm=gemm, mx=mx))\n"
+        "            r = sass.kernel_report('_megakernel_bwd', k)\n"
+        "            print(json.dumps(dict(gemm=gemm, mx=mx, block_m=block_m, hgmma=r['opcodes'].get('HGMMA', 0),"
+        " tma_loads=r['opcodes'].get('UTMALDG', 0), stack=r['stack_bytes'],"
+        " k_loop_spills=sass.k_loop_spills(r['sass']),"
+        " k_loop_stores=sass.k_loop_spills(r['sass'].replace('LDL', 'NOP')), per_sm=sass.programs_per_sm(r))))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
                          cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
-    for line in out.stdout.strip().splitlines()[-4:]:  # each variant
-        report = json.loads(line)
-        assert report["hgmma"] > 0 and report["k_loop_spills"] == 0 and report["per_sm"] >= 1, report
+    reports = [json.loads(line) for line in out.stdout.strip().splitlines()[-8:]]  # each variant
+    assert [(r["gemm"], r["mx"], r["block_m"]) for r in reports] == [
+        (gemm, mx, block_m) for gemm in ("ptr", "tma") for mx in (False, True) for block_m in (64, 128)]
+    for report in reports:
+        assert report["hgmma"] > 0 and report["per_sm"] >= 1, report
+        assert (report["tma_loads"] > 0) == (report["gemm"] == "tma"), report
         assert report["block_m"] == 128 or report["stack"] <= 80, report
+        reloads = 2 if (report["gemm"], report["mx"], report["block_m"]) == ("tma", True, 128) else 0
+        assert report["k_loop_stores"] == 0 and report["k_loop_spills"] <= reloads, report

@@ -4,8 +4,9 @@ on each other's flags) at virtual EP 1, 2, 4, 8.
 Claims, compared bit for bit: the concurrent launch equals the serialized one (the interpreter's mode, here
 compiled) and the "triton" path's dgrad kernels on the same tokens at EP = 1 (dx, and the grouped dy, dgate, dup
 rows), for every routing of the CPU tests and the smallest ring, in bf16 and MXFP8 (the Triton path's MXFP8 dgrad on
-the GPU); it repeats its bits; a rank that never publishes ends in the bounded device error (recorded, or with
-``trap`` an assertion naming the wait); a launch the device cannot hold at once is refused; no host sync.
+the GPU), by pointer and by TMA loads; it repeats its bits; a rank that never publishes ends in the bounded device
+error (recorded, or with ``trap`` an assertion naming the wait); a launch the device cannot hold at once is refused;
+no host sync.
 """
 
 import os
@@ -34,11 +35,12 @@ def _inputs(ranks: int, kind: str, seed: int = 0):
 
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "one_expert", "empty_experts", "all_remote"])
 @pytest.mark.parametrize("ranks", [1, 2, 4, 8])
-@pytest.mark.parametrize("precision, block_m", [("bf16", None), ("mxfp8", 64), ("mxfp8", 128)])
-def test_concurrent_equals_serialized_and_triton_path(precision, block_m, ranks, kind):
-    """The default config (bf16), and the MX variant on 64- and 128-row tiles."""
+@pytest.mark.parametrize("precision, block_m, gemm", [("bf16", None, None), ("mxfp8", 64, None), ("mxfp8", 128, None),
+                                                      ("bf16", 128, "tma"), ("mxfp8", 128, "tma")])
+def test_concurrent_equals_serialized_and_triton_path(precision, block_m, gemm, ranks, kind):
+    """The default config (bf16), the MX variant on 64- and 128-row tiles, and both by TMA loads on 128-row tiles."""
     x, dout, weights, ids, expert_weights = _inputs(ranks, kind, seed=ranks)
-    config = MegakernelConfig(block_m=block_m)
+    config = MegakernelConfig(block_m=block_m, gemm=gemm)
     run = lambda **kw: megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config,  # noqa: E731
                                         precision=precision, **kw)
     want, first, index = run()
@@ -51,11 +53,12 @@ def test_concurrent_equals_serialized_and_triton_path(precision, block_m, ranks,
 
 @pytest.mark.parametrize("ranks", [2, 8])
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
-def test_smallest_ring_under_the_most_skewed_routing(precision, ranks):
+@pytest.mark.parametrize("gemm", ["ptr", "tma"])
+def test_smallest_ring_under_the_most_skewed_routing(gemm, precision, ranks):
     """One ring tile per rank (MXFP8: every tile's D1 also waits for the previous tile's D2 items to free the slot's
-    dgate, dup tiles)."""
+    dgate, dup tiles; TMA: every D1 item reads by TMA the rows the previous pull stored into the slot)."""
     x, dout, weights, ids, expert_weights = _inputs(ranks, "one_expert", seed=3)
-    config = MegakernelConfig(comm_programs=2, compute_programs=2, group_tiles=1, lag=0, ring_tiles=1)
+    config = MegakernelConfig(comm_programs=2, compute_programs=2, group_tiles=1, lag=0, ring_tiles=1, gemm=gemm)
     assert_bitwise(*megakernel_dgrad(ranks, x, dout, weights, ids, expert_weights, config, swiglu_limit=0.5,
                                      precision=precision))
 

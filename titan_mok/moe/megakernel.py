@@ -96,10 +96,11 @@ class MegakernelConfig:
     timeout_ms: float = 10_000.0
     """Bound of every wait on another program; then a device error naming the wait."""
     gemm: str | None = None
-    """How the forward launch's item GEMMs read their operands: "ptr" (masked pointer loads) or "tma" (TMA loads
-    through tensor descriptors each compute program makes once; H, I and I_S multiples of 8, the weights' data
-    16-byte aligned). The same bits. None: "tma" where H, I and I_S allow it (as fast at 64-row tiles, faster at
-    128: docs/performance.md), else "ptr". The dgrad launch reads by pointer only."""
+    """How the launch's item GEMMs read their operands: "ptr" (masked pointer loads) or "tma" (TMA loads through
+    tensor descriptors each compute program makes once; the weights' data 16-byte aligned). The same bits. The
+    forward: H, I and I_S multiples of 8; None: "tma" where they allow it (as fast at 64-row tiles, faster at 128:
+    docs/performance.md), else "ptr". The dgrad launch: H and I multiples of its K step (bf16 64, MXFP8 32:
+    kernels/mok_megakernel_bwd.py, GEMM loads); None: "ptr" (TMA there is unmeasured)."""
 
 
 @dataclass

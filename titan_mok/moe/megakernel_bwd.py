@@ -34,6 +34,7 @@ from titan_mok.kernels.mok_combine import slot_scale
 from titan_mok.kernels.mok_megakernel_bwd import (
     BackwardBuffers,
     GroupedRows,
+    check_tma_loads,
     co_resident_programs_bwd,
     megakernel_bwd_finish,
     megakernel_bwd_launch,
@@ -200,9 +201,8 @@ def check_dgrad_call(caller: str, douts, weights, gates, ups, expert_weights, *,
     if precision == "mxfp8" and (dim_h % MX_BLOCK or dim_i % MX_BLOCK):
         raise ValueError(f"{caller}: precision 'mxfp8' needs H ({dim_h}) and I ({dim_i}) to be multiples of "
                          f"{MX_BLOCK} (the MXFP8 block)")
-    if config.gemm not in (None, "ptr"):
-        raise ValueError(f"{caller}: MegakernelConfig.gemm = {config.gemm!r}: the dgrad launch's GEMMs read by pointer "
-                         "only (gemm = 'ptr')")
+    if config.gemm == "tma":  # asked for; None reads by pointer (TMA is unmeasured on the dgrad launch)
+        check_tma_loads(caller, "MegakernelConfig.gemm", dim_h, dim_i, precision == "mxfp8")
     cfg = _resolve(config, len(douts), dim_h, dim_i, num_experts // ep_degree, swiglu_limit is not None, None, device,
                    serialized, co_resident=co_resident_programs_bwd, mx=precision == "mxfp8")
     return CheckedDgrad(num_tokens, top_k, dim_h, dim_i, serialized, cfg)
