@@ -4,7 +4,7 @@ shared memory and SASS instruction mix of every kernel one MoE FFN pass would la
     python3 -m benchmarks.tools.sass [--shape kimi] [--rows-per-expert 43] [--precision mxfp8] [--sass-dir DIR] [--json]
     python3 -m benchmarks.tools.sass --rows-per-expert 85 --set 'mxfp8/plain@mid_rows={"CONSUMER_REGS": 200}'
     python3 -m benchmarks.tools.sass --megakernel [--shape kimi] [--block-m 64 128] [--gemm ptr tma] [--num-stages 4]
-        [--shared-dim I_S] [--precision bf16] [--keep-rows]
+        [--shared-dim I_S] [--precision bf16] [--keep-rows | --dgrad]
 
 Why: device time is scarce. A tile config that spills, or that cannot fit two programs on an SM,
 shows here first. Triton's wheel carries ptxas, nvdisasm and
@@ -21,7 +21,8 @@ registers among themselves (``setmaxnreg``, listed).
 per combination of routed-expert precision (``--precision``; default both), tile rows, GEMM loads and pipeline depth,
 with its TMA loads (UTMALDG), cp.async copies (LDGSTS), wgmmas (HGMMA) and the spill loads/stores inside its K loops
 (a spill elsewhere costs little). ``--keep-rows``: the training launch's, whose gate/up items also store g, u, h
-for the backward (``KernelVariant.keep_rows``).
+for the backward (``KernelVariant.keep_rows``). ``--dgrad``: the backward's dgrad launch instead
+(``kernels/mok_megakernel_bwd.py``; no shared expert).
 """
 
 import argparse
@@ -43,7 +44,7 @@ from benchmarks.tools.grouped_ffn import SHAPES
 from titan_mok.kernels import grouped_gemm as gg
 from titan_mok.kernels import grouped_mm_ws
 from titan_mok.kernels import tile_configs as tc
-from titan_mok.kernels import mok_megakernel
+from titan_mok.kernels import mok_megakernel, mok_megakernel_bwd
 from titan_mok.kernels.grouped_ffn import weight_operand
 from titan_mok.moe.megakernel import MegakernelConfig
 
@@ -139,10 +140,14 @@ def k_loop_spills(sass: str) -> int:
 
 
 def megakernel_kernels(shape: str, block_ms, gemms, stages, shared_dim: int = 0,
-                       precisions=("bf16",), keep_rows: bool = False) -> list[dict]:
+                       precisions=("bf16",), keep_rows: bool = False, dgrad: bool = False) -> list[dict]:
     """The forward megakernel's concurrent launch compiled for each (precision, block_m, gemm, num_stages), at the
     shape's H and I, the default config's other sizes and 8 ranks' local experts; one report per variant. keep_rows:
-    the training launch (it stores g, u, h)."""
+    the training launch (it stores g, u, h). dgrad: the dgrad launch's instead."""
+    if dgrad and (keep_rows or shared_dim):
+        raise ValueError("the dgrad launch has no kept rows and no shared expert: drop --keep-rows and --shared-dim")
+    name, compile_launch = (("_megakernel_bwd", mok_megakernel_bwd.compile_megakernel_bwd) if dgrad else
+                            ("_megakernel", mok_megakernel.compile_megakernel))
     dim_h, dim_i, num_experts, _ = SHAPES[shape]
     reports = []
     for precision in precisions:
@@ -154,10 +159,10 @@ def megakernel_kernels(shape: str, block_ms, gemms, stages, shared_dim: int = 0,
                         MegakernelConfig.num_warps, num_stages, False, gemm=gemm, mx=precision == "mxfp8",
                         keep_rows=keep_rows)
                     with compiling_for_sm90():
-                        kernel = mok_megakernel.compile_megakernel(variant)
-                    report = kernel_report("_megakernel", kernel)
-                    kept = " keep" if variant.keep_rows else ""
-                    reports.append({"step": f"megakernel {precision}{kept} {gemm} M{block_m} S{num_stages}",
+                        kernel = compile_launch(variant)
+                    report = kernel_report(name, kernel)
+                    kind = " dgrad" if dgrad else " keep" if variant.keep_rows else ""
+                    reports.append({"step": f"megakernel {precision}{kind} {gemm} M{block_m} S{num_stages}",
                                     "precision": precision, "block_m": block_m, "gemm": gemm,
                                     "num_stages": num_stages, "k_loop_spills": k_loop_spills(report["sass"]),
                                     **report})
@@ -235,6 +240,7 @@ def main() -> None:
     parser.add_argument("--shared-dim", type=int, default=0, help="--megakernel: I_S of a shared expert (0: none)")
     parser.add_argument("--keep-rows", action="store_true",
                         help="--megakernel: the training launch, which also stores g, u, h for the backward")
+    parser.add_argument("--dgrad", action="store_true", help="--megakernel: the backward's dgrad launch instead")
     opts = parser.parse_args()
     try:
         table = variant_table(tc.table_for(opts.chip), opts.sets, opts.unsets)
@@ -267,8 +273,11 @@ def main() -> None:
 
 def megakernel_main(opts) -> None:
     precisions = (opts.precision,) if opts.precision else ("bf16", "mxfp8")
-    reports = megakernel_kernels(opts.shape, opts.block_m, opts.gemm, opts.num_stages, opts.shared_dim, precisions,
-                                 opts.keep_rows)
+    try:
+        reports = megakernel_kernels(opts.shape, opts.block_m, opts.gemm, opts.num_stages, opts.shared_dim,
+                                     precisions, opts.keep_rows, opts.dgrad)
+    except ValueError as e:
+        raise SystemExit(f"sass: {e}")
     if opts.json:
         print(json.dumps([{**{k: v for k, v in r.items() if k != "sass"}, "programs_per_sm": programs_per_sm(r)}
                           for r in reports]))
