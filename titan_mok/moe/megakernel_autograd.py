@@ -125,8 +125,8 @@ class _MegakernelRoutedExperts(torch.autograd.Function):
         num_tokens, top_k = weights_TK.shape
         handle = FusedHandle(num_tokens, top_k, row_slot_R, group_end_L, ctx.workspace)
         expert_weights = (w_gate_LIH, w_up_LIH, w_down_LHI)
-        grads = _dgrad_launch_backward(ctx, dout_TH.contiguous(), x_TH, weights_TK, expert_weights, handle, y_TKH, kept)
-        dx_TH, dweights_TK, *dw = grads
+        dx_TH, dweights_TK, *dw = _dgrad_launch_backward(ctx, dout_TH.contiguous(), x_TH, weights_TK, expert_weights,
+                                                         handle, y_TKH, kept)
         return dx_TH, dweights_TK, dshared_TH, *dw, *unused
 
 
