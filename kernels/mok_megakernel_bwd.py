@@ -69,9 +69,10 @@ across its switch from w_gate to w_up) and compute the product transposed (acc^T
 items). So dgate, dup, the rows' dx and dX are the Triton MXFP8 path's bits. Memory: 2·Q·M·I·2 bytes per rank
 more (Kimi K2.7, Q = 32, M = 64: 16.8 MB).
 
-GEMM loads (``LaunchShape.gemm``, the TMA constexpr; ``MegakernelConfig.gemm``: None is "ptr" here, TMA being
-unmeasured on this launch): the items' K loops read their operands by masked pointer loads ("ptr") or, as the
-forward's, by TMA ("tma") through tensor descriptors each compute program makes once, before its first claim: over
+GEMM loads (``LaunchShape.gemm``, the TMA constexpr; ``MegakernelConfig.gemm``: None is "tma" for bf16 where the
+rule below allows it, else "ptr", as measured fastest on an H100, docs/performance.md): the items' K loops read
+their operands by masked pointer loads ("ptr") or, as the forward's, by TMA ("tma") through tensor descriptors each
+compute program makes once, before its first claim: over
 the rank's ring [Q·M, H], its experts' weights (bf16 w_down [L·H, I], w_gate and w_up [L·I, H] in [BLOCK_K, BLOCK_N]
 blocks, K along rows; MXFP8 their dgrad operands [L·I, H], [L·H, I] in [BLOCK_N, 32] blocks) and D2's A operands
 (bf16 the grouped dgate, dup rows [R, I]; MXFP8 the slots' tiles [Q·M, I]); D2 takes the gate's or the up's
@@ -699,12 +700,18 @@ def _check_precision(bufs: BackwardBuffers, weights, shape: LaunchShape) -> None
                              f"{t.dtype} {list(t.shape)}")
 
 
+def tma_loads_fit(dim_h: int, dim_i: int, mx: bool) -> bool:
+    """Whether gemm = "tma" may read the dgrad launch's operands (``check_tma_loads``)."""
+    step = MX_BLOCK if mx else BLOCK_K
+    return dim_h % step == 0 and dim_i % step == 0
+
+
 def check_tma_loads(caller: str, key: str, dim_h: int, dim_i: int, mx: bool) -> None:
     """The sizes gemm = "tma" (named ``key`` by the caller) needs (module docstring, GEMM loads): H and I multiples of
     the GEMMs' K step (bf16 BLOCK_K, MXFP8 32), so that no block along K runs past an expert's rows (a bf16 weight's
     K runs along its rows: such a block would add the next expert's rows into the sum); so also 16-byte rows."""
     step = MX_BLOCK if mx else BLOCK_K
-    if dim_h % step or dim_i % step:
+    if not tma_loads_fit(dim_h, dim_i, mx):
         raise ValueError(f"{caller}: {key} = 'tma' reads the dgrad launch's operands by TMA in {step}-wide K steps, "
                          f"none past an expert's rows: H ({dim_h}) and I ({dim_i}) must be multiples of {step} "
                          f"({'MXFP8' if mx else 'bf16'}), else use {key} = 'ptr'")

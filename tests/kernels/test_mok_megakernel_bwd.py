@@ -337,6 +337,22 @@ def test_bad_inputs_are_named():
         call(config=dataclasses.replace(SMALL, block_n=16), precision="mxfp8")
 
 
+@interpreted
+@pytest.mark.parametrize("precision, dim_h, rows_per_expert, block_m, gemm", [
+    ("bf16", 64, 4, 64, "tma"), ("bf16", 64, 128, 128, "tma"), ("bf16", 80, 128, 128, "ptr"),
+    ("mxfp8", 64, 128, 64, "ptr")])
+def test_config_defaults_are_the_fastest_measured(precision, dim_h, rows_per_expert, block_m, gemm):
+    """None sizes (docs/performance.md, the backward megakernel): bf16 as the forward's (TMA loads where the K-step
+    rule allows them, 128-row tiles from 128 rows per expert), MXFP8 pointer loads on 64-row tiles."""
+    tokens = rows_per_expert * E // K
+    (_, dout, weights), expert_weights = backward_inputs(1, dim_h, tokens=tokens)
+    gate = torch.zeros(tokens * K, I, dtype=torch.bfloat16, device=DEVICE)
+    checked = mkb.check_dgrad_call("test", [dout], [weights], [gate], [gate], expert_weights, num_experts=E,
+                                   ep_degree=1, swiglu_limit=None, config=MegakernelConfig(), serialized=None,
+                                   stall_rank=None, precision=precision)
+    assert (checked.config.block_m, checked.config.gemm) == (block_m, gemm)
+
+
 @pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(__import__("triton").__file__), "backends",
                                                     "nvidia", "bin", "cuobjdump")),
                     reason="Triton's wheel has no ptxas/cuobjdump here")

@@ -83,7 +83,8 @@ class MegakernelConfig:
     """Rows per tile (the GEMMs' M): 64, or 128 (the ring's bytes double; at Kimi K2.7's sizes and the default 32
     tiles 75.5 MB per rank). None: 128 where the rank's local experts average at least 128 rows per call
     (T·K / L >= 128), else 64. Measured at Kimi K2.7's sizes on an H100 (docs/performance.md): at 341 rows per
-    expert 128-row tiles took 35.3 ms against 43.3, at 43 rows 15.7 against 13.9 (mostly padding rows)."""
+    expert 128-row tiles took 35.3 ms against 43.3, at 43 rows 15.7 against 13.9 (mostly padding rows). The dgrad
+    launch: the same under bf16 (at 341 rows 41.6 ms against 53.4, TMA loads); MXFP8: 64."""
     block_n: int = 128
     """Output columns per work item (the GEMMs' N)."""
     num_warps: int = 8
@@ -100,7 +101,8 @@ class MegakernelConfig:
     tensor descriptors each compute program makes once; the weights' data 16-byte aligned). The same bits. The
     forward: H, I and I_S multiples of 8; None: "tma" where they allow it (as fast at 64-row tiles, faster at 128:
     docs/performance.md), else "ptr". The dgrad launch: H and I multiples of its K step (bf16 64, MXFP8 32:
-    kernels/mok_megakernel_bwd.py, GEMM loads); None: "ptr" (TMA there is unmeasured)."""
+    kernels/mok_megakernel_bwd.py, GEMM loads); None: bf16 "tma" where they allow it (as fast at 64-row tiles,
+    faster at 128), else "ptr"; MXFP8 "ptr" (its TMA loads were slower: docs/performance.md)."""
 
 
 @dataclass

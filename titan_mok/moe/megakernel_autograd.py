@@ -44,7 +44,7 @@ weights, the expert weights it was given, the schedule, the expert rows' copy an
 rewrites every workspace buffer it reads.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -141,10 +141,9 @@ def _dgrad_launch_backward(ctx, dout_TH, x_TH, weights_TK, expert_weights, handl
     gate_RI, up_RI, h_RI = kept  # kept whenever x or an expert weight needs a gradient (megakernel_..._trainable)
     x_RH = fused_dispatch(x_TH, handle)  # the forward's rows in the schedule's order (grad mode is off here)
     mx = ctx.experts_precision
-    # MegakernelConfig.gemm is the forward launch's: the dgrad launch keeps its own default (pointer loads)
     dgrad = megakernel_rank_dgrad(dout_TH, weights_TK, gate_RI, up_RI, expert_weights, handle,
                                   num_experts=ctx.num_experts, group=ctx.group, swiglu_limit=ctx.swiglu_limit,
-                                  config=replace(ctx.config, gemm=None), precision=mx.precision,
+                                  config=ctx.config, precision=mx.precision,
                                   weights_owner=mx.weights_owner, weight_sources=mx.weight_sources)
     pairs = wgrad_operands(x_RH, h_RI, dgrad.dy_RH, dgrad.dgate_RI, dgrad.dup_RI).values()
     # MXFP8: grouped_wgrads quantizes both operands along the token axis per expert, as the Triton FFN's backward

@@ -39,6 +39,7 @@ from titan_mok.kernels.mok_megakernel_bwd import (
     megakernel_bwd_finish,
     megakernel_bwd_launch,
     read_error,
+    tma_loads_fit,
 )
 from titan_mok.kernels.mxfp8 import BLOCK as MX_BLOCK
 from titan_mok.kernels.tile_configs import PRECISIONS
@@ -201,10 +202,16 @@ def check_dgrad_call(caller: str, douts, weights, gates, ups, expert_weights, *,
     if precision == "mxfp8" and (dim_h % MX_BLOCK or dim_i % MX_BLOCK):
         raise ValueError(f"{caller}: precision 'mxfp8' needs H ({dim_h}) and I ({dim_i}) to be multiples of "
                          f"{MX_BLOCK} (the MXFP8 block)")
-    if config.gemm == "tma":  # asked for; None reads by pointer (TMA is unmeasured on the dgrad launch)
-        check_tma_loads(caller, "MegakernelConfig.gemm", dim_h, dim_i, precision == "mxfp8")
+    mx = precision == "mxfp8"
+    if config.gemm == "tma":
+        check_tma_loads(caller, "MegakernelConfig.gemm", dim_h, dim_i, mx)
+    # None sizes, the fastest measured (docs/performance.md, the backward megakernel): bf16 as the forward's (TMA
+    # loads where the K-step rule allows them, 128-row tiles from 128 rows per expert); MXFP8 pointer loads on
+    # 64-row tiles (its TMA and 128-row variants were slower at 2,048 and 8,192 tokens per GPU)
     cfg = _resolve(config, len(douts), dim_h, dim_i, num_experts // ep_degree, swiglu_limit is not None, None, device,
-                   serialized, co_resident=co_resident_programs_bwd, mx=precision == "mxfp8")
+                   serialized, co_resident=co_resident_programs_bwd, mx=mx,
+                   rows_per_expert=0.0 if mx else num_tokens * top_k * ep_degree / num_experts,
+                   tma_dims=(dim_h, dim_i) if not mx and tma_loads_fit(dim_h, dim_i, mx) else None)
     return CheckedDgrad(num_tokens, top_k, dim_h, dim_i, serialized, cfg)
 
 
