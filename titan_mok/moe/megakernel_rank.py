@@ -308,8 +308,8 @@ def megakernel_rank_dgrad(
             (under mxfp8 also FSDP's MXFP8-gathered weights).
         schedule: the forward call's (``megakernel_rank_forward``'s handle): its rows, on the group's workspace.
         group: the expert-parallel group (None: this rank alone, P = 1).
-        config: the launch's sizes; its ``gemm``: None or "ptr" reads by pointer, "tma" by TMA (the dgrad launch's
-            rule: ``MegakernelConfig.gemm``).
+        config: the launch's sizes (the layer's, as the forward call's); its ``gemm`` and ``block_m`` for the
+            dgrad launch, None its measured defaults: ``MegakernelConfig.gemm``, ``MegakernelConfig.block_m``.
         serialized, trap, stall_rank: as ``megakernel_rank_routed_experts``'s (``raise_on_megakernel_rank_error()``
             names a wait of either launch).
         precision, weights_owner, weight_sources: ``megakernel_routed_dgrad``'s (mxfp8: the Triton grouped FFN's
